@@ -1,0 +1,101 @@
+"""Checkpoint manifests: DAG-CBOR nodes that link a checkpoint to its parent, its stage
+shards, the node contributions that produced it and the job configuration.
+
+A manifest's CID is the checkpoint's identity. Because `parent` is a CID link,
+`ipfs dag get CID/parent/parent` walks history on any IPFS node holding the blocks.
+
+    genesis: {version, step: 0, parent: null, config, stages, code}
+    step t:  {version, run, step, parent, config, stages, contributions, data, metrics, code}
+
+`contributions[r][s]` links replica r's stage-s contribution; `data[r]` is the sha-256
+of the tokens replica r trained on in this round.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import dag_cbor
+from multiformats import CID
+
+from .blockstore import Blockstore
+from .cid import DAG_CBOR
+from .errors import StorageError
+
+MANIFEST_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    parent: CID | None
+    config: CID
+    stages: list[CID]
+    code: bytes
+    run: int | None = None
+    contributions: list[list[CID]] = field(default_factory=list)
+    data: list[bytes] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def to_node(self) -> dict[str, Any]:
+        node: dict[str, Any] = {
+            "version": MANIFEST_VERSION,
+            "step": self.step,
+            "parent": self.parent,
+            "config": self.config,
+            "stages": list(self.stages),
+            "code": self.code,
+        }
+        if self.step > 0:
+            node["run"] = self.run
+            node["contributions"] = [list(row) for row in self.contributions]
+            node["data"] = list(self.data)
+            node["metrics"] = {k: _finite(k, v) for k, v in sorted(self.metrics.items())}
+        return node
+
+    def encode(self) -> bytes:
+        return dag_cbor.encode(self.to_node())
+
+    @classmethod
+    def decode(cls, block: bytes) -> Manifest:
+        try:
+            node = dag_cbor.decode(block)
+            if not isinstance(node, dict) or node.get("version") != MANIFEST_VERSION:
+                raise ValueError("not a version-1 checkpoint manifest")
+            return cls(
+                step=int(node["step"]),
+                parent=node["parent"],
+                config=node["config"],
+                stages=list(node["stages"]),
+                code=bytes(node["code"]),
+                run=node.get("run"),
+                contributions=[list(row) for row in node.get("contributions", [])],
+                data=[bytes(d) for d in node.get("data", [])],
+                metrics=dict(node.get("metrics", {})),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StorageError(f"malformed checkpoint manifest: {exc}") from None
+
+
+def _finite(key: str, value: float) -> float | int:
+    if isinstance(value, int):
+        return value
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"metric {key} is {value}; DAG-CBOR forbids non-finite floats")
+    return value
+
+
+def put_manifest(store: Blockstore, manifest: Manifest) -> CID:
+    return store.put(manifest.encode(), DAG_CBOR)
+
+
+def get_manifest(store: Blockstore, cid: CID | str) -> Manifest:
+    return Manifest.decode(store.get(cid))
+
+
+def put_config(store: Blockstore, config: dict[str, Any]) -> CID:
+    """Store the job configuration (a JSON-compatible dict) as a DAG-CBOR block."""
+    return store.put(dag_cbor.encode(config), DAG_CBOR)

@@ -1,0 +1,56 @@
+"""`run.json`: where a run's chain, contracts and blocks are, kept in its run directory.
+
+Written atomically after every committed step, so it always names the last head the
+chain accepted. Readers (`dlx lineage`) trust the chain, not this file, for the history:
+the file only says where to look.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+RUN_FILE = "run.json"
+
+
+@dataclass
+class RunRecord:
+    name: str
+    chain_id: int
+    rpc: str | None          # None: the embedded anvil whose state file is `chain_state`
+    chain_state: str | None  # relative to the run directory
+    registry: str
+    ledger: str
+    blocks: str              # blockstore directory, relative to the run directory if not absolute
+    run_id: int = 0
+    config: str = ""         # CID of the job configuration block
+    genesis: str = ""        # CID of the genesis manifest
+    head: str = ""           # CID of the last committed checkpoint
+    steps: int = 0
+    nodes: list[str] = field(default_factory=list)
+    status: str = "created"  # created | running | completed | failed
+
+    def save(self, run_dir: Path) -> None:
+        tmp = run_dir / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, run_dir / RUN_FILE)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunRecord:
+        path = Path(run_dir) / RUN_FILE
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError(f"not a run directory (no {RUN_FILE}): {run_dir}") from None
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise ConfigError(f"malformed {path}: {exc}") from None
+
+    def blocks_dir(self, run_dir: Path) -> Path:
+        p = Path(self.blocks)
+        return p if p.is_absolute() else Path(run_dir) / p

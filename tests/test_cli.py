@@ -1,0 +1,93 @@
+"""The `dlx` CLI as a user meets it: help everywhere, fast, and one-line errors (exit 2)
+for bad job files, with nothing started and no run directory written."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DLX = str(Path(sys.executable).parent / "dlx")
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny.toml"
+
+
+def dlx(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DLX, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["lineage"]])
+def test_every_command_answers_help(cmd):
+    res = dlx(*cmd, "--help")
+    assert res.returncode == 0, res.stderr
+    assert "Usage" in res.stdout
+
+
+def test_top_level_help_is_fast():
+    dlx("--help")  # warm the file cache
+    start = time.perf_counter()
+    res = dlx("--help")
+    assert res.returncode == 0
+    assert time.perf_counter() - start < 2.0
+
+
+BAD_JOBS = {
+    "unknown_key": ("[outer]\nsteps = 2\ninner_steps = 3\nbogus = 1\n", "outer.bogus"),
+    "h_zero": ("[outer]\nsteps = 2\ninner_steps = 0\n", "outer.inner_steps"),
+    "stages_exceed_layers": (
+        "[model]\nn_layers = 2\n[parallel]\nstages = 3\nmicrobatches = 4\n[outer]\nsteps = 2\ninner_steps = 3\n",
+        "parallel.stages",
+    ),
+    "invalid_toml": ("[outer\nsteps = 2\n", "invalid TOML"),
+    "wrong_type": ("[outer]\nsteps = \"many\"\ninner_steps = 3\n", "outer.steps"),
+    "unknown_section": ("[outer]\nsteps = 2\ninner_steps = 3\n[chian]\nrpc = 'x'\n", "chian"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_JOBS))
+def test_a_bad_job_file_is_one_line_exit_2_and_writes_nothing(tmp_path, case):
+    body, needle = BAD_JOBS[case]
+    job = tmp_path / "job.toml"
+    job.write_text('name = "bad"\n' + body)
+    run_dir = tmp_path / "run"
+    res = dlx("train", str(job), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in res.stderr
+    assert not run_dir.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml"]
+
+
+def test_a_missing_job_file_is_one_line_exit_2(tmp_path):
+    res = dlx("train", str(tmp_path / "nope.toml"), cwd=tmp_path)
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"dlx: error: job file not found: {tmp_path / 'nope.toml'}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_non_empty_run_dir_is_refused(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("x")
+    res = dlx("train", str(EXAMPLE), "--run-dir", str(tmp_path / "run"))
+    assert res.returncode == 2
+    assert "not empty" in res.stderr
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["keep.txt"]
+
+
+def test_lineage_of_a_directory_that_is_no_run_is_one_line(tmp_path):
+    res = dlx("lineage", "--run-dir", str(tmp_path))
+    assert res.returncode == 2
+    assert "not a run directory" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_example_job_file_is_valid():
+    from workers.jobfile import load_job_file
+
+    job = load_job_file(EXAMPLE)
+    assert job.parallel.replicas == 2 and job.parallel.stages == 2
+    assert job.outer.steps >= 4

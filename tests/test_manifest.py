@@ -1,0 +1,58 @@
+"""Checkpoint manifests: DAG-CBOR with CID links to parent, shards and contributions."""
+
+from __future__ import annotations
+
+import dag_cbor
+import pytest
+
+from lineage.blockstore import Blockstore
+from lineage.cid import DAG_CBOR
+from lineage.errors import StorageError
+from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
+
+
+def _chain(store: Blockstore, steps: int):
+    config = put_config(store, {"name": "t", "seed": 1})
+    genesis = put_manifest(store, Manifest(0, None, config, [store.put(b"g0"), store.put(b"g1")], b"\x01" * 32))
+    cids = [genesis]
+    for t in range(1, steps + 1):
+        shards = [store.put(f"s{t}-{s}".encode()) for s in range(2)]
+        contribs = [[store.put(f"c{t}-{r}-{s}".encode()) for s in range(2)] for r in range(2)]
+        m = Manifest(t, cids[-1], config, shards, b"\x01" * 32, run=7, contributions=contribs,
+                     data=[bytes([r]) * 32 for r in range(2)], metrics={"eval_loss": 3.0 - t, "tokens": 10 * t})
+        cids.append(put_manifest(store, m))
+    return cids
+
+
+def test_manifest_round_trips_and_links_its_parent(tmp_path):
+    store = Blockstore(tmp_path)
+    cids = _chain(store, 3)
+    assert all(c.codec.name == DAG_CBOR for c in cids)
+    head = get_manifest(store, cids[-1])
+    assert head.step == 3 and head.run == 7
+    assert head.parent == cids[-2]
+    assert head.metrics == {"eval_loss": 0.0, "tokens": 30}
+    # walk history through the links, as `ipfs dag get CID/parent/parent` would
+    node = dag_cbor.decode(store.get(cids[-1]))
+    node = dag_cbor.decode(store.get(node["parent"]))
+    node = dag_cbor.decode(store.get(node["parent"]))
+    assert node["step"] == 1
+    assert get_manifest(store, node["parent"]).parent is None
+
+
+def test_identical_content_gives_an_identical_checkpoint_cid(tmp_path):
+    assert _chain(Blockstore(tmp_path / "a"), 2) == _chain(Blockstore(tmp_path / "b"), 2)
+
+
+def test_non_finite_metrics_are_refused(tmp_path):
+    store = Blockstore(tmp_path)
+    m = Manifest(1, None, store.put(b"c"), [], b"", run=1, metrics={"eval_loss": float("nan")})
+    with pytest.raises(ValueError, match="eval_loss"):
+        m.encode()
+
+
+def test_a_block_that_is_not_a_manifest_is_a_storage_error(tmp_path):
+    store = Blockstore(tmp_path)
+    cid = store.put(dag_cbor.encode({"hello": 1}), DAG_CBOR)
+    with pytest.raises(StorageError, match="malformed checkpoint manifest"):
+        get_manifest(store, cid)

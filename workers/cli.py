@@ -1,0 +1,133 @@
+"""The `dlx` command line.
+
+    dlx train examples/tiny.toml        # train, store checkpoints, record steps on a chain
+    dlx lineage --run-dir runs/tiny-... # the run's checkpoint chain, read back from the chain
+
+Heavy libraries (torch, web3) are imported inside the commands, so `dlx --help` is fast.
+Every user error is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    name="dlx",
+    help="DiLoCoX training across slow links, with an auditable on-chain lineage.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _fail(message: str, code: int = 2) -> None:
+    sys.stderr.write(f"dlx: error: {message}\n")
+    raise typer.Exit(code)
+
+
+def user_errors(fn: Any) -> Any:
+    """Turn the project's errors into one line and exit code 2 (no traceback)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from trainer.errors import DlxError
+
+        try:
+            return fn(*args, **kwargs)
+        except DlxError as exc:
+            _fail(str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+
+    return wrapper
+
+
+@app.command()
+@user_errors
+def train(
+    job_file: Annotated[Path, typer.Argument(help="Job file (TOML), e.g. examples/tiny.toml.")],
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where the run's blocks, chain state and run.json go (default runs/<name>-<time>).")] = None,
+    rpc: Annotated[str | None, typer.Option("--rpc", help="JSON-RPC URL of an EVM chain; default: start a local anvil.")] = None,
+) -> None:
+    """Train a job as local processes; every outer step is stored and committed on chain."""
+    from workers.jobfile import load_job_file
+
+    job = load_job_file(job_file)  # validated before anything heavy is imported or started
+
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from workers.local import Callbacks, check_run_dir, default_run_dir, run_job
+
+    run_dir = run_dir or default_run_dir(job)
+    check_run_dir(run_dir)
+    err = Console(stderr=True)
+    out = Console()
+    T, H = job.outer.steps, job.outer.inner_steps
+    bar = Progress(
+        TextColumn("[bold]outer {task.fields[outer]}/{task.fields[T]}"),
+        TextColumn("inner {task.fields[inner]}/{task.fields[H]}"),
+        BarColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(),
+        console=err,
+    )
+    task = bar.add_task("train", total=T * H, outer=1, T=T, inner=0, H=H, loss="-")
+
+    def progress(p: Any) -> None:
+        bar.update(task, completed=(p.outer_step - 1) * H + p.inner_step, outer=p.outer_step,
+                   inner=p.inner_step, loss=f"{p.loss:.3f}")
+
+    def committed(step: int, cid: Any, art: Any) -> None:
+        bar.console.print(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
+
+    cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
+    err.print(f"training {job.name}: {job.parallel.replicas} replicas x {job.parallel.stages} stages, "
+              f"{T} outer steps x {H} inner steps; run directory {run_dir}")
+    with bar:
+        record = run_job(job, job_file, run_dir, rpc, cb)
+    out.print(f"run id   {record.run_id} (ledger {record.ledger}, chain {record.chain_id})")
+    out.print(f"head     {record.head}")
+    out.print(f"run dir  {run_dir}")
+
+
+@app.command()
+@user_errors
+def lineage(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    rpc: Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")] = None,
+) -> None:
+    """The run's checkpoint chain as recorded on the ledger, checked against the blockstore."""
+    from lineage.query import run_lineage
+
+    record, steps = run_lineage(run_dir, rpc)
+    if as_json:
+        doc = {"run": record.run_id, "ledger": record.ledger, "chain_id": record.chain_id,
+               "genesis": record.genesis, "steps": [s.as_json() for s in steps]}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"run {record.run_id} ({record.name}) on chain {record.chain_id}, ledger {record.ledger}")
+    for col in ("step", "checkpoint", "parent", "eval loss", "nodes", "tx"):
+        table.add_column(col, overflow="fold")
+    for s in steps:
+        table.add_row(str(s.step), s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
+                      "\n".join(s.nodes), s.tx)
+    Console().print(table)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Job files: TOML with the trainer's sections plus `[chain]` and `[storage]`.
+
+    dlx train examples/tiny.toml
+
+Every key is validated (pydantic, unknown keys rejected); a bad file raises ConfigError
+with one line naming the field, before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from trainer.config import JobConfig, _Section, load_job
+from trainer.errors import ConfigError
+
+ETHER = 10**18
+
+
+class ChainConfig(_Section):
+    """Where outer steps are recorded."""
+
+    rpc: str | None = Field(None, description="JSON-RPC URL; unset starts an embedded anvil.")
+    chain_id: int | None = Field(None, ge=1, description="Expected chain id; a mismatch is refused.")
+    stake_wei: int = Field(ETHER, ge=1, description="Stake each node holds before the run starts.")
+    min_stake_wei: int = Field(ETHER, ge=1, description="Minimum stake a node needs to attest in this run.")
+    challenge_window_s: int = Field(3600, ge=0, description="Seconds a committed step stays challengeable.")
+
+    @model_validator(mode="after")
+    def _stake_covers_minimum(self) -> ChainConfig:
+        if self.stake_wei < self.min_stake_wei:
+            raise ValueError(f"stake_wei ({self.stake_wei}) is below min_stake_wei ({self.min_stake_wei})")
+        return self
+
+
+class StorageConfig(_Section):
+    """Where blocks (checkpoints, contributions, manifests) are stored."""
+
+    backend: Literal["local"] = Field("local", description="Content-addressed store backend.")
+    path: str | None = Field(None, description="Blockstore directory; unset uses <run dir>/blocks.")
+
+
+class JobFile(JobConfig):
+    """A job file: the training job plus chain and storage settings."""
+
+    chain: ChainConfig = Field(default_factory=ChainConfig, description="Ledger settings.")
+    storage: StorageConfig = Field(default_factory=StorageConfig, description="Block storage.")
+
+    def training_config(self) -> JobConfig:
+        """The trainer's view: the same job without chain and storage settings."""
+        return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage"}))
+
+
+def load_job_file(path: str | Path) -> JobFile:
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"job file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"job file is a directory: {path}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"job file {path} is not UTF-8 text") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"invalid TOML in {path}: {exc}") from None
+    return load_job(data, JobFile)

@@ -1,0 +1,136 @@
+"""`dlx train`: one job, run as local processes, recorded on a chain and in a blockstore.
+
+With no RPC URL the chain is an anvil started here, with its state file inside the run
+directory so the chain outlives the run; node keys are then anvil's public development
+keys (local chain only). With an RPC URL, keys come from the environment:
+`DLX_SUBMITTER_KEY` (pays for run creation and commits) and `DLX_NODE_KEYS` (one
+comma-separated private key per rank, in rank order), never from the command line.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from eth_account import Account
+from eth_account.signers.local import LocalAccount
+
+from lineage.anvil import ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
+from lineage.blockstore import Blockstore
+from lineage.chain import Chain, Ledger, artifact
+from lineage.runrecord import RunRecord
+from trainer.artifacts import Progress, StepArtifacts, code_hash
+from trainer.data import corpus_digest
+from trainer.errors import ConfigError
+from trainer.launch import train_local
+
+from .jobfile import JobFile
+from .sink import LedgerSink
+
+CHAIN_STATE = "chain/state.json"
+
+
+@dataclass
+class Callbacks:
+    """How a run talks to its user (the CLI draws these; tests may record them)."""
+
+    warn: Callable[[str], None] = lambda msg: None
+    progress: Callable[[Progress], None] = lambda p: None
+    committed: Callable[[int, object, StepArtifacts], None] = lambda step, cid, art: None
+
+
+def default_run_dir(job: JobFile) -> Path:
+    return Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_run_dir(run_dir: Path) -> None:
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise ConfigError(f"run directory already exists and is not empty: {run_dir}")
+
+
+def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str], None]) -> tuple[LocalAccount, list[LocalAccount]]:
+    world = job.world_size
+    submitter_key = os.environ.get("DLX_SUBMITTER_KEY")
+    node_keys = os.environ.get("DLX_NODE_KEYS")
+    if submitter_key and node_keys and not embedded:
+        try:
+            submitter = Account.from_key(submitter_key)
+            nodes = [Account.from_key(k.strip()) for k in node_keys.split(",") if k.strip()]
+        except (ValueError, TypeError):
+            raise ConfigError("DLX_SUBMITTER_KEY / DLX_NODE_KEYS hold a malformed private key") from None
+        if len(nodes) != world:
+            raise ConfigError(f"DLX_NODE_KEYS holds {len(nodes)} keys; the job has {world} ranks")
+        return submitter, nodes
+    if chain_id != ANVIL_CHAIN_ID:
+        raise ConfigError(f"chain {chain_id} is not a local anvil chain: set DLX_SUBMITTER_KEY and DLX_NODE_KEYS")
+    warn("using anvil's public development keys: they are for a local chain only")
+    accounts = dev_accounts(world + 1)
+    return accounts[0], accounts[1:]
+
+
+def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
+    """Train `job`, recording every outer step; returns the final run record."""
+    rpc = rpc or job.chain.rpc
+    embedded = rpc is None
+    # Check everything that can fail cheaply before anything is created or started.
+    check_run_dir(run_dir)
+    if embedded:
+        tool_path("anvil")
+    artifact("TrainingLedger")
+    artifact("NodeRegistry")
+
+    created = not run_dir.exists()
+    record: RunRecord | None = None
+    with ExitStack() as stack:
+        try:
+            if embedded:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                anvil = stack.enter_context(
+                    Anvil(state_path=run_dir / CHAIN_STATE, accounts=job.world_size + 1)
+                )
+                url = anvil.url
+            else:
+                url = rpc
+            chain = Chain(url, job.chain.chain_id)
+            submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(job_path, run_dir / "job.toml")
+            ledger = Ledger.deploy(chain, submitter)
+            for node in {k.address: k for k in slot_keys}.values():
+                ledger.ensure_staked(node, job.chain.stake_wei)
+            blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
+            record = RunRecord(
+                name=job.name, chain_id=chain.chain_id, rpc=None if embedded else url,
+                chain_state=CHAIN_STATE if embedded else None, registry=ledger.addresses["registry"],
+                ledger=ledger.addresses["ledger"], blocks=str(blocks),
+            )
+            training = job.training_config()
+            config = {
+                "job": job.model_dump(mode="json", exclude={"storage"}),
+                "corpus": corpus_digest(training.data),
+                "code": code_hash(),
+            }
+            sink = LedgerSink(
+                job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)),
+                ledger=ledger, submitter=submitter, slot_keys=slot_keys, record=record,
+                run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
+                min_stake=job.chain.min_stake_wei, on_progress=cb.progress,
+                on_committed=cb.committed,
+            )
+            train_local(training, sink)
+            record.status = "completed"
+            record.save(run_dir)
+            return record
+        except BaseException:
+            if record is not None and record.run_id:
+                record.status = "failed"
+                record.save(run_dir)
+            elif created:
+                stack.close()  # stop anvil before removing its state
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
