@@ -21,7 +21,7 @@ import dag_cbor
 from multiformats import CID
 
 from .blockstore import Blockstore
-from .cid import DAG_CBOR
+from .cid import DAG_CBOR, parse_cid
 from .errors import StorageError
 
 MANIFEST_VERSION = 1
@@ -66,12 +66,12 @@ class Manifest:
                 raise ValueError("not a version-1 checkpoint manifest")
             return cls(
                 step=int(node["step"]),
-                parent=node["parent"],
-                config=node["config"],
-                stages=list(node["stages"]),
+                parent=None if node["parent"] is None else parse_cid(node["parent"]),
+                config=parse_cid(node["config"]),
+                stages=[parse_cid(c) for c in node["stages"]],
                 code=bytes(node["code"]),
                 run=node.get("run"),
-                contributions=[list(row) for row in node.get("contributions", [])],
+                contributions=[[parse_cid(c) for c in row] for row in node.get("contributions", [])],
                 data=[bytes(d) for d in node.get("data", [])],
                 metrics=dict(node.get("metrics", {})),
             )

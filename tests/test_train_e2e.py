@@ -79,7 +79,7 @@ def test_train_then_lineage_gives_a_verified_checkpoint_chain(tmp_path):
         block = store.get(cid)
         assert hashlib.sha256(block).digest() == bytes(cid.raw_digest)
         node = dag_cbor.decode(block)
-        assert node["step"] == s["step"] and str(node["parent"]) == parent
+        assert node["step"] == s["step"] and str(parse_cid(node["parent"])) == parent
         assert s["loss"] == node["metrics"]["eval_loss"]
         assert len(s["nodes"]) == 4 and len(set(s["nodes"])) == 4
         assert s["tx"].startswith("0x")

@@ -1,0 +1,182 @@
+"""Job configuration: pydantic models for the `[model]`, `[parallel]`, `[data]`, `[inner]`
+and `[outer]` sections of a job file, plus `load_job`, which turns validation failures into
+one-line `ConfigError`s naming the field path.
+
+Every section forbids unknown keys. `JobConfig` may be subclassed to add sections (the
+worker's job-file loader adds `chain` and `storage`); pass the subclass to `load_job`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.errors import ConfigError
+
+__all__ = [
+    "DataConfig",
+    "InnerConfig",
+    "JobConfig",
+    "ModelConfig",
+    "OuterConfig",
+    "ParallelConfig",
+    "load_job",
+]
+
+MAX_WORLD_SIZE = 16
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """A small GPT (nanoGPT-style, pre-LN) over a byte vocabulary."""
+
+    vocab_size: int = Field(256, ge=2, description="Vocabulary size (256 = raw bytes).")
+    d_model: int = Field(128, ge=1, description="Width of the residual stream (C).")
+    n_layers: int = Field(4, ge=1, description="Number of transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="Attention heads per block; must divide d_model.")
+    seq_len: int = Field(
+        128, ge=1, description="Context length T (also the positional table size)."
+    )
+    mlp_ratio: int = Field(4, ge=1, description="MLP hidden width as a multiple of d_model.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (0 = off).")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelConfig:
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(
+                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})"
+            )
+        return self
+
+
+class ParallelConfig(_Section):
+    """How the world is laid out: R DiLoCo replicas, each a pipeline of S stages."""
+
+    replicas: int = Field(2, ge=1, description="R: DiLoCo replicas (data-parallel workers).")
+    stages: int = Field(2, ge=1, description="S: pipeline stages per replica.")
+    microbatches: int = Field(
+        4, ge=1, description="M: microbatches per inner step in the pipeline schedule."
+    )
+    schedule: Literal["1F1B", "GPipe"] = Field("1F1B", description="Pipeline schedule, by name.")
+
+
+class DataConfig(_Section):
+    """The corpus: Python's standard library sources, or user-given files."""
+
+    source: Literal["stdlib", "files"] = Field("stdlib", description="Where the corpus comes from.")
+    paths: list[str] = Field(
+        default_factory=list, description="Glob patterns of text files (source = 'files')."
+    )
+    max_bytes: int = Field(
+        4_000_000, ge=1024, description="Corpus cap in bytes (whole files, sorted order)."
+    )
+    eval_fraction: float = Field(
+        0.05, gt=0.0, lt=1.0, description="Fraction of files held out for eval (by path hash)."
+    )
+    batch_size: int = Field(8, ge=1, description="Sequences per replica per inner step.")
+    eval_batches: int = Field(
+        4, ge=1, description="Held-out batches evaluated after each outer step."
+    )
+
+    @model_validator(mode="after")
+    def _paths_match_source(self) -> DataConfig:
+        if self.source == "files" and not self.paths:
+            raise ValueError("paths must name at least one glob when source is 'files'")
+        return self
+
+
+class InnerConfig(_Section):
+    """Inner optimizer: AdamW on each replica's stage, state kept across rounds."""
+
+    lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
+    weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay (matrices only).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    clip: float = Field(1.0, gt=0.0, description="Max global grad norm over the whole pipeline.")
+    warmup: int = Field(10, ge=0, description="Inner steps of linear LR warmup.")
+
+
+class OuterConfig(_Section):
+    """Outer optimizer: Nesterov SGD on the outer copy, gradient = mean pseudo-gradient."""
+
+    lr: float = Field(0.7, gt=0.0, description="Outer learning rate.")
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer momentum.")
+    nesterov: bool = Field(True, description="Use Nesterov momentum.")
+    steps: int = Field(ge=1, description="T: number of outer steps.")
+    inner_steps: int = Field(ge=1, description="H: inner steps per outer step.")
+
+
+class JobConfig(_Section):
+    """A whole training job. Subclass to add sections (e.g. chain, storage)."""
+
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]+$", description="Job name (letters, digits, _ . -)."
+    )
+    seed: int = Field(0, ge=0, description="Run seed; every other seed derives from it.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="Replicas x stages layout."
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
+    inner: InnerConfig = Field(default_factory=InnerConfig, description="Inner optimizer.")
+    outer: OuterConfig = Field(description="Outer optimizer and round counts.")
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> JobConfig:
+        p, m, d = self.parallel, self.model, self.data
+        if p.stages > m.n_layers:
+            raise ValueError(f"parallel.stages ({p.stages}) exceeds model.n_layers ({m.n_layers})")
+        if d.batch_size % p.microbatches != 0:
+            raise ValueError(
+                f"data.batch_size ({d.batch_size}) is not divisible by "
+                f"parallel.microbatches ({p.microbatches})"
+            )
+        if p.schedule == "1F1B" and p.microbatches < p.stages:
+            raise ValueError(
+                f"parallel.microbatches ({p.microbatches}) must be >= parallel.stages "
+                f"({p.stages}) for the 1F1B schedule"
+            )
+        if p.replicas * p.stages > MAX_WORLD_SIZE:
+            raise ValueError(
+                f"parallel.replicas x parallel.stages ({p.replicas} x {p.stages}) "
+                f"exceeds {MAX_WORLD_SIZE} ranks"
+            )
+        return self
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.replicas * self.parallel.stages
+
+    def canonical_json(self) -> bytes:
+        """The config as compact JSON with sorted keys: the bytes that get hashed."""
+        return json.dumps(
+            self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode()
+
+
+J = TypeVar("J", bound=JobConfig)
+
+
+def _one_line(err: ValidationError) -> str:
+    errors = err.errors(include_url=False)
+    first = errors[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    line = f"{loc}: {msg}" if loc else msg
+    if len(errors) > 1:
+        line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return line
+
+
+def load_job(data: Any, cls: type[J] = JobConfig) -> J:
+    """Validate a parsed job file (a dict) into `cls`; raise ConfigError with one line."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"job: expected a table of sections, got {type(data).__name__}")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None

@@ -1,0 +1,292 @@
+"""The rank function: one process = one pipeline stage of one DiLoCo replica.
+
+World = R replicas x S stages, rank = r*S + s. Each replica's S ranks run a
+torch.distributed.pipelining schedule (1F1B or GPipe) over M microbatches; stage s of
+every replica forms the data-parallel group that averages stage s's pseudo-gradients at
+each outer step. Only global rank 0 reports, through `emit(kind, payload)`:
+("genesis", GenesisArtifacts), then per outer step some ("progress", Progress) and one
+("step", StepArtifacts).
+
+Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
+processes sharing an `init_method` (the Celery workers do).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from trainer.artifacts import (
+    Contribution,
+    GenesisArtifacts,
+    Progress,
+    StageShard,
+    StepArtifacts,
+    tensors_to_bytes,
+)
+from trainer.config import JobConfig
+from trainer.data import derive_seed, load_corpus
+from trainer.diloco import DiLoCo, average_across_replicas
+from trainer.model import build_stage
+
+__all__ = ["Emit", "Topology", "run_rank"]
+
+Emit = Callable[[str, Any], None]
+
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+PROGRESS_EVERY = 5  # inner steps between progress reports
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+class Topology:
+    """Who is who in an R x S world, and the process groups every rank must create."""
+
+    def __init__(self, rank: int, replicas: int, stages: int):
+        self.rank, self.R, self.S = rank, replicas, stages
+        self.replica, self.stage = divmod(rank, stages)
+        self.is_first = self.stage == 0
+        self.is_last = self.stage == stages - 1
+
+    def global_rank(self, replica: int, stage: int) -> int:
+        return replica * self.S + stage
+
+    def create_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(pipeline group of my replica, data-parallel group of my stage).
+
+        Deadlock hazard: new_group is collective over the whole world, so every rank
+        creates every group, in the same order, even the ones it is not in.
+        """
+        pipe = dp = None
+        for r in range(self.R):
+            g = dist.new_group([self.global_rank(r, s) for s in range(self.S)])
+            if r == self.replica:
+                pipe = g
+        for s in range(self.S):
+            g = dist.new_group([self.global_rank(r, s) for r in range(self.R)])
+            if s == self.stage:
+                dp = g
+        assert pipe is not None and dp is not None
+        return pipe, dp
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())  # (B*T, V) vs (B*T,)
+
+
+def warmup_lr(base: float, warmup: int, step: int) -> float:
+    """Linear warmup over `warmup` inner steps (0-based `step`), then constant."""
+    return base * min(1.0, (step + 1) / warmup) if warmup > 0 else base
+
+
+def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms, biases)."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": job.inner.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return torch.optim.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
+
+
+@torch.no_grad()
+def clip_pipeline_grad_norm(
+    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None, stages: int
+) -> float:
+    """Clip by the global grad norm over the whole pipeline (all stages' params).
+
+    Each stage knows only its own params, so the squared norms are summed over the
+    pipeline group first: one scalar all-reduce per inner step.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros(1, dtype=torch.float64)
+    for g in grads:
+        sq += g.double().pow(2).sum()
+    if stages > 1:
+        dist.all_reduce(sq, group=group)
+    total = math.sqrt(sq.item())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+class Pipeline:
+    """This rank's pipeline stage plus a schedule for training and p2p for evaluation."""
+
+    def __init__(self, module: nn.Module, topo: Topology, group: dist.ProcessGroup, job: JobConfig):
+        self.module, self.topo, self.group, self.job = module, topo, group, job
+        stage = PipelineStage(module, topo.stage, topo.S, torch.device("cpu"), group=group)
+        schedule_cls = SCHEDULES[job.parallel.schedule]
+        self.schedule = schedule_cls(
+            stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
+        )
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
+        """One forward/backward over the batch; the mean loss on the last stage, else None."""
+        losses: list[torch.Tensor] = []
+        if self.topo.is_first and self.topo.is_last:
+            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
+        elif self.topo.is_first:
+            self.schedule.step(x, return_outputs=False)
+        elif self.topo.is_last:
+            self.schedule.step(target=y, losses=losses, return_outputs=False)
+        else:
+            self.schedule.step(return_outputs=False)
+        if self.topo.is_last:
+            return torch.stack([loss.detach() for loss in losses]).mean().item()
+        return None
+
+    @torch.no_grad()
+    def eval_loss(self, batches: torch.Tensor) -> float | None:
+        """Forward only over (n, B, T+1) held-out batches with plain send/recv between
+        stages (switching the training schedule to eval mode and back would redo its
+        shape inference every round). Mean loss on the last stage, else None."""
+        topo, cfg = self.topo, self.job.model
+        was_training = self.module.training
+        self.module.eval()
+        total = 0.0
+        for batch in batches:
+            x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
+            if topo.is_first:
+                h = self.module(x)
+            else:
+                h = torch.empty(x.size(0), x.size(1), cfg.d_model)  # (B, T, C)
+                dist.recv(h, src=topo.global_rank(topo.replica, topo.stage - 1), group=self.group)
+                h = self.module(h)
+            if topo.is_last:
+                total += lm_loss(h, y).item()
+            else:
+                dist.send(
+                    h.contiguous(),
+                    dst=topo.global_rank(topo.replica, topo.stage + 1),
+                    group=self.group,
+                )
+        self.module.train(was_training)
+        return total / len(batches) if topo.is_last else None
+
+
+def _broadcast_scalar(value: float | None, src: int, group: dist.ProcessGroup | None) -> float:
+    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
+    dist.broadcast(t, src=src, group=group)
+    return t.item()
+
+
+def run_rank(rank: int, world_size: int, init_method: str, job: JobConfig, emit: Emit) -> None:
+    """Train `job` as global rank `rank`; `emit` is called on rank 0 only."""
+    R, S = job.parallel.replicas, job.parallel.stages
+    if world_size != R * S:
+        raise ValueError(f"world_size ({world_size}) != replicas x stages ({R} x {S})")
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    topo = Topology(rank, R, S)
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    try:
+        _train(topo, job, emit)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(topo: Topology, job: JobConfig, emit: Emit) -> None:
+    R, S = topo.R, topo.S
+    H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
+    pipe_group, dp_group = topo.create_groups()
+    last_of_replica = topo.global_rank(topo.replica, S - 1)
+    last_of_replica0 = topo.global_rank(0, S - 1)
+
+    corpus = load_corpus(job.data)
+    eval_batches = corpus.eval_batches(job.data.eval_batches, B, L, seed=job.seed)
+    module = build_stage(job.model, topo.stage, S, job.seed)
+    pipeline = Pipeline(module, topo, pipe_group, job)
+    inner = build_inner_optimizer(module, job)
+    params = [p for p in module.parameters() if p.requires_grad]
+    diloco = DiLoCo(module, job.outer, partial(average_across_replicas, group=dp_group, replicas=R))
+
+    def gather(payload: Any) -> list[Any] | None:
+        out = [None] * (R * S) if topo.rank == 0 else None
+        dist.gather_object(payload, out, dst=0)
+        return out
+
+    shards = gather(StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None)
+    if topo.rank == 0:
+        assert shards is not None
+        emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(S)]))
+
+    start = time.perf_counter()
+    step_in_run = 0
+    for t in range(1, T + 1):
+        torch.manual_seed(derive_seed("round", job.seed, topo.replica, t))  # dropout, if any
+        data = corpus.shard(job.seed, topo.replica, t, H, B, L)
+        losses: list[float] = []
+        for h in range(H):
+            lr = warmup_lr(job.inner.lr, job.inner.warmup, step_in_run)
+            for g in inner.param_groups:
+                g["lr"] = lr
+            inner.zero_grad(set_to_none=True)
+            x, y = data.tokens[h, :, :-1], data.tokens[h, :, 1:]  # (B, T) each
+            loss = pipeline.train_step(x, y)
+            clip_pipeline_grad_norm(params, job.inner.clip, pipe_group, S)
+            inner.step()
+            step_in_run += 1
+            if loss is not None:
+                losses.append(loss)
+            if topo.replica == 0 and (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
+                # Replica 0's pipeline only; its stages are in lock step here anyway.
+                value = _broadcast_scalar(loss, last_of_replica0, pipe_group) if S > 1 else loss
+                if topo.rank == 0:
+                    assert value is not None
+                    emit("progress", Progress(t, h + 1, value, T, H))
+
+        # The round's loss lives on the last stage; every stage's Contribution carries it.
+        round_loss = sum(losses) / H if topo.is_last else None
+        round_loss = (
+            _broadcast_scalar(round_loss, last_of_replica, pipe_group) if S > 1 else round_loss
+        )
+        assert round_loss is not None
+
+        delta = diloco.sync()
+        contribution = Contribution(
+            replica=topo.replica,
+            stage=topo.stage,
+            data=tensors_to_bytes({f"delta/{n}": d for n, d in delta.items()}),
+            data_shard=data.digest,
+            loss=round_loss,
+        )
+        eval_loss = pipeline.eval_loss(eval_batches) if topo.replica == 0 else None
+        shard = StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None
+        gathered = gather((contribution, shard, eval_loss))
+        if topo.rank == 0:
+            assert gathered is not None
+            contributions = [c for c, _, _ in gathered]
+            stages = [gathered[s][1] for s in range(S)]
+            (eval_value,) = [e for _, _, e in gathered if e is not None]
+            train_loss = sum(contributions[r * S].loss for r in range(R)) / R
+            metrics = {
+                "eval_loss": eval_value,
+                "train_loss": train_loss,
+                "tokens": float(t * H * R * B * L),
+                "inner_steps": float(t * H),
+                "wall_s": time.perf_counter() - start,
+                "lr": lr,
+            }
+            emit(
+                "step",
+                StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics),
+            )

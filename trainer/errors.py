@@ -1,0 +1,22 @@
+"""The project's exception hierarchy.
+
+`DlxError` is the root of every error the project raises on purpose; each subclass also
+inherits the matching built-in, so callers that catch `ValueError` or `RuntimeError` keep
+working. The `dlx` CLI turns any `DlxError` into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "DlxError", "TrainingError"]
+
+
+class DlxError(Exception):
+    """Root of all project errors."""
+
+
+class ConfigError(DlxError, ValueError):
+    """A job file or configuration value is invalid; the message names the field."""
+
+
+class TrainingError(DlxError, RuntimeError):
+    """A training run failed (a rank died or raised, or the run timed out)."""

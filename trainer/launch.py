@@ -1,0 +1,202 @@
+"""Run a job on this machine: R*S spawned processes, the sink in the parent.
+
+    from trainer import load_job, train_local
+    train_local(load_job(tomllib.load(f)), sink)
+
+Rank 0's `emit` puts events on a multiprocessing queue; the parent takes them off and
+calls the sink, so the sink (a chain client, a blockstore) need not be picklable. A rank
+that raises sends its exception text through the same queue; the parent then stops the
+others and raises one `TrainingError` naming the rank and the cause.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+from trainer.artifacts import StepSink
+from trainer.config import JobConfig
+from trainer.errors import TrainingError
+
+__all__ = ["free_port", "train_local"]
+
+POLL_S = 0.2
+GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
+# Errors that are usually the echo of another rank's death, not the cause.
+_ECHO_MARKERS = (
+    "Connection closed by peer",
+    "Connection reset",
+    "Broken pipe",
+    "timed out",
+    "Socket closed",
+    "Gloo connectFullMesh",
+    "Connection refused",
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, init_method: str, job: JobConfig, events: Any) -> None:
+    # Imported here so the parent does not need torch.distributed initialised.
+    from trainer.engine import run_rank
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    def emit(kind: str, payload: Any) -> None:
+        events.put((kind, rank, payload))
+
+    try:
+        run_rank(rank, world_size, init_method, job, emit)
+    except BaseException as exc:  # every failure, even SystemExit, must reach the parent
+        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+        where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+        events.put(("error", rank, text + where))
+        _exit_quietly(events, 1)
+    events.put(("done", rank, None))
+    _exit_quietly(events, 0)
+
+
+def _exit_quietly(events: Any, code: int) -> None:
+    # Flush our events to the parent, then skip interpreter teardown: tearing down torch
+    # (dynamo, gloo threads) takes seconds per process and there is nothing left to save.
+    events.close()
+    events.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _stop(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+_SILENT = "process exited with code"
+
+
+def _exit_note(code: int) -> str:
+    if code < 0:
+        try:
+            return f"{_SILENT} {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"{_SILENT} {code}"
+
+
+def _pick_cause(errors: dict[int, str]) -> tuple[int, str]:
+    """The most likely root cause: a rank's own exception first, then a rank that died
+    without a word (killed, crashed), and only then a peer's echo of the failure."""
+
+    def rank_of(item: tuple[int, str]) -> int:
+        text = item[1]
+        if text.startswith(_SILENT):
+            return 1
+        return 2 if any(marker in text for marker in _ECHO_MARKERS) else 0
+
+    return min(errors.items(), key=rank_of)  # min is stable: earliest report wins ties
+
+
+def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = None) -> None:
+    """Train `job` in R*S local processes (gloo over 127.0.0.1), reporting to `sink`.
+
+    Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
+    raised by the sink stops the ranks and propagates unchanged.
+    """
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    world = job.world_size
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world, init_method, job, events),
+            name=f"dlx-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(world)
+    ]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    done: set[int] = set()
+    errors: dict[int, str] = {}
+    failed_at: float | None = None
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < world:
+            now = time.monotonic()
+            if failed_at is not None and (
+                now - failed_at > GRACE_S or len(errors) + len(done) == world
+            ):
+                break
+            if deadline is not None and now > deadline and failed_at is None:
+                raise TrainingError(f"training timed out after {timeout_s:g} s")
+            try:
+                kind, rank, payload = events.get(timeout=POLL_S)
+            except queue.Empty:
+                pass
+            else:
+                if kind == "error":
+                    errors[rank] = payload  # replaces a silent-exit note for the same rank
+                    failed_at = failed_at or time.monotonic()
+                elif kind == "done":
+                    done.add(rank)
+                elif failed_at is None:
+                    _dispatch(sink, kind, payload)
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and rank not in errors:
+                    # Died, maybe without a word (killed, segfault). A rank that raised
+                    # flushed its message before exiting; it replaces this note.
+                    errors[rank] = _exit_note(p.exitcode)
+                    failed_at = failed_at or time.monotonic()
+        if errors:
+            _drain_errors(events, errors)
+            rank, cause = _pick_cause(errors)
+            raise TrainingError(f"rank {rank} failed: {cause}")
+        for p in procs:
+            p.join()
+    finally:
+        _stop(procs)
+        events.close()
+        events.cancel_join_thread()
+
+
+def _drain_errors(events: Any, errors: dict[int, str]) -> None:
+    """Read error reports already sent; they replace silent-exit notes."""
+    while True:
+        try:
+            kind, rank, payload = events.get(timeout=0.05)
+        except queue.Empty:
+            return
+        if kind == "error":
+            errors[rank] = payload
+
+
+def _dispatch(sink: StepSink, kind: str, payload: Any) -> None:
+    if kind == "genesis":
+        sink.on_genesis(payload)
+    elif kind == "step":
+        sink.on_step(payload)
+    elif kind == "progress":
+        sink.on_progress(payload)
+    else:
+        raise TrainingError(f"unknown event kind from rank 0: {kind!r}")

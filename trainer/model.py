@@ -1,0 +1,179 @@
+"""A small GPT in one file (after nanoGPT), and its split into pipeline stages.
+
+Pre-LN transformer blocks with causal self-attention and a GELU MLP, learned positional
+embeddings, a final LayerNorm and an untied head. `GPT` is the full model; `build_stage`
+builds the full model under a fixed seed (so every replica starts identical) and returns
+one pipeline stage's part. Stage parameter names equal the full model's names
+(`wte.weight`, `blocks.2.attn.c_attn.weight`, `lm_head.weight`, ...), so they are stable
+across stage counts and deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+__all__ = ["GPT", "Block", "GPTStage", "build_model", "build_stage", "stage_layers"]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # q, k, v in one matmul
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        hs = C // self.n_heads
+        q = q.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    """Pre-LN: normalise, transform, add back to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPTStage(nn.Module):
+    """A contiguous slice of the GPT: optional embeddings, some blocks, optional head.
+
+    Input: int64 tokens (B, T) if it holds the embeddings, else activations (B, T, C).
+    Output: logits (B, T, V) if it holds the head, else activations (B, T, C).
+    """
+
+    def __init__(
+        self,
+        *,
+        wte: nn.Embedding | None,
+        wpe: nn.Embedding | None,
+        blocks: dict[str, Block],
+        ln_f: nn.LayerNorm | None,
+        lm_head: nn.Linear | None,
+        drop: nn.Dropout | None = None,
+    ):
+        super().__init__()
+        assert (wte is None) == (wpe is None), "token and position embeddings go together"
+        assert (ln_f is None) == (lm_head is None), "final norm and head go together"
+        self.wte = wte
+        self.wpe = wpe
+        self.drop = drop if drop is not None else nn.Dropout(0.0)
+        # Keys are the global block indices, so names do not depend on the split.
+        self.blocks = nn.ModuleDict(blocks)
+        self.ln_f = ln_f
+        self.lm_head = lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            T = x.size(1)
+            assert self.wpe is not None
+            assert T <= self.wpe.num_embeddings, f"sequence length {T} > {self.wpe.num_embeddings}"
+            pos = torch.arange(T, device=x.device)  # (T,)
+            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C) + (T, C)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, C)
+        if self.lm_head is not None:
+            assert self.ln_f is not None
+            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+        return x
+
+
+class GPT(GPTStage):
+    """The whole model: a GPTStage that holds every part."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(
+            wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
+            wpe=nn.Embedding(cfg.seq_len, cfg.d_model),
+            blocks={str(i): Block(cfg) for i in range(cfg.n_layers)},
+            ln_f=nn.LayerNorm(cfg.d_model),
+            lm_head=nn.Linear(cfg.d_model, cfg.vocab_size, bias=False),
+            drop=nn.Dropout(cfg.dropout),
+        )
+        self.cfg = cfg
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layers) so the residual
+        # stream's variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def stage(self, stage: int, stages: int) -> GPTStage:
+        """The part of this model that pipeline stage `stage` of `stages` holds (shared modules)."""
+        first, last = stage == 0, stage == stages - 1
+        return GPTStage(
+            wte=self.wte if first else None,
+            wpe=self.wpe if first else None,
+            blocks={
+                str(i): self.blocks[str(i)] for i in stage_layers(self.cfg.n_layers, stage, stages)
+            },
+            ln_f=self.ln_f if last else None,
+            lm_head=self.lm_head if last else None,
+            drop=self.drop if first else None,
+        )
+
+
+def stage_layers(n_layers: int, stage: int, stages: int) -> range:
+    """Block indices of `stage`: as even as possible, earlier stages take the remainder."""
+    if not 0 <= stage < stages <= n_layers:
+        raise ValueError(f"need 0 <= stage ({stage}) < stages ({stages}) <= n_layers ({n_layers})")
+    base, extra = divmod(n_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+def build_model(cfg: ModelConfig, seed: int) -> GPT:
+    """The full model, initialised from `seed` without touching the caller's RNG state."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return GPT(cfg)
+
+
+def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int) -> GPTStage:
+    """Pipeline stage `stage` of `stages`, cut from the full model built under `seed`."""
+    return build_model(cfg, seed).stage(stage, stages)
