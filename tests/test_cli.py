@@ -18,7 +18,7 @@ def dlx(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess
     return subprocess.run([DLX, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
 
 
-@pytest.mark.parametrize("cmd", [[], ["train"], ["lineage"]])
+@pytest.mark.parametrize("cmd", [[], ["train"], ["lineage"], ["verify"]])
 def test_every_command_answers_help(cmd):
     res = dlx(*cmd, "--help")
     assert res.returncode == 0, res.stderr

@@ -20,44 +20,9 @@ from lineage.runrecord import RunRecord
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
-JOB = """
-name = "e2e"
-seed = 7
-
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-seq_len = 32
-
-[parallel]
-replicas = 2
-stages = 2
-microbatches = 2
-
-[data]
-max_bytes = 300000
-batch_size = 4
-eval_batches = 2
-
-[inner]
-lr = 3e-3
-warmup = 2
-
-[outer]
-steps = 3
-inner_steps = 4
-"""
-
-
 @pytest.mark.slow
-def test_train_then_lineage_gives_a_verified_checkpoint_chain(tmp_path):
-    job = tmp_path / "job.toml"
-    job.write_text(JOB)
-    run_dir = tmp_path / "run"
-    res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_train_then_lineage_gives_a_verified_checkpoint_chain(trained_run):
+    run_dir, res = trained_run
     assert "development keys" in res.stderr  # the warning about anvil's public keys
     record = RunRecord.load(run_dir)
     assert record.status == "completed" and record.steps == 3

@@ -10,6 +10,7 @@ Every user error is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from functools import wraps
 from pathlib import Path
@@ -44,6 +45,13 @@ def user_errors(fn: Any) -> Any:
             _fail(str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
         except KeyboardInterrupt:
             _fail("interrupted", 130)
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except Exception as exc:
+            if os.environ.get("DLX_DEBUG"):
+                raise
+            _fail(f"internal error: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                  " (set DLX_DEBUG=1 for the traceback)", 1)
 
     return wrapper
 
@@ -123,6 +131,43 @@ def lineage(
         table.add_row(str(s.step), s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
                       "\n".join(s.nodes), s.tx)
     Console().print(table)
+
+
+
+@app.command()
+@user_errors
+def verify(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    rpc: Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")] = None,
+) -> None:
+    """Audit every committed step: chain (links, signatures, stakes), content (every block
+    present and matching its CID), aggregate (outer step recomputed bit for bit).
+    Exits 1 if any step fails."""
+    from lineage.verify import LEVELS, verify_run
+
+    report = verify_run(run_dir, rpc)
+    if as_json:
+        sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"verify run {report.run_id}")
+        table.add_column("step")
+        for level in LEVELS:
+            table.add_column(level)
+        table.add_column("reason", overflow="fold")
+        for s in report.steps:
+            marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" for lv in LEVELS]
+            table.add_row(str(s.step), *marks, "; ".join(f"{k}: {v}" for k, v in s.failures.items()))
+        console = Console()
+        console.print(table)
+        for failure in report.run_failures:
+            console.print(f"[red]run:[/] {failure}")
+        console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -1,0 +1,60 @@
+"""`dlx verify` on a real run: an honest run passes every level; a tampered block is
+caught by the content level, naming the step and the CID."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dag_cbor
+import pytest
+
+from lineage.blockstore import Blockstore
+from lineage.cid import parse_cid
+from lineage.runrecord import RunRecord
+
+DLX = str(Path(sys.executable).parent / "dlx")
+
+
+def verify(run_dir: Path) -> tuple[int, dict]:
+    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode in (0, 1), res.stderr
+    return res.returncode, json.loads(res.stdout)
+
+
+def _block_path(run_dir: Path, cid) -> Path:
+    store = Blockstore(RunRecord.load(run_dir).blocks_dir(run_dir))
+    return store._path(parse_cid(cid))
+
+
+@pytest.mark.slow
+def test_an_honest_run_passes_chain_content_and_aggregate(trained_run):
+    run_dir, _ = trained_run
+    code, report = verify(run_dir)
+    assert code == 0, report
+    assert report["ok"] and len(report["steps"]) == 3
+    for step in report["steps"]:
+        assert step["passed"] == ["chain", "content", "aggregate"]
+
+
+@pytest.mark.slow
+def test_a_tampered_contribution_block_fails_content_with_its_cid(trained_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run[0], run_dir)
+    record = RunRecord.load(run_dir)
+    store = Blockstore(record.blocks_dir(run_dir))
+    head = dag_cbor.decode(store.get(record.head))
+    victim = parse_cid(head["contributions"][1][0])
+    path = _block_path(run_dir, victim)
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    code, report = verify(run_dir)
+    assert code == 1 and not report["ok"]
+    last = report["steps"][-1]
+    assert "content" in last["failures"] and str(victim) in last["failures"]["content"]
+    assert all(s["ok"] for s in report["steps"][:-1])
