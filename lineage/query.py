@@ -11,9 +11,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import dag_cbor
+from multiformats import CID
 
 from .anvil import Anvil
 from .blockstore import Blockstore
@@ -49,23 +52,66 @@ class LineageStep:
     nodes: list[str]
     tx: str
     block: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    contributions: list[dict[str, Any]] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "checkpoint": self.checkpoint, "parent": self.parent,
-                "loss": self.loss, "nodes": self.nodes, "tx": self.tx, "block": self.block}
+                "loss": self.loss, "nodes": self.nodes, "tx": self.tx, "block": self.block,
+                "metrics": self.metrics, "contributions": self.contributions}
 
 
-def run_lineage(run_dir: Path, rpc: str | None = None) -> tuple[RunRecord, list[LineageStep]]:
+@dataclass(frozen=True)
+class Lineage:
+    """A run's history: where it lives, what it was configured with, and its steps."""
+
+    record: RunRecord
+    config: dict[str, Any]
+    stakes: dict[str, int]
+    steps: list[LineageStep]
+
+    def as_json(self) -> dict[str, Any]:
+        r = self.record
+        return {"run": r.run_id, "name": r.name, "chain_id": r.chain_id, "ledger": r.ledger,
+                "registry": r.registry, "genesis": r.genesis, "config_cid": r.config,
+                "config": self.config, "stakes": {k: str(v) for k, v in self.stakes.items()},
+                "steps": [s.as_json() for s in self.steps]}
+
+
+def _plain(value: Any) -> Any:
+    """DAG-CBOR values as JSON-friendly ones (bytes as 0x-hex, CIDs as strings)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, bytes | bytearray):
+        return "0x" + bytes(value).hex()
+    if isinstance(value, CID):
+        return str(value)
+    return value
+
+
+def run_lineage(run_dir: Path, rpc: str | None = None) -> Lineage:
     """The committed step chain of the run in `run_dir`, oldest first."""
     record = RunRecord.load(run_dir)
     store = Blockstore(record.blocks_dir(run_dir))
     with open_ledger(run_dir, record, rpc) as ledger:
         records = ledger.steps(record.run_id)
+        created = ledger.run_created(record.run_id)
+        stakes = {node: ledger.stake_of(node) for node in created["nodes"]}
+    config_cid = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
+    config = _plain(dag_cbor.decode(store.get(config_cid)))
     steps = []
     for rec in records:
         checkpoint = cid_from_digest(rec.checkpoint, DAG_CBOR)
         manifest = get_manifest(store, checkpoint)  # re-hashes against the on-chain digest
         ordered = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
+        contributions = [
+            {"replica": a["replica"], "stage": a["stage"], "node": a["node"],
+             "cid": str(manifest.contributions[a["replica"]][a["stage"]]),
+             "loss": a["lossMicros"] / 1e6, "data_shard": "0x" + bytes(a["dataShard"]).hex()}
+            for a in ordered
+        ]
         steps.append(LineageStep(
             step=rec.step,
             checkpoint=str(checkpoint),
@@ -74,5 +120,7 @@ def run_lineage(run_dir: Path, rpc: str | None = None) -> tuple[RunRecord, list[
             nodes=[a["node"] for a in ordered],
             tx=rec.tx,
             block=rec.block,
+            metrics=dict(manifest.metrics),
+            contributions=contributions,
         ))
-    return record, steps
+    return Lineage(record, config, stakes, steps)

@@ -60,3 +60,23 @@ def test_train_then_lineage_gives_a_verified_checkpoint_chain(trained_run):
                          timeout=120, env=env)
     assert res.returncode == 0
     assert record.head in res.stdout
+
+
+@pytest.mark.slow
+def test_lineage_html_report_is_one_self_contained_file(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    out = tmp_path / "report.html"
+    res = subprocess.run([DLX, "lineage", "--run-dir", str(run_dir), "--html", str(out), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    page = out.read_text()
+    assert page.startswith("<!doctype html>") and "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert 'aria-label="checkpoint chain"' in page and 'aria-label="loss curve"' in page
+    for s in doc["steps"]:
+        assert s["checkpoint"] in page and s["tx"] in page
+        assert [c["node"] for c in s["contributions"]] == s["nodes"]
+        assert s["metrics"]["eval_loss"] == s["loss"]
+    assert doc["config"]["job"]["name"] == "e2e"
+    assert all(int(v) >= 10**18 for v in doc["stakes"].values())

@@ -110,28 +110,37 @@ def train(
 def lineage(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
     rpc: Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")] = None,
 ) -> None:
     """The run's checkpoint chain as recorded on the ledger, checked against the blockstore."""
     from lineage.query import run_lineage
 
-    record, steps = run_lineage(run_dir, rpc)
+    result = run_lineage(run_dir, rpc)
+    doc = result.as_json()
+    if html is not None:
+        from lineage.report import render_html
+
+        tmp = html.with_name(f".{html.name}.tmp")
+        tmp.write_text(render_html(doc))
+        tmp.replace(html)
     if as_json:
-        doc = {"run": record.run_id, "ledger": record.ledger, "chain_id": record.chain_id,
-               "genesis": record.genesis, "steps": [s.as_json() for s in steps]}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     from rich.console import Console
     from rich.table import Table
 
+    record = result.record
     table = Table(title=f"run {record.run_id} ({record.name}) on chain {record.chain_id}, ledger {record.ledger}")
     for col in ("step", "checkpoint", "parent", "eval loss", "nodes", "tx"):
         table.add_column(col, overflow="fold")
-    for s in steps:
+    for s in result.steps:
         table.add_row(str(s.step), s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
                       "\n".join(s.nodes), s.tx)
-    Console().print(table)
-
+    console = Console()
+    console.print(table)
+    if html is not None:
+        console.print(f"report written to {html}")
 
 
 @app.command()
@@ -168,6 +177,8 @@ def verify(
         console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
     if not report.ok:
         raise typer.Exit(1)
+
+
 
 
 def main() -> None:
