@@ -16,7 +16,7 @@ body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:
 h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.8em;border-bottom:1px solid #dde}
 table{border-collapse:collapse;width:100%;font-size:12.5px}th,td{padding:4px 8px;border-bottom:1px solid #eef;text-align:left;vertical-align:top}
 th{background:#f4f6fb}code{font:12px ui-monospace,monospace}.muted{color:#667}.kv td:first-child{width:14em;color:#556}
-svg text{font:11px system-ui,sans-serif}.ok{color:#17803d}.bad{color:#b42318}
+svg text{font:11px system-ui,sans-serif}td code{word-break:break-all}td.c{white-space:nowrap}.ok{color:#17803d}.bad{color:#b42318}
 """
 
 
@@ -146,7 +146,7 @@ def render_html(lineage: dict[str, Any]) -> str:
         loss = "" if s["loss"] is None else f"{s['loss']:.4f}"
         out.append(f"<tr><td>{s['step']}</td><td><code>{_e(s['checkpoint'])}</code><br>"
                    f"<span class=muted>parent <code>{_e(s['parent'])}</code></span></td><td>{loss}</td>"
-                   f"<td>{contribs}</td><td><code>{_e(s['tx'])}</code><br><span class=muted>block {s['block']}</span></td></tr>")
+                   f"<td class=c>{contribs}</td><td><code title='{_e(s['tx'])}'>{_e(_short(s['tx'], 12))}</code><br><span class=muted>block {s['block']}</span></td></tr>")
     out.append("</table><h2>Configuration</h2><table class=kv>")
     out += [f"<tr><td>{_e(k)}</td><td><code>{_e(v)}</code></td></tr>" for k, v in kv]
     out.append("</table></body></html>\n")

@@ -75,7 +75,7 @@ def test_lineage_html_report_is_one_self_contained_file(trained_run, tmp_path):
         'xmlns="http://www.w3.org/2000/svg"', "")
     assert 'aria-label="checkpoint chain"' in page and 'aria-label="loss curve"' in page
     for s in doc["steps"]:
-        assert s["checkpoint"] in page and s["tx"] in page
+        assert s["checkpoint"] in page and f"title='{s['tx']}'" in page
         assert [c["node"] for c in s["contributions"]] == s["nodes"]
         assert s["metrics"]["eval_loss"] == s["loss"]
     assert doc["config"]["job"]["name"] == "e2e"
