@@ -1,8 +1,24 @@
-"""CIDs for the blocks this project stores: CIDv1, sha2-256, base32.
+"""CIDs for the blocks this project stores: sha2-256, CIDv1 in base32 by default.
 
-On chain a CID is kept as its bare 32-byte sha2-256 digest; the codec is fixed by the
-field it sits in (a checkpoint manifest is dag-cbor, a shard or contribution is raw), so
-`cid_from_digest` rebuilds the full CID.
+Codecs: `raw` (file chunks, small files), `dag-pb` (UnixFS file nodes above one chunk,
+and every block of a CIDv0 import) and `dag-cbor` (manifests, job configuration). CIDv0
+(`Qm...`) is always dag-pb; `as_v1` gives the CIDv1 with the same codec and digest, which
+is the name a block is stored under, so a v0 and a v1 CID of one block share one file.
+
+Rebuilding a CID from the 32-byte digest kept on chain
+------------------------------------------------------
+On chain a CID is kept as its bare sha2-256 digest. For a manifest (`checkpoint`,
+`parent`, `genesis`, `config`) the codec is fixed by the field: dag-cbor. A contribution
+or stage shard is a UnixFS file imported as `ipfs add --cid-version=1` does, and there
+the codec depends on the file's size: a file of at most one chunk (256 KiB, including the
+empty file) is a single `raw` block, a larger file has a `dag-pb` root. The digest alone
+cannot tell which, so the full CID is rebuilt from the checkpoint instead: the chain's
+checkpoint digest names the manifest (dag-cbor), and the manifest links every stage and
+contribution by its full CID; `lineage.query` checks that each on-chain contribution
+digest equals `digest_of` the manifest's CID for that slot. Where only a digest is at
+hand, `file_cid_candidates` lists the two possible CIDs (raw first, then dag-pb) and a
+store is asked which it holds (`lineage.unixfs.resolve_file_digest`). Both can never be
+stored for different content: one digest means one byte string.
 """
 
 from __future__ import annotations
@@ -12,18 +28,29 @@ import hashlib
 from multiformats import CID, multihash
 
 RAW = "raw"
+DAG_PB = "dag-pb"
 DAG_CBOR = "dag-cbor"
 
 
-def cid_for(data: bytes, codec: str = RAW) -> CID:
-    """The CIDv1 (sha2-256) of `data` under `codec`."""
-    return cid_from_digest(hashlib.sha256(data).digest(), codec)
+def cid_for(data: bytes, codec: str = RAW, version: int = 1) -> CID:
+    """The CID (sha2-256) of `data` under `codec`; version 0 only for dag-pb."""
+    return cid_from_digest(hashlib.sha256(data).digest(), codec, version)
 
 
-def cid_from_digest(digest: bytes, codec: str) -> CID:
+def cid_from_digest(digest: bytes, codec: str, version: int = 1) -> CID:
     if len(digest) != 32:
         raise ValueError(f"a sha2-256 digest has 32 bytes, got {len(digest)}")
-    return CID("base32", 1, codec, multihash.wrap(digest, "sha2-256"))
+    mh = multihash.wrap(digest, "sha2-256")
+    if version == 0:
+        if codec != DAG_PB:
+            raise ValueError(f"a CIDv0 is always dag-pb, not {codec}")
+        return CID("base58btc", 0, DAG_PB, mh)
+    return CID("base32", 1, codec, mh)
+
+
+def file_cid_candidates(digest: bytes) -> list[CID]:
+    """The CIDv1s a UnixFS file root with this digest can have: raw (one chunk), dag-pb."""
+    return [cid_from_digest(digest, RAW), cid_from_digest(digest, DAG_PB)]
 
 
 def digest_of(cid: CID) -> bytes:
@@ -34,10 +61,19 @@ def digest_of(cid: CID) -> bytes:
     return bytes(cid.raw_digest)
 
 
-def parse_cid(text: str | CID) -> CID:
+def as_v1(cid: CID) -> CID:
+    """`cid` as CIDv1 in base32 (a CIDv0 becomes the dag-pb CIDv1 of the same block)."""
+    if cid.version == 0:
+        return CID("base32", 1, DAG_PB, cid.digest)
+    return cid.set(base="base32")
+
+
+def parse_cid(text: str | bytes | CID) -> CID:
+    """A CID from text (any multibase, or `Qm...`) or binary form; v1 comes back in base32."""
     if isinstance(text, CID):
-        return text.set(base="base32")
+        return text if text.version == 0 else text.set(base="base32")
     try:
-        return CID.decode(text).set(base="base32")
+        cid = CID.decode(text)
     except Exception as exc:  # multiformats raises several unrelated types
         raise ValueError(f"not a CID: {text!r} ({exc})") from None
+    return cid if cid.version == 0 else cid.set(base="base32")

@@ -229,5 +229,7 @@ def _verify_aggregate(store: Blockstore, parent: Manifest, m: Manifest, outer_cf
 
 
 def read_file(store: Blockstore, cid: Any) -> bytes:
-    """The bytes of a stored file (shard or contribution), checked against its CID."""
-    return store.get(cid)
+    """The bytes of a stored UnixFS file (shard or contribution), every block re-hashed."""
+    from .unixfs import read_bytes
+
+    return read_bytes(store, cid)

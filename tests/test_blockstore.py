@@ -82,3 +82,43 @@ def test_several_writer_processes_share_one_store(tmp_path):
     store = Blockstore(tmp_path)
     assert len(list(store)) == 50 + 3 * 200
     assert store.verify() == []
+
+
+def test_a_cidv0_and_its_cidv1_name_the_same_stored_block(tmp_path):
+    from lineage.cid import DAG_PB, as_v1, cid_from_digest
+
+    store = Blockstore(tmp_path)
+    block = bytes.fromhex("0a0408021800")  # the empty UnixFS file, QmbFMke1...
+    v1 = store.put(block, DAG_PB)
+    v0 = cid_from_digest(bytes(v1.raw_digest), DAG_PB, 0)
+    assert str(v0) == "QmbFMke1KXqnYyBBWxB74N4c5SBnJMVAiMNRcGu6x1AwQH"
+    assert as_v1(v0) == v1 and store.has(v0) and store.get(str(v0)) == block
+
+
+def test_gc_keeps_everything_a_pin_reaches_and_nothing_else(tmp_path):
+    import dag_cbor
+
+    store = Blockstore(tmp_path)
+    leaf = store.put(b"leaf")
+    root = store.put(dag_cbor.encode({"x": leaf}), DAG_CBOR)
+    stray = store.put(b"stray")
+    store.pin("run-1", [root])
+    assert store.pins() == {"run-1": [root]}
+    assert store.gc(grace_s=3600) == []  # everything is young
+    assert store.gc(grace_s=0) == [stray]
+    assert set(store) == {leaf, root}
+    store.unpin("run-1")
+    assert sorted(map(str, store.gc(grace_s=0))) == sorted([str(leaf), str(root)])
+
+
+def test_a_failed_batch_leaves_the_store_unchanged(tmp_path):
+    store = Blockstore(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.batch() as staged:
+            staged.put(b"staged only")
+            raise RuntimeError("boom")
+    assert list(store) == []
+    with store.batch() as staged:
+        cid = staged.put(b"committed")
+    assert list(store) == [cid] and store.get(cid) == b"committed"
+    assert [p.name for p in tmp_path.iterdir()] == [store._path(cid).parent.name]

@@ -179,6 +179,9 @@ def verify(
         raise typer.Exit(1)
 
 
+app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  # dlx cas ...
+
+
 
 
 def main() -> None:

@@ -1,14 +1,17 @@
 """The StepSink that turns each outer step into blocks, a manifest and a ledger commit.
 
-For every step it stores the stage shards and contributions as blocks, links them in a
-DAG-CBOR manifest whose parent is the previous checkpoint, has each (replica, stage)
+For every step it stores the stage shards and contributions as UnixFS files (the CIDs
+`ipfs add --cid-version=1` gives the same bytes: a raw block up to 256 KiB, a dag-pb root
+above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each (replica, stage)
 slot's node key sign an EIP-712 `Contribution`, and commits the step on the ledger.
-`run.json` is rewritten only after the chain accepted the step.
+`run.json` is rewritten only after the chain accepted the step, and the store's pin set for
+the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from lineage.chain import Attestation, Ledger
 from lineage.cid import digest_of
 from lineage.manifest import Manifest, put_config, put_manifest
 from lineage.runrecord import RunRecord
+from lineage.unixfs import import_bytes
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
@@ -69,7 +73,7 @@ class LedgerSink:
 
     def on_genesis(self, genesis: GenesisArtifacts) -> None:
         self._config_cid = put_config(self.store, self.config)
-        stages = [self.store.put(s.data) for s in genesis.stages]
+        stages = [self._put_file(s.data) for s in genesis.stages]
         manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
         head = put_manifest(self.store, manifest)
         nodes = list(dict.fromkeys(k.address for k in self.slot_keys))
@@ -89,6 +93,7 @@ class LedgerSink:
             run_id, str(self._config_cid), str(head), str(head), nodes, "running",
         )
         r.save(self.run_dir)
+        self._pin(head)
 
     def on_step(self, step: StepArtifacts) -> None:
         if self._head is None or self._config_cid is None:
@@ -97,8 +102,8 @@ class LedgerSink:
         R = self.job.parallel.replicas
         if len(step.contributions) != R * S:
             raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
-        stages = [self.store.put(s.data) for s in step.stages]
-        contribs = [self.store.put(c.data) for c in step.contributions]
+        stages = [self._put_file(s.data) for s in step.stages]
+        contribs = [self._put_file(c.data) for c in step.contributions]
         metrics = dict(step.metrics)
         manifest = Manifest(
             step=step.step,
@@ -141,8 +146,20 @@ class LedgerSink:
         self._head = checkpoint
         self.record.head, self.record.steps = str(checkpoint), step.step
         self.record.save(self.run_dir)
+        self._pin(checkpoint)
         if self._committed:
             self._committed(step.step, checkpoint, step)
+
+    # -- storage ---------------------------------------------------------------------------
+
+    def _put_file(self, data: bytes) -> CID:
+        """Store bytes as a UnixFS file; its CID (and so the on-chain digest) is Kubo's."""
+        return import_bytes(data, self.store.put).cid
+
+    def _pin(self, head: CID) -> None:
+        """Point the run's pin set at its head: everything the run committed survives gc."""
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{self.record.name}-{self.record.run_id}")[:128]
+        self.store.pin(name, [head])
 
     def on_progress(self, progress: Progress) -> None:
         if self._progress:

@@ -1,0 +1,461 @@
+"""UnixFS files: import bytes into a DAG with the same CIDs as Kubo, and read them back.
+
+    from lineage.unixfs import import_file, cat
+    root = import_file(open("ckpt.safetensors", "rb"), store.put).cid   # == `ipfs add --cid-version=1`
+    data = b"".join(cat(store, root))
+
+The layout is Kubo's default (go-unixfs `importer/balanced`): the file is cut into fixed
+256 KiB chunks; leaves are `raw` blocks for CIDv1 (`--raw-leaves`, implied by
+`--cid-version=1`) or dag-pb UnixFS `File` nodes for CIDv0 (plain `ipfs add`); interior
+nodes are dag-pb UnixFS `File` nodes with `filesize` and one `blocksizes` entry per link,
+at most 174 links each, and the tree is filled left to right, each subtree full before the
+next starts. A file of one chunk (or none: the empty file) is its single leaf.
+
+Import streams: it keeps one chunk and at most 174 pending links per tree level, so its
+extra memory does not grow with the file. dag-pb and UnixFS protobufs are encoded here by
+hand, byte for byte as Go's `go-merkledag` and JS's `@ipld/dag-pb` do (links before data,
+an empty `Name` always written), because the CID is the hash of exactly those bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import BinaryIO, Protocol
+
+from multiformats import CID
+
+from .cid import DAG_PB, RAW, cid_for, cid_from_digest, file_cid_candidates, parse_cid
+from .errors import BlockNotFoundError, StorageError
+
+CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
+MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
+
+# UnixFS Data.DataType
+T_RAW, T_DIRECTORY, T_FILE, T_METADATA, T_SYMLINK, T_HAMT = range(6)
+
+PutFn = Callable[[bytes, str], CID]
+
+
+class BlockReader(Protocol):
+    """What reading needs from a store (`Blockstore`, `IpfsStore`): re-hashed blocks."""
+
+    def get(self, cid: CID | str) -> bytes: ...
+
+    def has(self, cid: CID | str) -> bool: ...
+
+
+# -- protobuf, the few wire types dag-pb and UnixFS use --------------------------------------
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise ValueError("truncated or oversized varint")
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n, pos
+        shift += 7
+
+
+def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
+    """(field number, value) pairs of a protobuf message with varint and bytes fields."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(buf, pos)
+            yield num, value
+        elif wire == 2:
+            size, pos = _read_varint(buf, pos)
+            if pos + size > len(buf):
+                raise ValueError("truncated length-delimited field")
+            yield num, bytes(buf[pos:pos + size])
+            pos += size
+        else:
+            raise ValueError(f"unsupported protobuf wire type {wire}")
+
+
+def _bytes_field(num: int, value: bytes) -> bytes:
+    return _varint(num << 3 | 2) + _varint(len(value)) + value
+
+
+def _uint_field(num: int, value: int) -> bytes:
+    return _varint(num << 3) + _varint(value)
+
+
+@dataclass(frozen=True)
+class PBLink:
+    cid: CID
+    tsize: int
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class PBNode:
+    data: bytes | None
+    links: list[PBLink] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        """Canonical dag-pb: every link (Hash, Name, Tsize), then Data."""
+        out = bytearray()
+        for link in self.links:
+            body = (_bytes_field(1, bytes(link.cid)) + _bytes_field(2, link.name.encode())
+                    + _uint_field(3, link.tsize))
+            out += _bytes_field(2, body)
+        if self.data is not None:
+            out += _bytes_field(1, self.data)
+        return bytes(out)
+
+    @classmethod
+    def decode(cls, block: bytes) -> PBNode:
+        data, links = None, []
+        for num, value in _fields(block):
+            if num == 1 and isinstance(value, bytes):
+                data = value
+            elif num == 2 and isinstance(value, bytes):
+                cid, name, tsize = None, "", 0
+                for lnum, lval in _fields(value):
+                    if lnum == 1 and isinstance(lval, bytes):
+                        cid = parse_cid(lval)
+                    elif lnum == 2 and isinstance(lval, bytes):
+                        name = lval.decode("utf-8")
+                    elif lnum == 3 and isinstance(lval, int):
+                        tsize = lval
+                if cid is None:
+                    raise ValueError("dag-pb link without a Hash")
+                links.append(PBLink(cid, tsize, name))
+            else:
+                raise ValueError(f"unexpected dag-pb field {num}")
+        return cls(data, links)
+
+
+@dataclass(frozen=True)
+class UnixFSData:
+    type: int
+    data: bytes | None = None
+    filesize: int | None = None
+    blocksizes: list[int] = field(default_factory=list)
+
+    def encode(self) -> bytes:
+        out = _uint_field(1, self.type)
+        if self.data:
+            out += _bytes_field(2, self.data)
+        if self.filesize is not None:
+            out += _uint_field(3, self.filesize)
+        for size in self.blocksizes:  # proto2 `repeated uint64`, not packed
+            out += _uint_field(4, size)
+        return out
+
+    @classmethod
+    def decode(cls, buf: bytes) -> UnixFSData:
+        kind, data, filesize, sizes = None, None, None, []
+        for num, value in _fields(buf):
+            if num == 1 and isinstance(value, int):
+                kind = value
+            elif num == 2 and isinstance(value, bytes):
+                data = value
+            elif num == 3 and isinstance(value, int):
+                filesize = value
+            elif num == 4:
+                if isinstance(value, int):
+                    sizes.append(value)
+                else:  # tolerate a packed encoding from other writers
+                    pos = 0
+                    while pos < len(value):
+                        n, pos = _read_varint(value, pos)
+                        sizes.append(n)
+        if kind is None:
+            raise ValueError("UnixFS data without a Type")
+        return cls(kind, data, filesize, sizes)
+
+
+# -- import ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImportResult:
+    cid: CID
+    size: int  # file bytes
+    blocks: int  # blocks written (with repeats)
+
+
+@dataclass
+class _Link:
+    cid: CID
+    tsize: int  # cumulative: the block plus everything below it
+    filesize: int  # file bytes below it
+
+
+def _compute_only(data: bytes, codec: str) -> CID:
+    return cid_for(data, codec)
+
+
+class FileImporter:
+    """Feed bytes with `write`, get the root with `finish`; blocks go to `put(data, codec)`.
+
+    `put` returns the block's CIDv1 (it hashes the block, so nothing is hashed twice);
+    with `cid_version=0` the importer re-labels it as the CIDv0 of the same digest.
+    Leaves are hashed and stored in a small thread pool (hashlib and file writes release
+    the GIL); at most `2 * workers` chunks are in flight.
+    """
+
+    def __init__(
+        self,
+        put: PutFn | None = None,
+        *,
+        cid_version: int = 1,
+        raw_leaves: bool | None = None,
+        chunk_size: int = CHUNK_SIZE,
+        max_links: int = MAX_LINKS,
+        workers: int = 4,
+    ) -> None:
+        if cid_version not in (0, 1):
+            raise ValueError(f"cid_version must be 0 or 1, got {cid_version}")
+        if chunk_size < 1 or max_links < 2:
+            raise ValueError(f"need chunk_size >= 1 and max_links >= 2, got {chunk_size}, {max_links}")
+        self._put = put or _compute_only
+        self.cid_version = cid_version
+        self.raw_leaves = cid_version == 1 if raw_leaves is None else raw_leaves
+        if self.raw_leaves and cid_version == 0:
+            raise ValueError("raw leaves need CIDv1")
+        self.chunk_size = chunk_size
+        self.max_links = max_links
+        self._buf = bytearray()
+        self._levels: list[list[_Link]] = [[]]
+        self._leaves = 0
+        self._size = 0
+        self._blocks = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers) if workers > 0 else None
+        self._inflight: deque[Future[_Link]] = deque()
+        self._max_inflight = 2 * max(workers, 1)
+        self._done = False
+
+    def _store(self, block: bytes, codec: str) -> CID:
+        cid = self._put(block, codec)
+        self._blocks += 1
+        if self.cid_version == 0:
+            return cid_from_digest(bytes(cid.raw_digest), DAG_PB, 0)
+        return cid
+
+    def _leaf(self, chunk: bytes) -> _Link:
+        if self.raw_leaves:
+            return _Link(self._store(chunk, RAW), len(chunk), len(chunk))
+        block = PBNode(UnixFSData(T_FILE, chunk, len(chunk)).encode()).encode()
+        return _Link(self._store(block, DAG_PB), len(block), len(chunk))
+
+    def _parent(self, links: list[_Link]) -> _Link:
+        size = sum(link.filesize for link in links)
+        unixfs = UnixFSData(T_FILE, None, size, [link.filesize for link in links])
+        block = PBNode(unixfs.encode(), [PBLink(link.cid, link.tsize) for link in links]).encode()
+        return _Link(self._store(block, DAG_PB), len(block) + sum(link.tsize for link in links), size)
+
+    def _add(self, level: int, link: _Link) -> None:
+        # A full group becomes a parent at once: exactly the batches of the balanced layout.
+        while True:
+            if level == len(self._levels):
+                self._levels.append([])
+            self._levels[level].append(link)
+            if len(self._levels[level]) < self.max_links:
+                return
+            link = self._parent(self._levels[level])
+            self._levels[level] = []
+            level += 1
+
+    def _drain(self, keep: int) -> None:
+        while len(self._inflight) > keep:
+            self._add(0, self._inflight.popleft().result())
+
+    def _emit(self, chunk: bytes) -> None:
+        self._leaves += 1
+        if self._pool is None:
+            self._add(0, self._leaf(chunk))
+            return
+        self._inflight.append(self._pool.submit(self._leaf, chunk))
+        self._drain(self._max_inflight)
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._done:
+            raise ValueError("write after finish")
+        self._size += len(data)
+        if not self._buf and len(data) == self.chunk_size:
+            self._emit(bytes(data))
+            return
+        self._buf += data
+        while len(self._buf) >= self.chunk_size:
+            self._emit(bytes(self._buf[:self.chunk_size]))
+            del self._buf[:self.chunk_size]
+
+    def finish(self) -> ImportResult:
+        try:
+            if self._buf or self._leaves == 0:  # the empty file is one empty leaf
+                self._emit(bytes(self._buf))
+                self._buf = bytearray()
+            self._drain(0)
+        finally:
+            self.close()
+        # Close the partial group of each level, bottom up; the last lone node is the root.
+        level = 0
+        while True:
+            pending = self._levels[level]
+            top = all(not rest for rest in self._levels[level + 1:])
+            if top and len(pending) == 1:
+                root = pending[0]
+                break
+            if pending:
+                parent = self._parent(pending)
+                self._levels[level] = []
+                if level + 1 == len(self._levels):
+                    self._levels.append([])
+                self._levels[level + 1].append(parent)
+            level += 1
+        self._done = True
+        return ImportResult(root.cid, self._size, self._blocks)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            for fut in self._inflight:
+                fut.cancel()
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+
+def import_file(
+    fh: BinaryIO, put: PutFn | None = None, *, read_size: int = CHUNK_SIZE, **options: int | bool | None
+) -> ImportResult:
+    """Import a binary stream (read `read_size` bytes at a time); see `FileImporter`."""
+    imp = FileImporter(put, **options)  # type: ignore[arg-type]
+    try:
+        while chunk := fh.read(read_size):
+            imp.write(chunk)
+    except BaseException:
+        imp.close()
+        raise
+    return imp.finish()
+
+
+def import_bytes(data: bytes, put: PutFn | None = None, **options: int | bool | None) -> ImportResult:
+    """Import bytes held in memory; see `FileImporter`."""
+    if len(data) <= int(options.get("chunk_size") or CHUNK_SIZE):
+        options.setdefault("workers", 0)  # one block: no thread pool
+    imp = FileImporter(put, **options)  # type: ignore[arg-type]
+    view = memoryview(data)
+    try:
+        for pos in range(0, len(data), imp.chunk_size):
+            imp.write(view[pos:pos + imp.chunk_size])
+    except BaseException:
+        imp.close()
+        raise
+    return imp.finish()
+
+
+def file_cid(data: bytes, cid_version: int = 1) -> CID:
+    """The CID `ipfs add` (`--cid-version=1` for version 1) gives `data`; stores nothing."""
+    return import_bytes(data, cid_version=cid_version, workers=0).cid
+
+
+# -- read back -------------------------------------------------------------------------------
+
+
+def cat(store: BlockReader, root: CID | str, *, workers: int = 4) -> Iterator[bytes]:
+    """The bytes of the UnixFS file `root`, in order; every block is re-hashed by `store.get`.
+
+    Reads any UnixFS file DAG (any chunking, width, raw or dag-pb leaves), not only ours.
+    Raw leaves are read ahead by `workers` threads, at most `2 * workers` blocks at a time.
+    """
+    root = parse_cid(root)
+    stack: list[Iterator[PBLink]] = []
+
+    def visit(cid: CID) -> Iterable[bytes]:
+        block = store.get(cid)
+        if cid.codec.name == RAW:
+            return [block]
+        if cid.codec.name != DAG_PB:
+            raise StorageError(f"{cid} is {cid.codec.name}, not a UnixFS file")
+        try:
+            node = PBNode.decode(block)
+            fs = UnixFSData.decode(node.data or b"")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise StorageError(f"{cid} is not a UnixFS node: {exc}") from None
+        if fs.type not in (T_FILE, T_RAW):
+            kind = {T_DIRECTORY: "a directory", T_HAMT: "a sharded directory", T_SYMLINK: "a symlink"}
+            raise StorageError(f"{cid} is {kind.get(fs.type, f'UnixFS type {fs.type}')}, not a file")
+        stack.append(iter(node.links))
+        return [fs.data] if fs.data else []
+
+    if root.codec.name == RAW:  # a file of one chunk
+        yield store.get(root)
+        return
+    pool = ThreadPoolExecutor(max_workers=workers) if workers > 0 else None
+    ahead: deque[Future[bytes]] = deque()
+    try:
+        yield from visit(root)
+        while stack:
+            link = next(stack[-1], None)
+            if link is None:
+                stack.pop()
+                continue
+            if pool is not None and link.cid.codec.name == RAW:
+                ahead.append(pool.submit(store.get, link.cid))
+                while len(ahead) > 2 * workers:
+                    yield ahead.popleft().result()
+                continue
+            while ahead:
+                yield ahead.popleft().result()
+            yield from visit(link.cid)
+        while ahead:
+            yield ahead.popleft().result()
+    finally:
+        if pool is not None:
+            for fut in ahead:
+                fut.cancel()
+            pool.shutdown(wait=True)
+
+
+def read_file(store: BlockReader, root: CID | str, out: BinaryIO) -> int:
+    """Write the file `root` to `out`; returns its size. Checks it against the root's filesize."""
+    root = parse_cid(root)
+    written = 0
+    for piece in cat(store, root):
+        out.write(piece)
+        written += len(piece)
+    if root.codec.name == DAG_PB:
+        fs = UnixFSData.decode(PBNode.decode(store.get(root)).data or b"")
+        if fs.filesize is not None and fs.filesize != written:
+            raise StorageError(f"{root}: the DAG holds {written} bytes, its root says {fs.filesize}")
+    return written
+
+
+def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
+    """The CID of the UnixFS file whose root has this sha2-256 digest, as held by `store`.
+
+    Tries raw (a file of at most one chunk) then dag-pb; see `lineage.cid` for why both.
+    """
+    for cid in file_cid_candidates(digest):
+        if store.has(cid):
+            return cid
+    raise BlockNotFoundError(f"raw or dag-pb block with sha2-256 {digest.hex()}")
+
+
+
+def read_bytes(store: BlockReader, root: CID | str) -> bytes:
+    """The whole file `root` in memory (shards and contributions), checked as `read_file` does."""
+    out = io.BytesIO()
+    read_file(store, root, out)
+    return out.getvalue()

@@ -1,0 +1,219 @@
+"""`dlx cas`: the content-addressed store from the command line.
+
+    dlx cas add FILE                      # store a file, print its CID (== `ipfs add --cid-version=1`)
+    dlx cas cid [--cid-version 0] FILE    # compute the CID only (== `ipfs add -n`)
+    dlx cas get CID -o FILE               # write a file back, every block re-hashed
+    dlx cas export --run-dir DIR -o run.car
+    dlx cas import run.car
+    dlx cas verify                        # re-hash every block, list the bad ones (exit 1)
+    dlx cas gc                            # delete blocks no pin reaches
+
+The store is, first match wins: a run's own blocks with `--run-dir DIR`; an IPFS daemon
+with `--ipfs-api MULTIADDR` (or $DLX_IPFS_API); a directory with `--store DIR` (or
+$DLX_STORE; default ~/.dlx/blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(name="cas", help="Content-addressed storage: add, get, CIDs, CAR export/import, verify, gc.",
+                  no_args_is_help=True)
+
+StoreOpt = Annotated[Path | None, typer.Option("--store", envvar="DLX_STORE",
+                                               help="Local blockstore directory (default ~/.dlx/blocks).")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Use this run's blockstore (before --ipfs-api and --store).")]
+ApiOpt = Annotated[str | None, typer.Option("--ipfs-api", envvar="DLX_IPFS_API",
+                                            help="Use an IPFS daemon's RPC API, e.g. /ip4/127.0.0.1/tcp/5001/http.")]
+
+
+def user_errors(fn: Any) -> Any:
+    """`workers.cli.user_errors`, looked up at call time: cli.py imports this module."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from workers.cli import user_errors as one_line_errors
+
+        return one_line_errors(fn)(*args, **kwargs)
+
+    return wrapper
+
+
+def _open(store: Path | None, run_dir: Path | None, api: str | None) -> Any:
+    """The store to use: --run-dir's, else the daemon at --ipfs-api, else --store (or default)."""
+    from lineage.ipfs import open_store
+
+    if run_dir:
+        from lineage.runrecord import RunRecord
+
+        return open_store(RunRecord.load(run_dir).blocks_dir(run_dir))
+    if api:
+        return open_store(api=api)
+    return open_store(store or Path.home() / ".dlx" / "blocks")
+
+
+def _user_error(message: str) -> None:
+    from trainer.errors import ConfigError
+
+    raise ConfigError(message)
+
+
+def _cid(text: str) -> Any:
+    from lineage.cid import parse_cid
+
+    try:
+        return parse_cid(text)
+    except ValueError as exc:
+        _user_error(str(exc))
+
+
+def _input(path: Path) -> Any:
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        _user_error(f"no such file: {path}")
+    except IsADirectoryError:
+        _user_error(f"{path} is a directory; only files are supported")
+    except OSError as exc:
+        _user_error(f"cannot read {path}: {exc.strerror}")
+
+
+@app.command()
+@user_errors
+def add(
+    file: Annotated[Path, typer.Argument(help="The file to store.")],
+    pin: Annotated[str | None, typer.Option("--pin", help="Also pin it under this pin set name.")] = None,
+    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
+) -> None:
+    """Store FILE as UnixFS (as `ipfs add --cid-version=1`) and print its CID."""
+    from lineage.unixfs import import_file
+
+    with _input(file) as fh:
+        target = _open(store, run_dir, ipfs_api)
+        cid = import_file(fh, target.put).cid
+    if pin:
+        target.pin(pin, [cid])
+    sys.stdout.write(f"{cid}\n")
+
+
+@app.command()
+@user_errors
+def cid(
+    file: Annotated[Path, typer.Argument(help="The file to hash.")],
+    cid_version: Annotated[int, typer.Option("--cid-version", min=0, max=1,
+                                             help="1: `ipfs add --cid-version=1`; 0: plain `ipfs add`.")] = 1,
+) -> None:
+    """Print FILE's CID without storing anything."""
+    from lineage.unixfs import import_file
+
+    with _input(file) as fh:
+        sys.stdout.write(f"{import_file(fh, cid_version=cid_version).cid}\n")
+
+
+@app.command()
+@user_errors
+def get(
+    cid_text: Annotated[str, typer.Argument(metavar="CID", help="The file's CID.")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write (default stdout).")] = None,
+    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
+) -> None:
+    """Write the file CID to -o FILE; every block is re-hashed, a bad one is an error naming it."""
+    from lineage.unixfs import read_file
+
+    root = _cid(cid_text)
+    target = _open(store, run_dir, ipfs_api)
+    if output is None:
+        read_file(target, root, sys.stdout.buffer)
+        return
+    from trainer.errors import DlxError
+
+    tmp = output.with_name(f".{output.name}.dlx-tmp")
+    try:
+        with open(tmp, "wb") as fh:  # written in full before it takes the real name
+            read_file(target, root, fh)
+        os.replace(tmp, output)
+    except DlxError:
+        raise
+    except OSError as exc:
+        _user_error(f"cannot write {output}: {exc.strerror}")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@app.command("export")
+@user_errors
+def export_(
+    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="The CAR file to write.")],
+) -> None:
+    """Write a CAR v1 of everything reachable from the run's head (manifests, shards, contributions)."""
+    from lineage.car import export_car
+    from lineage.runrecord import RunRecord
+
+    record = RunRecord.load(run_dir)
+    head = record.head or record.genesis
+    if not head:
+        _user_error(f"run in {run_dir} has no checkpoint yet")
+    target = _open(None, run_dir, None)
+    tmp = output.with_name(f".{output.name}.dlx-tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            count = export_car(target, [_cid(head)], fh)
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    sys.stderr.write(f"exported {count} blocks from head {head}\n")
+    sys.stdout.write(f"{head}\n")
+
+
+@app.command("import")
+@user_errors
+def import_(
+    car: Annotated[Path, typer.Argument(help="A CAR v1 file.")],
+    pin: Annotated[str | None, typer.Option("--pin", help="Pin its roots under this pin set name.")] = None,
+    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
+) -> None:
+    """Import every block of a CAR (all or nothing, each re-hashed); prints its roots."""
+    from lineage.car import import_car
+
+    with _input(car) as fh:
+        target = _open(store, run_dir, ipfs_api)
+        roots = import_car(target, fh)
+    if pin:
+        target.pin(pin, roots)
+    for root in roots:
+        sys.stdout.write(f"{root}\n")
+
+
+@app.command()
+@user_errors
+def verify(store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None) -> None:
+    """Re-hash every stored block; list the corrupt ones and exit 1 if there are any."""
+    target = _open(store, run_dir, ipfs_api)
+    broken = target.verify()
+    for cid in broken:
+        sys.stdout.write(f"corrupt {cid}\n")
+    if broken:
+        sys.stderr.write(f"dlx: error: {len(broken)} corrupt block(s), first {broken[0]}\n")
+        raise typer.Exit(1)
+    sys.stderr.write("every block matches its CID\n")
+
+
+@app.command()
+@user_errors
+def gc(
+    grace: Annotated[float, typer.Option("--grace", min=0, help="Keep unpinned blocks younger than this (seconds).")] = 600,
+    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
+) -> None:
+    """Delete blocks that no pin set reaches (a run pins its head)."""
+    target = _open(store, run_dir, ipfs_api)
+    removed = target.gc(grace)
+    for cid in removed:
+        sys.stdout.write(f"removed {cid}\n")
+    sys.stderr.write(f"removed {len(removed)} block(s)\n")
