@@ -15,13 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from eth_abi import decode as abi_decode
+from eth_account import Account
+from eth_account.messages import SignableMessage, encode_typed_data
 from eth_account.signers.local import LocalAccount
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
 from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception
+from web3.logs import DISCARD
 
 from .anvil import PROJECT_ROOT
+from .attest import DOMAIN_NAME, DOMAIN_VERSION
 from .errors import ChainError, ChainRevertError
+
+#: Where slashed stake goes when no treasury is named: nobody holds its key.
+BURN_ADDRESS = "0x000000000000000000000000000000000000dEaD"
+#: The reporter's (or successful challenger's) share of a slash, in basis points.
+DEFAULT_REPORTER_SHARE_BPS = 5_000
+#: Seconds between unbonding and withdrawal; every challenge window stays below it.
+DEFAULT_UNBONDING_DELAY = 7 * 24 * 3600
 
 
 def contracts_out() -> Path:
@@ -162,10 +173,27 @@ class Ledger:
         self.ledger = chain.contract("TrainingLedger", ledger)
 
     @classmethod
-    def deploy(cls, chain: Chain, deployer: LocalAccount) -> Ledger:
-        registry = chain.deploy("NodeRegistry", deployer)
+    def deploy(
+        cls,
+        chain: Chain,
+        deployer: LocalAccount,
+        *,
+        treasury: str = BURN_ADDRESS,
+        reporter_share_bps: int = DEFAULT_REPORTER_SHARE_BPS,
+        unbonding_delay: int = DEFAULT_UNBONDING_DELAY,
+    ) -> Ledger:
+        """Deploy a NodeRegistry and a TrainingLedger on it, and bind the two.
+
+        `treasury` receives the non-reporter share of slashed stake (the burn address by
+        default); every run's challenge window must stay below `unbonding_delay` seconds.
+        """
+        registry = chain.deploy(
+            "NodeRegistry", deployer, to_checksum_address(treasury), reporter_share_bps, unbonding_delay
+        )
         ledger = chain.deploy("TrainingLedger", deployer, registry)
-        return cls(chain, registry, ledger)
+        out = cls(chain, registry, ledger)
+        chain.transact(out.registry.functions.bindLedger(ledger), deployer, context="bindLedger")
+        return out
 
     @property
     def addresses(self) -> dict[str, str]:
@@ -173,14 +201,17 @@ class Ledger:
 
     # -- node registry --------------------------------------------------------------------
 
-    def ensure_staked(self, node: LocalAccount, amount: int) -> None:
-        """Register `node` if needed and top its stake up to at least `amount` wei."""
+    def ensure_staked(self, node: LocalAccount, amount: int, operator: LocalAccount | None = None) -> None:
+        """Register `node` for `operator` (itself by default) if needed, and have the
+        operator top its active stake up to at least `amount` wei."""
         fns = self.registry.functions
+        payer = operator or node
         if not fns.isRegistered(node.address).call():
-            self.chain.transact(fns.register(), node, context=f"register {node.address}")
+            self.chain.transact(fns.register(payer.address), node, context=f"register {node.address}")
         have = fns.stakeOf(node.address).call()
         if have < amount:
-            self.chain.transact(fns.stake(), node, value=amount - have, context=f"stake {node.address}")
+            self.chain.transact(fns.stake(node.address), payer, value=amount - have,
+                                context=f"stake {node.address}")
 
     def stake_of(self, node: str) -> int:
         return self.registry.functions.stakeOf(to_checksum_address(node)).call()
@@ -241,7 +272,8 @@ class Ledger:
         return dict(logs[0]["args"])
 
     def steps(self, run_id: int) -> list[StepRecord]:
-        """Every committed step of `run_id`, in order, read from the ledger's events."""
+        """The committed steps of `run_id` on its current chain, in order, read from the
+        ledger's events (commits rejected by a challenge are left out; see `rejections`)."""
         committed = self.ledger.events.StepCommitted().get_logs(
             from_block=0, argument_filters={"runId": run_id}
         )
@@ -261,4 +293,148 @@ class Ledger:
                 metrics_digest=bytes(a["metricsDigest"]), submitter=a["submitter"],
                 tx=tx, block=int(log["blockNumber"]), attestations=by_tx.get(tx, []),
             ))
-        return sorted(records, key=lambda r: r.step)
+        # A rollback leaves rejected commits in the logs and the same step number committed
+        # again: the lineage is the latest commit of each step up to the head.
+        _, head_step = self.head(run_id)
+        latest: dict[int, StepRecord] = {}
+        for record in sorted(records, key=lambda r: r.block):
+            latest[record.step] = record
+        return [latest[n] for n in sorted(latest) if n <= head_step]
+
+    # -- stakes, slashing, challenges, finality (issue 5) ---------------------------------
+
+    def unbonding_of(self, node: str) -> tuple[int, int]:
+        """(wei unbonding, release timestamp) of `node`; (0, 0) when it is not unbonding."""
+        amount, release_at = self.registry.functions.unbondingOf(to_checksum_address(node)).call()
+        return int(amount), int(release_at)
+
+    def credit_of(self, account: str) -> int:
+        """Wei `account` can claim: rewards, refunded bonds, the treasury's share."""
+        return int(self.registry.functions.creditOf(to_checksum_address(account)).call())
+
+    def unbond(self, operator: LocalAccount, node: str) -> Any:
+        """Start unbonding all of `node`'s stake (it stops attesting); returns the receipt."""
+        fn = self.registry.functions.unbond(to_checksum_address(node))
+        return self.chain.transact(fn, operator, context=f"unbond {node}")
+
+    def withdraw(self, operator: LocalAccount, node: str) -> Any:
+        """Pay `node`'s unbonded stake to its operator; returns the receipt."""
+        fn = self.registry.functions.withdraw(to_checksum_address(node))
+        return self.chain.transact(fn, operator, context=f"withdraw {node}")
+
+    def claim(self, account: LocalAccount) -> Any:
+        """Pay `account` its credit; returns the receipt."""
+        return self.chain.transact(self.registry.functions.claim(), account, context=f"claim {account.address}")
+
+    def report_equivocation(
+        self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
+    ) -> int:
+        """Prove that one node signed two contributions for one slot; returns wei slashed."""
+        fn = self.ledger.functions.reportEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
+        receipt = self.chain.transact(fn, sender, context=f"reportEquivocation(run {run_id}, step {step})")
+        (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        return int(event["args"]["amount"])
+
+    def signers(self, run_id: int, step: int) -> list[str]:
+        """The node keys that attested `step` on the run's current chain, in slot order."""
+        for record in self.steps(run_id):
+            if record.step == step:
+                return [a["node"] for a in record.attestations]
+        raise ChainError(f"run {run_id} has no step {step} on its current chain")
+
+    def open_challenge(
+        self,
+        challenger: LocalAccount,
+        *,
+        run_id: int,
+        step: int,
+        replica: int,
+        stage: int,
+        bond: int,
+        evidence: bytes = bytes(32),
+    ) -> int:
+        """Open a replay challenge against slot (`replica`, `stage`) of `step`, posting
+        `bond` wei; returns the challenge id."""
+        fn = self.ledger.functions.openChallenge(
+            run_id, step, replica, stage, self.signers(run_id, step), evidence
+        )
+        receipt = self.chain.transact(fn, challenger, value=bond,
+                                      context=f"openChallenge(run {run_id}, step {step})")
+        (event,) = self.ledger.events.ChallengeOpened().process_receipt(receipt, errors=DISCARD)
+        return int(event["args"]["challengeId"])
+
+    def verdict_digest(self, challenge_id: int, upheld: bool) -> bytes:
+        """The EIP-712 digest an arbiter signs (checked against the contract in tests)."""
+        return verdict_signable_digest(
+            self.chain.chain_id, self.ledger.address, challenge_id, upheld
+        )
+
+    def resolve_challenge(
+        self, sender: LocalAccount, *, challenge_id: int, upheld: bool, arbiters: list[LocalAccount]
+    ) -> Any:
+        """Resolve a challenge with `arbiters`' verdict signatures (sorted here by address,
+        as the contract requires); returns the receipt."""
+        ordered = sorted(arbiters, key=lambda acct: int(acct.address, 16))
+        sigs = [sign_verdict(self.chain.chain_id, self.ledger.address, challenge_id, upheld, acct.key)
+                for acct in ordered]
+        fn = self.ledger.functions.resolveChallenge(challenge_id, upheld, sigs)
+        return self.chain.transact(fn, sender, context=f"resolveChallenge({challenge_id})")
+
+    def finalize(self, sender: LocalAccount, run_id: int, step: int) -> Any:
+        """Make `step` final (after its window, with no open challenge); returns the receipt."""
+        return self.chain.transact(self.ledger.functions.finalize(run_id, step), sender,
+                                   context=f"finalize(run {run_id}, step {step})")
+
+    def finalized_step(self, run_id: int) -> int:
+        return int(self.ledger.functions.finalizedStep(run_id).call())
+
+    def step_info(self, run_id: int, step: int) -> dict[str, Any]:
+        """The stored record of `step`: checkpoint, signersHash, committedAt, epoch,
+        openChallenges, rejected."""
+        (checkpoint, signers_hash, committed_at, epoch, open_challenges, rejected) = (
+            self.ledger.functions.stepInfo(run_id, step).call()
+        )
+        return {"checkpoint": bytes(checkpoint), "signersHash": bytes(signers_hash),
+                "committedAt": int(committed_at), "epoch": int(epoch),
+                "openChallenges": int(open_challenges), "rejected": bool(rejected)}
+
+    def rejections(self, run_id: int) -> list[dict[str, Any]]:
+        """Every `StepRejected` event of `run_id`, oldest first."""
+        logs = self.ledger.events.StepRejected().get_logs(from_block=0, argument_filters={"runId": run_id})
+        return [dict(log["args"]) for log in logs]
+
+
+_VERDICT_TYPES = {
+    "EIP712Domain": [
+        {"name": "name", "type": "string"},
+        {"name": "version", "type": "string"},
+        {"name": "chainId", "type": "uint256"},
+        {"name": "verifyingContract", "type": "address"},
+    ],
+    "Verdict": [
+        {"name": "challengeId", "type": "uint256"},
+        {"name": "upheld", "type": "bool"},
+    ],
+}
+
+
+def _verdict_message(chain_id: int, ledger: str, challenge_id: int, upheld: bool) -> SignableMessage:
+    return encode_typed_data(full_message={
+        "types": _VERDICT_TYPES,
+        "primaryType": "Verdict",
+        "domain": {"name": DOMAIN_NAME, "version": DOMAIN_VERSION, "chainId": chain_id,
+                   "verifyingContract": to_checksum_address(ledger)},
+        "message": {"challengeId": challenge_id, "upheld": upheld},
+    })
+
+
+def verdict_signable_digest(chain_id: int, ledger: str, challenge_id: int, upheld: bool) -> bytes:
+    """The EIP-712 digest of `Verdict(challengeId, upheld)` in the ledger's domain."""
+    msg = _verdict_message(chain_id, ledger, challenge_id, upheld)
+    return keccak(b"\x19" + msg.version + msg.header + msg.body)
+
+
+def sign_verdict(chain_id: int, ledger: str, challenge_id: int, upheld: bool, key: Any) -> bytes:
+    """An arbiter's 65-byte signature on `Verdict(challengeId, upheld)`."""
+    signed = Account.sign_message(_verdict_message(chain_id, ledger, challenge_id, upheld), private_key=key)
+    return bytes(signed.signature)

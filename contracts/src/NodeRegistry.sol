@@ -1,40 +1,182 @@
 // SPDX-License-Identifier: MIT
 pragma solidity ^0.8.24;
 
+import {ReentrancyGuard} from "@openzeppelin/contracts/utils/ReentrancyGuard.sol";
+
 import {INodeRegistry} from "./interfaces/INodeRegistry.sol";
 
 /// @title NodeRegistry
-/// @notice Registers node keys and holds the native ETH they stake.
-/// @dev Stake accounting equals the contract's balance: ETH enters only through {stake}
-/// (there is no receive or fallback function). Unbonding, withdrawal and slashing by the
-/// ledger extend {Node} and this contract later.
-contract NodeRegistry is INodeRegistry {
-    /// @dev What the registry knows about one node key.
+/// @notice Registers node keys for their operators, holds the native ETH they stake, escrows
+/// challenge bonds, and pays everything out as pull payments.
+/// @dev ETH enters only through {stake} and {holdBond} (there is no receive or fallback
+/// function) and leaves only through {withdraw} and {claim}, so
+/// `address(this).balance == totalStaked + totalBonds + totalCredits` at all times (forced
+/// ETH from `selfdestruct` aside, which can only make the balance larger).
+///
+/// Why unbonding cannot outrun a challenge: {unbond} moves the whole active stake out, and
+/// the ledger only counts active stake, so an unbonding node cannot attest any more. Every
+/// step it attested was committed before {unbond}, and every run's challenge window is
+/// shorter than {unbondingDelay}, so by the time {withdraw} is allowed no such step is
+/// challengeable; a challenge opened in time holds the withdrawal until it is resolved.
+contract NodeRegistry is INodeRegistry, ReentrancyGuard {
+    /// @dev What the registry knows about one node key. The first four fields share a slot;
+    /// `stake` has its own, so the ledger's per-attestation {stakeOf} is one storage read.
     struct Node {
-        bool registered;
+        address operator;
+        uint64 releaseAt;
+        uint32 openChallenges;
         uint256 stake;
+        uint256 unbonding;
     }
 
+    uint256 private constant _BPS = 10_000;
+
+    address private immutable _deployer;
+    address private immutable _treasury;
+    uint256 private immutable _reporterShareBps;
+    uint64 private immutable _unbondingDelay;
+
+    address private _ledger;
+    uint64 private _stakeDecreases;
+    uint256 private _totalStaked;
+    uint256 private _totalBonds;
+    uint256 private _totalCredits;
     mapping(address node => Node) private _nodes;
+    mapping(address account => uint256) private _credits;
 
-    /// @inheritdoc INodeRegistry
-    function register() external {
-        Node storage node = _nodes[msg.sender];
-        if (node.registered) revert RegistryAlreadyRegistered(msg.sender);
+    /// @param treasury_ Receives the non-reporter share of slashed stake (a burn address works).
+    /// @param reporterShareBps_ The reporter's share of a slash, in basis points (at most 10,000).
+    /// @param unbondingDelay_ Seconds from {unbond} to {withdraw}; the ledger keeps every
+    /// challenge window below it.
+    constructor(address treasury_, uint256 reporterShareBps_, uint64 unbondingDelay_) {
+        if (treasury_ == address(0)) revert RegistryZeroAddress();
+        if (reporterShareBps_ > _BPS) revert RegistryInvalidShare(reporterShareBps_);
+        if (unbondingDelay_ == 0) revert RegistryZeroDelay();
+        _deployer = msg.sender;
+        _treasury = treasury_;
+        _reporterShareBps = reporterShareBps_;
+        _unbondingDelay = unbondingDelay_;
+    }
 
-        node.registered = true;
-        emit NodeRegistered(msg.sender);
+    modifier onlyLedger() {
+        if (msg.sender != _ledger || msg.sender == address(0)) revert RegistryNotLedger(msg.sender);
+        _;
+    }
+
+    modifier onlyOperator(address node) {
+        if (_nodes[node].operator != msg.sender || msg.sender == address(0)) {
+            revert RegistryNotOperator(node, msg.sender);
+        }
+        _;
     }
 
     /// @inheritdoc INodeRegistry
-    function stake() external payable {
+    function bindLedger(address ledger_) external {
+        if (msg.sender != _deployer) revert RegistryNotDeployer(msg.sender);
+        if (_ledger != address(0)) revert RegistryLedgerAlreadyBound(_ledger);
+        if (ledger_ == address(0)) revert RegistryZeroAddress();
+        _ledger = ledger_;
+        emit LedgerBound(ledger_);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function register(address operator) external {
         Node storage node = _nodes[msg.sender];
-        if (!node.registered) revert RegistryNotRegistered(msg.sender);
+        if (node.operator != address(0)) revert RegistryAlreadyRegistered(msg.sender);
+        if (operator == address(0)) revert RegistryZeroAddress();
+
+        node.operator = operator;
+        emit NodeRegistered(msg.sender, operator);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function stake(address nodeKey) external payable {
+        Node storage node = _nodes[nodeKey];
+        if (node.operator == address(0)) revert RegistryNotRegistered(nodeKey);
+        if (node.releaseAt != 0) revert RegistryUnbonding(nodeKey, node.releaseAt);
         if (msg.value == 0) revert RegistryZeroAmount();
 
         uint256 total = node.stake + msg.value;
         node.stake = total;
-        emit Staked(msg.sender, msg.value, total);
+        _totalStaked += msg.value;
+        emit Staked(nodeKey, msg.sender, msg.value, total);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function unbond(address nodeKey) external onlyOperator(nodeKey) {
+        Node storage node = _nodes[nodeKey];
+        if (node.releaseAt != 0) revert RegistryUnbonding(nodeKey, node.releaseAt);
+        uint256 amount = node.stake;
+        if (amount == 0) revert RegistryNothingToUnbond(nodeKey);
+
+        uint64 releaseAt = uint64(block.timestamp) + _unbondingDelay;
+        node.stake = 0;
+        node.unbonding = amount;
+        node.releaseAt = releaseAt;
+        _stakeDecreases += 1;
+        emit UnbondingStarted(nodeKey, amount, releaseAt);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function withdraw(address nodeKey) external nonReentrant onlyOperator(nodeKey) {
+        Node storage node = _nodes[nodeKey];
+        uint64 releaseAt = node.releaseAt;
+        if (releaseAt == 0) revert RegistryNotUnbonding(nodeKey);
+        // slither-disable-next-line timestamp -- the delay is days long; miners move time by seconds.
+        if (block.timestamp < releaseAt) revert RegistryUnbondingNotDue(nodeKey, releaseAt, uint64(block.timestamp));
+        if (node.openChallenges != 0) revert RegistryUnderChallenge(nodeKey, node.openChallenges);
+
+        uint256 amount = node.unbonding;
+        node.unbonding = 0;
+        node.releaseAt = 0;
+        _totalStaked -= amount;
+        emit Withdrawn(nodeKey, msg.sender, amount);
+        _send(msg.sender, amount);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function claim() external nonReentrant {
+        uint256 amount = _credits[msg.sender];
+        if (amount == 0) revert RegistryNothingToClaim(msg.sender);
+
+        _credits[msg.sender] = 0;
+        _totalCredits -= amount;
+        emit Claimed(msg.sender, amount);
+        _send(msg.sender, amount);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function slash(address nodeKey, address reporter) external onlyLedger returns (uint256 amount, uint256 reward) {
+        Node storage node = _nodes[nodeKey];
+        amount = node.stake + node.unbonding;
+        reward = amount * _reporterShareBps / _BPS;
+
+        node.stake = 0;
+        node.unbonding = 0;
+        node.releaseAt = 0;
+        _stakeDecreases += 1;
+        _totalStaked -= amount;
+        emit Slashed(nodeKey, reporter, amount, reward);
+        _credit(reporter, reward);
+        _credit(_treasury, amount - reward);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function holdBond(address nodeKey) external payable onlyLedger {
+        if (msg.value == 0) revert RegistryZeroAmount();
+        _nodes[nodeKey].openChallenges += 1;
+        _totalBonds += msg.value;
+        emit BondHeld(nodeKey, msg.value);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function releaseBond(address nodeKey, address to, uint256 amount) external onlyLedger {
+        // Underflow (a release without a matching hold) reverts with a panic: only a broken
+        // ledger could cause it.
+        _nodes[nodeKey].openChallenges -= 1;
+        _totalBonds -= amount;
+        emit BondReleased(nodeKey, to, amount);
+        _credit(to, amount);
     }
 
     /// @inheritdoc INodeRegistry
@@ -43,7 +185,92 @@ contract NodeRegistry is INodeRegistry {
     }
 
     /// @inheritdoc INodeRegistry
+    function stakeDecreases() external view returns (uint64) {
+        return _stakeDecreases;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function stakesOf(address[] calldata nodes) external view returns (uint256[] memory stakes) {
+        stakes = new uint256[](nodes.length);
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            stakes[i] = _nodes[nodes[i]].stake;
+        }
+    }
+
+    /// @inheritdoc INodeRegistry
+    function unbondingOf(address node) external view returns (uint256 amount, uint64 releaseAt) {
+        return (_nodes[node].unbonding, _nodes[node].releaseAt);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function operatorOf(address node) external view returns (address) {
+        return _nodes[node].operator;
+    }
+
+    /// @inheritdoc INodeRegistry
     function isRegistered(address node) external view returns (bool) {
-        return _nodes[node].registered;
+        // slither-disable-next-line timestamp -- false positive: compares an address, not a time.
+        return _nodes[node].operator != address(0);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function openChallengesOf(address node) external view returns (uint256) {
+        return _nodes[node].openChallenges;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function creditOf(address account) external view returns (uint256) {
+        return _credits[account];
+    }
+
+    /// @inheritdoc INodeRegistry
+    function totalStaked() external view returns (uint256) {
+        return _totalStaked;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function totalBonds() external view returns (uint256) {
+        return _totalBonds;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function totalCredits() external view returns (uint256) {
+        return _totalCredits;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function ledger() external view returns (address) {
+        return _ledger;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function treasury() external view returns (address) {
+        return _treasury;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function reporterShareBps() external view returns (uint256) {
+        return _reporterShareBps;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function unbondingDelay() external view returns (uint64) {
+        return _unbondingDelay;
+    }
+
+    /// @dev Adds `amount` to `account`'s claimable credit (nothing for zero).
+    function _credit(address account, uint256 amount) private {
+        if (amount == 0) return;
+        _credits[account] += amount;
+        _totalCredits += amount;
+        emit Credited(account, amount);
+    }
+
+    /// @dev Sends `amount` wei to `to`, last in every function that pays (checks-effects-
+    /// interactions; the callers are also `nonReentrant`).
+    function _send(address to, uint256 amount) private {
+        // slither-disable-next-line arbitrary-send-eth,low-level-calls -- `to` is the caller, paid its own funds.
+        (bool ok,) = to.call{value: amount}("");
+        if (!ok) revert RegistryTransferFailed(to, amount);
     }
 }

@@ -1,158 +1,14 @@
 // SPDX-License-Identifier: MIT
 pragma solidity ^0.8.24;
 
-import {Test} from "forge-std/Test.sol";
 import {ECDSA} from "@openzeppelin/contracts/utils/cryptography/ECDSA.sol";
 
 import {NodeRegistry} from "../src/NodeRegistry.sol";
 import {TrainingLedger} from "../src/TrainingLedger.sol";
-import {INodeRegistry} from "../src/interfaces/INodeRegistry.sol";
 import {ITrainingLedger} from "../src/interfaces/ITrainingLedger.sol";
+import {LedgerFixture} from "./utils/LedgerFixture.sol";
 
-contract TrainingLedgerTest is Test {
-    bytes32 internal constant DOMAIN_TYPEHASH =
-        keccak256("EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)");
-    bytes32 internal constant CONTRIBUTION_TYPEHASH = keccak256(
-        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros)"
-    );
-    bytes32 internal constant CONFIG = keccak256("config");
-    bytes32 internal constant GENESIS = keccak256("genesis");
-    bytes32 internal constant CODE = keccak256("trainer source");
-    uint256 internal constant MIN_STAKE = 1 ether;
-    uint64 internal constant WINDOW = 100;
-
-    /// @dev The arguments of one commitStep call.
-    struct StepCall {
-        uint256 runId;
-        uint64 step;
-        bytes32 parent;
-        bytes32 checkpoint;
-        bytes32 contributionsRoot;
-        bytes32 metricsDigest;
-        ITrainingLedger.Attestation[] attestations;
-    }
-
-    NodeRegistry internal registry;
-    TrainingLedger internal ledger;
-    address[] internal nodes;
-    uint256[] internal keys;
-    address[] internal arbiters;
-    address internal submitter = makeAddr("submitter");
-
-    function setUp() public {
-        registry = new NodeRegistry();
-        ledger = new TrainingLedger(registry);
-        for (uint256 i = 0; i < 4; ++i) {
-            _addStakedNode(string.concat("node", vm.toString(i)), MIN_STAKE);
-        }
-        arbiters.push(makeAddr("arbiter0"));
-        arbiters.push(makeAddr("arbiter1"));
-        arbiters.push(makeAddr("arbiter2"));
-    }
-
-    // ---------------------------------------------------------------- helpers
-
-    function _addStakedNode(string memory name, uint256 amount) internal returns (address node, uint256 key) {
-        (node, key) = makeAddrAndKey(name);
-        vm.deal(node, amount);
-        vm.startPrank(node);
-        registry.register();
-        if (amount > 0) registry.stake{value: amount}();
-        vm.stopPrank();
-        nodes.push(node);
-        keys.push(key);
-    }
-
-    /// @dev A 2 x 2 run over the four setUp nodes.
-    function _createRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
-    }
-
-    function _createRun(uint32 replicas, uint32 stages, uint256 minStake) internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, WINDOW, minStake, arbiters, 2);
-    }
-
-    function _sign(uint256 key, bytes32 digest) internal pure returns (bytes memory) {
-        (uint8 v, bytes32 r, bytes32 s) = vm.sign(key, digest);
-        return abi.encodePacked(r, s, v);
-    }
-
-    function _digest(uint256 runId, uint64 step, bytes32 parent, ITrainingLedger.Attestation memory a)
-        internal
-        view
-        returns (bytes32)
-    {
-        return ledger.contributionDigest(
-            runId, step, a.replica, a.stage, parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros
-        );
-    }
-
-    /// @dev The attestation for slot (replica, stage), signed by `key` through `ledger`.
-    function _attestation(uint256 key, uint256 runId, uint64 step, bytes32 parent, uint32 replica, uint32 stage)
-        internal
-        view
-        returns (ITrainingLedger.Attestation memory a)
-    {
-        a.replica = replica;
-        a.stage = stage;
-        a.contribution = keccak256(abi.encode("contribution", runId, step, replica, stage));
-        a.dataShard = keccak256(abi.encode("shard", step, replica));
-        a.codeHash = CODE;
-        // Losses are signed: odd replicas report a negative value.
-        a.lossMicros = replica % 2 == 0 ? int64(2_345_678) : int64(-1_234);
-        a.signature = _sign(key, _digest(runId, step, parent, a));
-    }
-
-    function _root(ITrainingLedger.Attestation[] memory attestations) internal pure returns (bytes32) {
-        bytes memory packed;
-        for (uint256 i = 0; i < attestations.length; ++i) {
-            packed = bytes.concat(packed, attestations[i].contribution);
-        }
-        return keccak256(packed);
-    }
-
-    /// @dev A valid commit of the step after the head of `runId`; slot i is signed by key i
-    /// (modulo the number of nodes).
-    function _nextStep(uint256 runId) internal view returns (StepCall memory c) {
-        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
-        c.runId = runId;
-        c.step = headStep + 1;
-        c.parent = head;
-        c.checkpoint = keccak256(abi.encode("checkpoint", runId, c.step));
-        c.metricsDigest = keccak256(abi.encode("metrics", runId, c.step));
-        (uint32 replicas, uint32 stages) = _shapeOf(runId);
-        c.attestations = new ITrainingLedger.Attestation[](uint256(replicas) * stages);
-        for (uint32 r = 0; r < replicas; ++r) {
-            for (uint32 s = 0; s < stages; ++s) {
-                uint256 slot = uint256(r) * stages + s;
-                c.attestations[slot] = _attestation(keys[slot % keys.length], runId, c.step, c.parent, r, s);
-            }
-        }
-        c.contributionsRoot = _root(c.attestations);
-    }
-
-    /// @dev Shapes are not exposed by the ledger; tests track them by run id.
-    mapping(uint256 runId => uint32[2]) internal _shapes;
-
-    function _shapeOf(uint256 runId) internal view returns (uint32 replicas, uint32 stages) {
-        uint32[2] memory shape = _shapes[runId];
-        if (shape[0] == 0) return (2, 2);
-        return (shape[0], shape[1]);
-    }
-
-    function _commit(StepCall memory c) internal {
-        ledger.commitStep(c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.attestations);
-    }
-
-    /// @dev Re-signs attestation `i` of `c` with `key` (after a field was changed).
-    function _resign(StepCall memory c, uint256 i, uint256 key) internal view {
-        c.attestations[i].signature = _sign(key, _digest(c.runId, c.step, c.parent, c.attestations[i]));
-    }
-
-    function _recover(StepCall memory c, uint256 i) internal view returns (address) {
-        return ECDSA.recover(_digest(c.runId, c.step, c.parent, c.attestations[i]), c.attestations[i].signature);
-    }
-
+contract TrainingLedgerTest is LedgerFixture {
     // ---------------------------------------------------------------- constructor and domain
 
     function test_constructor_setsRegistry_andEip712Domain() public view {
@@ -540,9 +396,8 @@ contract TrainingLedgerTest is Test {
         // The four setUp nodes stake MIN_STAKE each; keep them eligible.
         for (uint256 i = 0; i < 4; ++i) {
             if (minStake > MIN_STAKE) {
-                vm.deal(nodes[i], minStake);
-                vm.prank(nodes[i]);
-                registry.stake{value: minStake}();
+                vm.deal(address(this), minStake);
+                registry.stake{value: minStake}(nodes[i]);
             }
         }
         if (staked < minStake) {

@@ -2,9 +2,13 @@
 pragma solidity ^0.8.24;
 
 /// @title INodeRegistry
-/// @notice Node keys of the DiLoCoX ledger and the native ETH they stake.
-/// @dev A node key registers itself (the transaction proves possession of the key), then
-/// stakes. The ledger reads stakes to decide whose attestations count.
+/// @notice Node keys of the DiLoCoX ledger, the operators they belong to, and the native ETH
+/// staked behind them; also the escrow for challenge bonds and the pull-payment account of
+/// every reward, refund and slashed share.
+/// @dev A node key registers itself (the transaction proves possession of the key) and names
+/// its operator. Anyone may add stake to a node; only its operator unbonds and withdraws it.
+/// Only the bound ledger slashes and moves bonds. Accounting: the registry's balance always
+/// equals {totalStaked} + {totalBonds} + {totalCredits}.
 interface INodeRegistry {
     /// @notice `node` is already registered.
     error RegistryAlreadyRegistered(address node);
@@ -12,35 +16,208 @@ interface INodeRegistry {
     /// @notice `node` has not registered.
     error RegistryNotRegistered(address node);
 
-    /// @notice A stake of zero wei was sent.
+    /// @notice A zero amount of wei was sent or would be paid.
     error RegistryZeroAmount();
 
-    /// @notice `node` registered its key.
-    event NodeRegistered(address indexed node);
+    /// @notice A zero address was given where an account is needed.
+    error RegistryZeroAddress();
 
-    /// @notice `node` staked `amount` wei; its stake is now `total` wei.
-    event Staked(address indexed node, uint256 amount, uint256 total);
+    /// @notice The reporter share `bps` is above 10,000 basis points.
+    error RegistryInvalidShare(uint256 bps);
 
-    /// @notice Registers the caller as a node key.
+    /// @notice The unbonding delay is zero.
+    error RegistryZeroDelay();
+
+    /// @notice `caller` is not the operator of `node`.
+    error RegistryNotOperator(address node, address caller);
+
+    /// @notice `caller` is not the ledger bound to this registry.
+    error RegistryNotLedger(address caller);
+
+    /// @notice `caller` is not the account that deployed this registry.
+    error RegistryNotDeployer(address caller);
+
+    /// @notice A ledger (`ledger`) is bound already.
+    error RegistryLedgerAlreadyBound(address ledger);
+
+    /// @notice `node` is unbonding until `releaseAt`: it can neither stake nor unbond again.
+    error RegistryUnbonding(address node, uint64 releaseAt);
+
+    /// @notice `node` has no active stake to unbond.
+    error RegistryNothingToUnbond(address node);
+
+    /// @notice `node` is not unbonding.
+    error RegistryNotUnbonding(address node);
+
+    /// @notice `node`'s unbonding stake is released at `releaseAt`, after `now`.
+    error RegistryUnbondingNotDue(address node, uint64 releaseAt, uint64 now);
+
+    /// @notice `node` has `openChallenges` unresolved challenges: its stake stays put.
+    error RegistryUnderChallenge(address node, uint256 openChallenges);
+
+    /// @notice `account` has no credit to claim.
+    error RegistryNothingToClaim(address account);
+
+    /// @notice Sending `amount` wei to `to` failed.
+    error RegistryTransferFailed(address to, uint256 amount);
+
+    /// @notice The ledger `ledger` was bound to this registry.
+    event LedgerBound(address indexed ledger);
+
+    /// @notice `node` registered its key for `operator`.
+    event NodeRegistered(address indexed node, address indexed operator);
+
+    /// @notice `from` staked `amount` wei behind `node`; its active stake is now `total` wei.
+    event Staked(address indexed node, address indexed from, uint256 amount, uint256 total);
+
+    /// @notice `node` stopped attesting: `amount` wei unbond and can be withdrawn at `releaseAt`.
+    event UnbondingStarted(address indexed node, uint256 amount, uint64 releaseAt);
+
+    /// @notice The unbonded `amount` wei of `node` were paid to its `operator`.
+    event Withdrawn(address indexed node, address indexed operator, uint256 amount);
+
+    /// @notice `node` lost `amount` wei; `reward` went to `reporter`, the rest to the treasury.
+    event Slashed(address indexed node, address indexed reporter, uint256 amount, uint256 reward);
+
+    /// @notice A challenge bond of `amount` wei against `node` is held in escrow.
+    event BondHeld(address indexed node, uint256 amount);
+
+    /// @notice A challenge bond of `amount` wei against `node` was released to `to`.
+    event BondReleased(address indexed node, address indexed to, uint256 amount);
+
+    /// @notice `amount` wei were credited to `account`, claimable with {claim}.
+    event Credited(address indexed account, uint256 amount);
+
+    /// @notice `account` claimed its `amount` wei of credit.
+    event Claimed(address indexed account, uint256 amount);
+
+    /// @notice Binds the ledger that may slash and move bonds; once, by the deployer.
+    /// @dev Emits a {LedgerBound} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller deployed this registry;
+    /// - no ledger is bound yet;
+    /// - `ledger_` is not the zero address.
+    function bindLedger(address ledger_) external;
+
+    /// @notice Registers the caller as a node key owned by `operator`.
     /// @dev Emits a {NodeRegistered} event.
     ///
     /// Requirements:
     ///
-    /// - the caller is not registered yet.
-    function register() external;
+    /// - the caller is not registered yet;
+    /// - `operator` is not the zero address.
+    function register(address operator) external;
 
-    /// @notice Adds the ETH sent to the caller's stake.
+    /// @notice Adds the ETH sent to `node`'s active stake.
     /// @dev Emits a {Staked} event.
     ///
     /// Requirements:
     ///
-    /// - the caller is registered;
+    /// - `node` is registered and not unbonding;
     /// - `msg.value` is greater than zero.
-    function stake() external payable;
+    function stake(address node) external payable;
 
-    /// @notice The stake of `node` in wei (zero for an unknown node).
+    /// @notice Moves all of `node`'s active stake into unbonding: the node can no longer
+    /// attest, and the stake can be withdrawn after {unbondingDelay}. Unbonding stake can
+    /// still be slashed.
+    /// @dev Emits an {UnbondingStarted} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is `node`'s operator;
+    /// - `node` is not unbonding and has active stake.
+    function unbond(address node) external;
+
+    /// @notice Pays `node`'s unbonded stake to its operator.
+    /// @dev Emits a {Withdrawn} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is `node`'s operator;
+    /// - `node` is unbonding, its delay has passed and no challenge against it is open.
+    function withdraw(address node) external;
+
+    /// @notice Pays the caller its credit (rewards, refunded bonds, the treasury's share).
+    /// @dev Emits a {Claimed} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller has a credit.
+    function claim() external;
+
+    /// @notice Takes all of `node`'s stake (active and unbonding): `reporter` is credited
+    /// {reporterShareBps} of it, the treasury the rest. Returns the amounts.
+    /// @dev Emits a {Slashed} event, and one {Credited} event per non-zero share.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is the bound ledger.
+    function slash(address node, address reporter) external returns (uint256 amount, uint256 reward);
+
+    /// @notice Holds `msg.value` as a bond of a challenge against `node`, whose withdrawal
+    /// then waits for the challenge to be resolved.
+    /// @dev Emits a {BondHeld} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is the bound ledger;
+    /// - `msg.value` is greater than zero.
+    function holdBond(address node) external payable;
+
+    /// @notice Releases a bond of `amount` wei held against `node` as a credit of `to`.
+    /// @dev Emits a {BondReleased} and a {Credited} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is the bound ledger;
+    /// - a bond of at least `amount` wei is held against `node`.
+    function releaseBond(address node, address to, uint256 amount) external;
+
+    /// @notice The active stake of `node` in wei: what backs its attestations.
     function stakeOf(address node) external view returns (uint256);
+
+    /// @notice How many times any node's active stake went down (an {unbond} or a slash).
+    /// The ledger caches stake checks until it moves.
+    function stakeDecreases() external view returns (uint64);
+
+    /// @notice The active stakes of `nodes`, in order (one call for a whole step's signers).
+    function stakesOf(address[] calldata nodes) external view returns (uint256[] memory);
+
+    /// @notice The stake `node` is unbonding and when it can be withdrawn (0 when none).
+    function unbondingOf(address node) external view returns (uint256 amount, uint64 releaseAt);
+
+    /// @notice The operator of `node` (zero for an unknown node).
+    function operatorOf(address node) external view returns (address);
 
     /// @notice Whether `node` has registered.
     function isRegistered(address node) external view returns (bool);
+
+    /// @notice The number of unresolved challenges against `node`.
+    function openChallengesOf(address node) external view returns (uint256);
+
+    /// @notice The wei `account` can {claim}.
+    function creditOf(address account) external view returns (uint256);
+
+    /// @notice The sum of all active and unbonding stakes.
+    function totalStaked() external view returns (uint256);
+
+    /// @notice The sum of all challenge bonds held.
+    function totalBonds() external view returns (uint256);
+
+    /// @notice The sum of all unclaimed credits.
+    function totalCredits() external view returns (uint256);
+
+    /// @notice The ledger bound to this registry (zero before {bindLedger}).
+    function ledger() external view returns (address);
+
+    /// @notice Where the non-reporter share of slashed stake goes (a treasury or burn address).
+    function treasury() external view returns (address);
+
+    /// @notice The reporter's share of a slash, in basis points.
+    function reporterShareBps() external view returns (uint256);
+
+    /// @notice Seconds between {unbond} and {withdraw}; longer than any run's challenge window.
+    function unbondingDelay() external view returns (uint64);
 }

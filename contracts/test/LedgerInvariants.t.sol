@@ -1,0 +1,96 @@
+// SPDX-License-Identifier: MIT
+pragma solidity ^0.8.24;
+
+import {Test} from "forge-std/Test.sol";
+
+import {NodeRegistry} from "../src/NodeRegistry.sol";
+import {TrainingLedger} from "../src/TrainingLedger.sol";
+import {ITrainingLedger} from "../src/interfaces/ITrainingLedger.sol";
+import {LedgerHandler} from "./handlers/LedgerHandler.sol";
+
+/// Invariant tests of the registry and ledger together, driven through a whole run's life:
+/// commits, equivocation reports, challenges and verdicts, rollbacks, finality, unbonding,
+/// withdrawals and claims, in random order.
+contract LedgerInvariantTest is Test {
+    LedgerHandler internal handler;
+    NodeRegistry internal registry;
+    TrainingLedger internal ledger;
+    uint256 internal runId;
+
+    function setUp() public {
+        handler = new LedgerHandler();
+        registry = handler.registry();
+        ledger = handler.ledger();
+        runId = handler.runId();
+        targetContract(address(handler));
+    }
+
+    // The registry's balance equals the sum of stakes plus open bonds (plus the credits
+    // rewarded, refunded or slashed but not yet claimed), by the registry's own totals and
+    // by the handler's count of every wei in and out.
+    function invariant_registryBalanceEqualsStakesPlusOpenBondsPlusCredits() public view {
+        uint256 stakes;
+        address[] memory nodes = handler.nodes();
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            (uint256 unbonding,) = registry.unbondingOf(nodes[i]);
+            stakes += registry.stakeOf(nodes[i]) + unbonding;
+        }
+        stakes += registry.stakeOf(handler.verifier());
+        assertEq(stakes, registry.totalStaked());
+        uint256 credits;
+        address[] memory payees = handler.payees();
+        for (uint256 i = 0; i < payees.length; ++i) {
+            credits += registry.creditOf(payees[i]);
+        }
+        assertEq(credits, registry.totalCredits());
+        assertEq(registry.totalBonds(), handler.ghost_bonds());
+        assertEq(address(registry).balance, stakes + registry.totalBonds() + credits);
+        assertEq(address(registry).balance, handler.ghost_in() - handler.ghost_out());
+    }
+
+    // No node is slashed twice for one offence: a repeated equivocation proof reverts, and a
+    // second upheld challenge of the same slot and record takes nothing.
+    function invariant_noNodeIsSlashedTwiceForOneOffence() public view {
+        assertEq(handler.ghost_doubleSlashes(), 0);
+    }
+
+    // Every accepted step was attested only by members with at least the minimum active
+    // stake at commit time (the eligibility cache never lets a slashed or unbonding node in).
+    function invariant_onlyEligibleNodesAttest() public view {
+        assertEq(handler.ghost_ineligibleAccepted(), 0);
+    }
+
+    // The head is always a committed, non-rejected step, or the genesis.
+    function invariant_headIsANonRejectedStepOrGenesis() public view {
+        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
+        ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, headStep);
+        assertFalse(info.rejected);
+        assertEq(info.checkpoint, head);
+        assertTrue(head != bytes32(0));
+        if (headStep == 0) assertEq(head, handler.GENESIS());
+        assertLe(ledger.finalizedStep(runId), headStep);
+    }
+
+    // Finalized steps never change: each keeps the checkpoint it had when it was made final,
+    // is never rejected, and stays on the chain below the head.
+    function invariant_finalizedStepsNeverChange() public view {
+        uint256 count = handler.finalStepCount();
+        uint64 finalized = ledger.finalizedStep(runId);
+        assertEq(finalized, count == 0 ? 0 : handler.ghost_finalSteps(count - 1));
+        for (uint256 i = 0; i < count; ++i) {
+            uint64 step = handler.ghost_finalSteps(i);
+            ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
+            assertEq(info.checkpoint, handler.ghost_finalCheckpoint(step));
+            assertFalse(info.rejected);
+            assertEq(ledger.stepCheckpoint(runId, step), info.checkpoint);
+        }
+    }
+
+    // A node's withdrawal is held by exactly the challenges open against it.
+    function invariant_openChallengesPerNodeMatchTheLedger() public view {
+        address[] memory nodes = handler.nodes();
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            assertEq(registry.openChallengesOf(nodes[i]), handler.ghost_openChallengesAgainst(nodes[i]));
+        }
+    }
+}

@@ -1,0 +1,319 @@
+// SPDX-License-Identifier: MIT
+pragma solidity ^0.8.24;
+
+import {CommonBase} from "forge-std/Base.sol";
+import {StdUtils} from "forge-std/StdUtils.sol";
+
+import {NodeRegistry} from "../../src/NodeRegistry.sol";
+import {TrainingLedger} from "../../src/TrainingLedger.sol";
+import {ITrainingLedger} from "../../src/interfaces/ITrainingLedger.sol";
+
+/// @notice Drives a registry and ledger pair through a whole run's life: commits, equivocation
+/// reports, challenges with arbiter verdicts, finality, unbonding, withdrawals and claims.
+/// Every action is valid (or caught where the point is that it must fail), and ghost
+/// variables track what the invariants compare against.
+contract LedgerHandler is CommonBase, StdUtils {
+    uint256 public constant MIN_STAKE = 1 ether;
+    uint64 public constant WINDOW = 50;
+    bytes32 public constant GENESIS = keccak256("genesis");
+
+    NodeRegistry public immutable registry;
+    TrainingLedger public immutable ledger;
+    uint256 public immutable runId;
+
+    uint256[] internal _nodeKeys;
+    address[] internal _nodes;
+    uint256[] internal _arbiterKeys;
+    address public immutable verifier;
+    address[] internal _payees;
+
+    /// @dev The signers of each step's current record, for challenges.
+    mapping(uint64 step => address[]) internal _signers;
+    uint256[] internal _openChallenges;
+    uint256 internal _nonce;
+
+    uint256 public ghost_in;
+    uint256 public ghost_out;
+    uint256 public ghost_bonds;
+    uint256 public ghost_slashes;
+    uint256 public ghost_doubleSlashes;
+    uint256 public ghost_rollbacks;
+    uint256 public ghost_ineligibleAccepted;
+    uint256 public ghost_ineligibleRefused;
+    /// @dev Every step made final, with its checkpoint at that moment.
+    uint64[] public ghost_finalSteps;
+    mapping(uint64 step => bytes32) public ghost_finalCheckpoint;
+    mapping(address node => uint256) public ghost_openChallengesAgainst;
+
+    constructor() {
+        registry = new NodeRegistry(vm.addr(0xdead), 5_000, 1 days);
+        ledger = new TrainingLedger(registry);
+        registry.bindLedger(address(ledger));
+
+        for (uint256 i = 0; i < 4; ++i) {
+            _nodeKeys.push(0xA000 + i);
+            _nodes.push(vm.addr(0xA000 + i));
+            _payees.push(_operator(i));
+            vm.prank(_nodes[i]);
+            registry.register(_operator(i));
+            _stakeFor(i, MIN_STAKE);
+        }
+        address[] memory arbiters = new address[](3);
+        for (uint256 i = 0; i < 3; ++i) {
+            _arbiterKeys.push(0xB000 + i);
+            arbiters[i] = vm.addr(0xB000 + i);
+        }
+        verifier = vm.addr(0xC000);
+        vm.prank(verifier);
+        registry.register(verifier);
+        vm.deal(verifier, 1_000 ether);
+        vm.prank(verifier);
+        registry.stake{value: MIN_STAKE}(verifier);
+        ghost_in += MIN_STAKE;
+        _payees.push(verifier);
+        _payees.push(vm.addr(0xdead));
+        // Equivocation reports come from this handler, which is paid the reporter's share.
+        _payees.push(address(this));
+
+        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
+    }
+
+    /// @dev Claims of the reporter's share land here.
+    receive() external payable {}
+
+    // ---------------------------------------------------------------- views for invariants
+
+    function nodes() external view returns (address[] memory) {
+        return _nodes;
+    }
+
+    function payees() external view returns (address[] memory) {
+        return _payees;
+    }
+
+    function finalStepCount() external view returns (uint256) {
+        return ghost_finalSteps.length;
+    }
+
+    // ---------------------------------------------------------------- actions
+
+    /// @notice Commits the next step, each slot signed by an eligible member (topping up a
+    /// member whose stake was slashed, unless it is unbonding).
+    function commit(uint256 seed) external {
+        address[] memory signers = new address[](4);
+        uint256[] memory signerKeys = new uint256[](4);
+        for (uint256 slot = 0; slot < 4; ++slot) {
+            bool found = false;
+            for (uint256 k = 0; k < 4 && !found; ++k) {
+                uint256 i = (slot + k + seed % 4) % 4;
+                (, uint64 releaseAt) = registry.unbondingOf(_nodes[i]);
+                if (releaseAt != 0) continue;
+                if (registry.stakeOf(_nodes[i]) < MIN_STAKE) _stakeFor(i, MIN_STAKE);
+                signers[slot] = _nodes[i];
+                signerKeys[slot] = _nodeKeys[i];
+                found = true;
+            }
+            if (!found) return;
+        }
+        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
+        uint64 step = headStep + 1;
+        bytes32 checkpoint = keccak256(abi.encode("checkpoint", step, ++_nonce));
+        ITrainingLedger.Attestation[] memory atts = new ITrainingLedger.Attestation[](4);
+        bytes memory packed;
+        for (uint256 slot = 0; slot < 4; ++slot) {
+            atts[slot] = _attest(signerKeys[slot], step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+            packed = bytes.concat(packed, atts[slot].contribution);
+        }
+        ledger.commitStep(runId, step, head, checkpoint, keccak256(packed), bytes32(0), atts);
+        _signers[step] = signers;
+    }
+
+    /// @notice Tries to commit the next step with one slot signed by a member whose active
+    /// stake is below the minimum (slashed or unbonding): it must be refused, whatever the
+    /// ledger cached about earlier signer lists.
+    function commitIneligible(uint256 seed) external {
+        uint256 bad = type(uint256).max;
+        for (uint256 k = 0; k < 4; ++k) {
+            uint256 i = (k + seed % 4) % 4;
+            if (registry.stakeOf(_nodes[i]) < MIN_STAKE) {
+                bad = i;
+                break;
+            }
+        }
+        if (bad == type(uint256).max) return;
+        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
+        uint64 step = headStep + 1;
+        ITrainingLedger.Attestation[] memory atts = new ITrainingLedger.Attestation[](4);
+        bytes memory packed;
+        for (uint256 slot = 0; slot < 4; ++slot) {
+            uint256 key = slot == seed % 4 ? _nodeKeys[bad] : _nodeKeys[slot];
+            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+            packed = bytes.concat(packed, atts[slot].contribution);
+        }
+        try ledger.commitStep(runId, step, head, keccak256(abi.encode(seed)), keccak256(packed), 0, atts) {
+            ghost_ineligibleAccepted += 1;
+        } catch (bytes memory reason) {
+            // Refused, and for the right reason.
+            if (bytes4(reason) != ITrainingLedger.LedgerInsufficientStake.selector) ghost_ineligibleAccepted += 1;
+            ghost_ineligibleRefused += 1;
+        }
+    }
+
+    /// @notice Reports an equivocation by the node of a slot: two contributions drawn from a
+    /// tiny set, so the same offence comes up again and must not be slashed again.
+    function equivocate(uint256 nodeSeed, uint256 stepSeed, uint256 x, uint256 y) external {
+        uint256 i = bound(nodeSeed, 0, 3);
+        uint64 step = uint64(bound(stepSeed, 1, 3));
+        bytes32 a = bytes32(bound(x, 1, 3));
+        bytes32 b = bytes32(bound(y, 1, 3));
+        if (a == b) return;
+        ITrainingLedger.Attestation memory first = _attest(_nodeKeys[i], step, GENESIS, 0, 0, a);
+        ITrainingLedger.Attestation memory second = _attest(_nodeKeys[i], step, GENESIS, 0, 0, b);
+        bytes32 offence = ledger.offenceId(0, runId, step, 0, 0, GENESIS, _nodes[i]);
+        bool before = ledger.isSlashed(offence);
+        try ledger.reportEquivocation(runId, step, GENESIS, first, second) {
+            if (before) ghost_doubleSlashes += 1;
+            ghost_slashes += 1;
+        } catch (bytes memory reason) {
+            // The only allowed failure: the offence was slashed already.
+            bytes4 selector = bytes4(reason);
+            if (!before || selector != ITrainingLedger.LedgerAlreadySlashed.selector) ghost_doubleSlashes += 100;
+        }
+    }
+
+    /// @notice The verifier challenges a slot of a challengeable step.
+    function challenge(uint256 stepSeed, uint256 slotSeed) external {
+        (, uint64 headStep) = ledger.runHead(runId);
+        uint64 finalized = ledger.finalizedStep(runId);
+        if (headStep <= finalized) return;
+        uint64 step = uint64(bound(stepSeed, finalized + 1, headStep));
+        ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
+        if (block.timestamp > info.committedAt + WINDOW) return;
+        uint256 slot = bound(slotSeed, 0, 3);
+        vm.prank(verifier);
+        ledger.openChallenge{value: MIN_STAKE}(runId, step, uint32(slot / 2), uint32(slot % 2), _signers[step], 0);
+        _openChallenges.push(ledger.challengeCount());
+        ghost_in += MIN_STAKE;
+        ghost_bonds += MIN_STAKE;
+        ghost_openChallengesAgainst[_signers[step][slot]] += 1;
+    }
+
+    /// @notice Two arbiters rule on an open challenge.
+    function resolve(uint256 idSeed, bool upheld) external {
+        if (_openChallenges.length == 0) return;
+        uint256 index = bound(idSeed, 0, _openChallenges.length - 1);
+        uint256 id = _openChallenges[index];
+        _openChallenges[index] = _openChallenges[_openChallenges.length - 1];
+        _openChallenges.pop();
+
+        ITrainingLedger.Challenge memory c = ledger.challenge(id);
+        bytes32 offence = ledger.offenceId(1, runId, c.step, c.replica, c.stage, bytes32(uint256(c.epoch)), c.node);
+        bool before = ledger.isSlashed(offence);
+        (uint256 unbonding,) = registry.unbondingOf(c.node);
+        uint256 stakeBefore = registry.stakeOf(c.node) + unbonding;
+        (, uint64 headBefore) = ledger.runHead(runId);
+
+        ledger.resolveChallenge(id, upheld, _verdicts(id, upheld));
+
+        (unbonding,) = registry.unbondingOf(c.node);
+        uint256 stakeAfter = registry.stakeOf(c.node) + unbonding;
+        if (upheld && !before) ghost_slashes += 1;
+        if (before && stakeAfter != stakeBefore) ghost_doubleSlashes += 1;
+        (, uint64 headAfter) = ledger.runHead(runId);
+        if (headAfter < headBefore) ghost_rollbacks += 1;
+        ghost_bonds -= c.bond;
+        ghost_openChallengesAgainst[c.node] -= 1;
+    }
+
+    /// @notice Finalizes the next step if its window passed and nothing holds it.
+    function finalize(uint256 waitSeed) external {
+        (, uint64 headStep) = ledger.runHead(runId);
+        uint64 step = ledger.finalizedStep(runId) + 1;
+        if (step > headStep) return;
+        ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
+        if (info.openChallenges != 0) return;
+        uint256 deadline = info.committedAt + WINDOW;
+        if (block.timestamp <= deadline) {
+            if (waitSeed % 2 == 0) return;
+            vm.warp(deadline + 1);
+        }
+        ledger.finalize(runId, step);
+        ghost_finalSteps.push(step);
+        ghost_finalCheckpoint[step] = info.checkpoint;
+    }
+
+    function unbond(uint256 nodeSeed) external {
+        uint256 i = bound(nodeSeed, 0, 3);
+        (, uint64 releaseAt) = registry.unbondingOf(_nodes[i]);
+        if (releaseAt != 0 || registry.stakeOf(_nodes[i]) == 0) return;
+        vm.prank(_operator(i));
+        registry.unbond(_nodes[i]);
+    }
+
+    function withdraw(uint256 nodeSeed) external {
+        uint256 i = bound(nodeSeed, 0, 3);
+        (uint256 amount, uint64 releaseAt) = registry.unbondingOf(_nodes[i]);
+        if (releaseAt == 0 || registry.openChallengesOf(_nodes[i]) != 0) return;
+        if (block.timestamp < releaseAt) vm.warp(releaseAt);
+        vm.prank(_operator(i));
+        registry.withdraw(_nodes[i]);
+        ghost_out += amount;
+    }
+
+    function claim(uint256 payeeSeed) external {
+        address payee = _payees[bound(payeeSeed, 0, _payees.length - 1)];
+        uint256 amount = registry.creditOf(payee);
+        if (amount == 0) return;
+        vm.prank(payee);
+        registry.claim();
+        ghost_out += amount;
+    }
+
+    function warp(uint256 seconds_) external {
+        vm.warp(block.timestamp + bound(seconds_, 1, 2 * WINDOW));
+    }
+
+    // ---------------------------------------------------------------- helpers
+
+    function _operator(uint256 i) internal pure returns (address) {
+        return vm.addr(0xE000 + i);
+    }
+
+    function _stakeFor(uint256 i, uint256 amount) internal {
+        address operator = _operator(i);
+        vm.deal(operator, operator.balance + amount);
+        vm.prank(operator);
+        registry.stake{value: amount}(_nodes[i]);
+        ghost_in += amount;
+    }
+
+    function _attest(uint256 key, uint64 step, bytes32 parent, uint32 replica, uint32 stage, bytes32 salt)
+        internal
+        view
+        returns (ITrainingLedger.Attestation memory a)
+    {
+        a.replica = replica;
+        a.stage = stage;
+        a.contribution = keccak256(abi.encode(salt, step, replica, stage));
+        a.dataShard = keccak256(abi.encode("shard", step, replica));
+        a.codeHash = keccak256("code");
+        a.lossMicros = -1;
+        bytes32 digest = ledger.contributionDigest(
+            runId, step, replica, stage, parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros
+        );
+        (uint8 v, bytes32 r, bytes32 s) = vm.sign(key, digest);
+        a.signature = abi.encodePacked(r, s, v);
+    }
+
+    /// @dev Verdicts by the first two arbiters, sorted by address.
+    function _verdicts(uint256 id, bool upheld) internal view returns (bytes[] memory sigs) {
+        bytes32 digest = ledger.verdictDigest(id, upheld);
+        (uint256 k0, uint256 k1) = (_arbiterKeys[0], _arbiterKeys[1]);
+        if (vm.addr(k0) > vm.addr(k1)) (k0, k1) = (k1, k0);
+        sigs = new bytes[](2);
+        (uint8 v, bytes32 r, bytes32 s) = vm.sign(k0, digest);
+        sigs[0] = abi.encodePacked(r, s, v);
+        (v, r, s) = vm.sign(k1, digest);
+        sigs[1] = abi.encodePacked(r, s, v);
+    }
+}

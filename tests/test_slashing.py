@@ -1,0 +1,189 @@
+"""The whole slashing story on a real anvil, driven through `lineage.chain` as a client would:
+nodes stake and commit steps; an equivocation proof slashes one node at once; a verifier
+challenges a step, an arbiter quorum upholds it, the head rolls back and the challenger is
+paid; a frivolous challenge costs its bond; steps become final; and in the end withdrawals
+and claims pay out exactly what the registry still held, down to zero."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from eth_utils import keccak
+
+from lineage.anvil import rpc_call
+from lineage.attest import ContributionClaim, Domain
+from lineage.chain import Attestation, Chain, Ledger
+from lineage.errors import ChainRevertError
+
+ETHER = 10**18
+R, S = 2, 2
+WINDOW = 600
+DELAY = 3600
+
+
+def h(label: str) -> bytes:
+    return hashlib.sha256(label.encode()).digest()
+
+
+def _claim(run_id: int, step: int, slot: int, parent: bytes, contribution: bytes) -> ContributionClaim:
+    r, s = divmod(slot, S)
+    return ContributionClaim(run_id, step, r, s, parent, contribution, h(f"shard{step}{r}"), h("code"), -7 + slot)
+
+
+def _signed(ledger: Ledger, claim: ContributionClaim, key) -> Attestation:
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+    return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
+                       claim.code_hash, claim.loss_micros, claim.sign(domain, key))
+
+
+def _commit(ledger: Ledger, sender, run_id: int, step: int, parent: bytes, signers, tag: str) -> bytes:
+    attestations = [
+        _signed(ledger, _claim(run_id, step, slot, parent, h(f"{tag}-c{step}-{slot}")), node.key)
+        for slot, node in enumerate(signers)
+    ]
+    checkpoint = h(f"{tag}-ckpt{step}")
+    ledger.commit_step(sender, run_id=run_id, step=step, parent=parent, checkpoint=checkpoint,
+                       metrics_digest=h("metrics"), attestations=attestations)
+    return checkpoint
+
+
+def _advance(chain: Chain, seconds: int) -> None:
+    rpc_call(chain.rpc_url, "evm_increaseTime", [seconds])
+    rpc_call(chain.rpc_url, "evm_mine")
+
+
+def _paid(chain: Chain, receipt, account: str, before: int) -> int:
+    """What `account` received in `receipt`'s transaction, net of the gas it paid."""
+    gas = receipt["gasUsed"] * receipt["effectiveGasPrice"]
+    return chain.w3.eth.get_balance(account) - before + gas
+
+
+@pytest.fixture()
+def story(anvil, accounts):
+    chain = Chain(anvil.url)
+    deployer, *nodes = accounts[0:5]
+    verifier, reporter, treasury = accounts[5], accounts[6], accounts[7]
+    arbiters = accounts[8:11]
+    ledger = Ledger.deploy(chain, deployer, treasury=treasury.address, reporter_share_bps=5_000,
+                           unbonding_delay=DELAY)
+    for node in nodes:
+        ledger.ensure_staked(node, 2 * ETHER)
+    ledger.ensure_staked(verifier, ETHER)
+    run_id = ledger.create_run(
+        deployer, config_digest=h("config"), genesis_digest=h("genesis"),
+        nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
+        min_stake=ETHER, arbiters=[a.address for a in arbiters], quorum=2,
+    )
+    return chain, ledger, run_id, deployer, nodes, verifier, reporter, treasury, arbiters
+
+
+def test_the_whole_slashing_story(story):
+    chain, ledger, run_id, deployer, nodes, verifier, reporter, treasury, arbiters = story
+    registry_address = ledger.registry.address
+    assert chain.w3.eth.get_balance(registry_address) == 9 * ETHER
+
+    # Three honest-looking steps.
+    genesis = h("genesis")
+    ckpt1 = _commit(ledger, deployer, run_id, 1, genesis, nodes, "a")
+    ckpt2 = _commit(ledger, deployer, run_id, 2, ckpt1, nodes, "a")
+    ckpt3 = _commit(ledger, deployer, run_id, 3, ckpt2, nodes, "a")
+    assert ledger.head(run_id) == (ckpt3, 3)
+
+    # Equivocation: node 3 (slot 3) also signed a different contribution for step 3.
+    honest = _signed(ledger, _claim(run_id, 3, 3, ckpt2, h("a-c3-3")), nodes[3].key)
+    other = _signed(ledger, _claim(run_id, 3, 3, ckpt2, h("forged")), nodes[3].key)
+    slashed = ledger.report_equivocation(reporter, run_id=run_id, step=3, parent=ckpt2, a=honest, b=other)
+    assert slashed == 2 * ETHER
+    assert ledger.stake_of(nodes[3].address) == 0
+    assert ledger.credit_of(reporter.address) == ETHER
+    assert ledger.credit_of(treasury.address) == ETHER
+    with pytest.raises(ChainRevertError, match="LedgerAlreadySlashed"):
+        ledger.report_equivocation(reporter, run_id=run_id, step=3, parent=ckpt2, a=other, b=honest)
+
+    # Replay challenge: the verifier disputes node 1's work in step 2; two of three arbiters
+    # uphold it. Steps 2 and 3 are rejected and the head rolls back to step 1.
+    challenge = ledger.open_challenge(verifier, run_id=run_id, step=2, replica=0, stage=1, bond=ETHER,
+                                      evidence=h("replay report"))
+    assert ledger.step_info(run_id, 2)["openChallenges"] == 1
+    with pytest.raises(ChainRevertError, match="LedgerQuorumNotReached"):
+        ledger.resolve_challenge(deployer, challenge_id=challenge, upheld=True, arbiters=arbiters[:1])
+    onchain = ledger.ledger.functions.verdictDigest(challenge, True).call()
+    assert bytes(onchain) == ledger.verdict_digest(challenge, True)
+    ledger.resolve_challenge(deployer, challenge_id=challenge, upheld=True, arbiters=arbiters[1:])
+    assert ledger.head(run_id) == (ckpt1, 1)
+    assert [(int(r["step"]), bytes(r["checkpoint"])) for r in ledger.rejections(run_id)] == [
+        (2, ckpt2), (3, ckpt3)]
+    assert ledger.step_info(run_id, 2)["rejected"] and ledger.step_info(run_id, 3)["rejected"]
+    assert ledger.stake_of(nodes[1].address) == 0
+    assert ledger.credit_of(verifier.address) == 2 * ETHER  # bond back + half of 2 ETH
+    assert ledger.credit_of(treasury.address) == 2 * ETHER
+    assert [s.step for s in ledger.steps(run_id)] == [1]
+
+    # The run goes on from step 1; the two honest nodes cover the slashed nodes' slots.
+    signers = [nodes[0], nodes[2], nodes[2], nodes[0]]
+    with pytest.raises(ChainRevertError, match="LedgerInsufficientStake"):
+        _commit(ledger, deployer, run_id, 2, ckpt1, nodes, "b")
+    new2 = _commit(ledger, deployer, run_id, 2, ckpt1, signers, "b")
+    assert ledger.head(run_id) == (new2, 2)
+    assert [s.checkpoint for s in ledger.steps(run_id)] == [ckpt1, new2]
+    assert ledger.signers(run_id, 2) == [n.address for n in signers]
+
+    # A frivolous challenge of step 1 is not upheld: its bond goes to node 0's operator.
+    frivolous = ledger.open_challenge(verifier, run_id=run_id, step=1, replica=0, stage=0, bond=ETHER)
+    _advance(chain, WINDOW + 1)
+    with pytest.raises(ChainRevertError, match="LedgerStepChallenged"):
+        ledger.finalize(deployer, run_id, 1)
+    ledger.resolve_challenge(deployer, challenge_id=frivolous, upheld=False, arbiters=arbiters)
+    assert ledger.credit_of(nodes[0].address) == ETHER
+
+    # Finality, in order, once the windows have passed and nothing is disputed.
+    with pytest.raises(ChainRevertError, match="LedgerParentNotFinal"):
+        ledger.finalize(deployer, run_id, 2)
+    ledger.finalize(deployer, run_id, 1)
+    ledger.finalize(deployer, run_id, 2)
+    assert ledger.finalized_step(run_id) == 2
+
+    # Everyone leaves. What the registry holds is exactly the remaining stakes and credits.
+    stakes = {n.address: ledger.stake_of(n.address) for n in [*nodes, verifier]}
+    assert stakes == {nodes[0].address: 2 * ETHER, nodes[1].address: 0, nodes[2].address: 2 * ETHER,
+                      nodes[3].address: 0, verifier.address: ETHER}
+    payees = [reporter, verifier, treasury, nodes[0]]
+    credits = {p.address: ledger.credit_of(p.address) for p in payees}
+    assert credits == {reporter.address: ETHER, verifier.address: 2 * ETHER, treasury.address: 2 * ETHER,
+                       nodes[0].address: ETHER}
+    assert chain.w3.eth.get_balance(registry_address) == sum(stakes.values()) + sum(credits.values())
+
+    staked = [n for n in [*nodes, verifier] if stakes[n.address]]
+    for node in staked:
+        ledger.unbond(node, node.address)
+    with pytest.raises(ChainRevertError, match="RegistryUnbondingNotDue"):
+        ledger.withdraw(staked[0], staked[0].address)
+    _advance(chain, DELAY)
+    for node in staked:
+        before = chain.w3.eth.get_balance(node.address)
+        receipt = ledger.withdraw(node, node.address)
+        assert _paid(chain, receipt, node.address, before) == stakes[node.address]
+    for payee in payees:
+        before = chain.w3.eth.get_balance(payee.address)
+        receipt = ledger.claim(payee)
+        assert _paid(chain, receipt, payee.address, before) == credits[payee.address]
+    assert chain.w3.eth.get_balance(registry_address) == 0
+    for fn in ("totalStaked", "totalBonds", "totalCredits"):
+        assert getattr(ledger.registry.functions, fn)().call() == 0
+
+
+def test_a_window_at_the_unbonding_delay_is_refused(story):
+    _, ledger, _, deployer, nodes, *_ = story
+    with pytest.raises(ChainRevertError, match=r"LedgerWindowTooLong\(window=3600, maximum=3599\)"):
+        ledger.create_run(deployer, config_digest=h("c"), genesis_digest=h("g"),
+                          nodes=[n.address for n in nodes], replicas=R, stages=S,
+                          challenge_window=DELAY, min_stake=ETHER)
+
+
+def test_signers_hash_matches_the_events(story):
+    _, ledger, run_id, deployer, nodes, *_ = story
+    _commit(ledger, deployer, run_id, 1, h("genesis"), nodes, "x")
+    signers = ledger.signers(run_id, 1)
+    packed = b"".join(bytes(12) + bytes.fromhex(a[2:]) for a in signers)
+    assert ledger.step_info(run_id, 1)["signersHash"] == keccak(packed)[:20]
