@@ -82,11 +82,16 @@ class Anvil:
     """One anvil process that this object started and will stop (by PID)."""
 
     def __init__(
-        self, state_path: Path | None = None, accounts: int = 10, port: int | None = None
+        self,
+        state_path: Path | None = None,
+        accounts: int = 10,
+        port: int | None = None,
+        detach_log: Path | None = None,
     ) -> None:
         self.state_path = state_path
         self.accounts = accounts
         self.port = port or free_port()
+        self.detach_log = detach_log  # set: run in its own session, output to this file
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -104,9 +109,17 @@ class Anvil:
         if self.state_path is not None:
             self.state_path.parent.mkdir(parents=True, exist_ok=True)
             cmd += ["--state", str(self.state_path)]
-        self.proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-        )
+        if self.detach_log is not None:
+            self.detach_log.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.detach_log, "ab") as log:
+                self.proc = subprocess.Popen(
+                    cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        else:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -34,6 +34,9 @@ class StubLedger:
     def commit_step(self, submitter, **kwargs):
         self.commits.append(kwargs)
 
+    def head(self, run_id):
+        return (self.commits[-1]["checkpoint"] if self.commits else b"", len(self.commits))
+
 
 def test_step_blocks_are_unixfs_files_whose_digests_rebuild_their_cids(tmp_path):
     job = JobConfig.model_validate({"name": "sink", "parallel": {"replicas": 2, "stages": 1},

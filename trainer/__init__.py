@@ -1,33 +1,39 @@
-"""trainer: the DiLoCoX engine (model, data, pipeline, DiLoCo outer loop, local launcher).
+"""trainer: the DiLoCoX engine (model, data, pipeline, DiLoCo outer loop with one-step-delay
+overlap, compression with error feedback, the Transport, the local launcher).
 
 It imports neither `lineage` nor `workers`; it reports every outer step through a
 `StepSink` (see `trainer.artifacts`).
 """
 
-from trainer.artifacts import (
-    Contribution,
-    GenesisArtifacts,
-    Progress,
-    StageShard,
-    StepArtifacts,
-    StepSink,
-    bytes_to_tensors,
-    code_hash,
-    tensors_to_bytes,
-)
-from trainer.config import (
-    DataConfig,
-    InnerConfig,
-    JobConfig,
-    ModelConfig,
-    OuterConfig,
-    ParallelConfig,
-    load_job,
-)
-from trainer.errors import ConfigError, DlxError, TrainingError
-from trainer.launch import train_local
+from importlib import import_module
+from typing import Any
+
+# Names resolve lazily (PEP 562): importing `trainer.errors` or `trainer.config` must not
+# pull in torch, so `dlx --help` and the storage/chain tools stay fast.
+_HOME = {
+    **dict.fromkeys(
+        ["Contribution", "GenesisArtifacts", "Progress", "StageShard", "StepArtifacts",
+         "StepSink", "bytes_to_tensors", "code_hash", "tensors_to_bytes"],
+        "trainer.artifacts",
+    ),
+    **dict.fromkeys(
+        ["CompressionConfig", "DataConfig", "InnerConfig", "JobConfig", "ModelConfig",
+         "OuterConfig", "ParallelConfig", "TransportConfig", "load_job"],
+        "trainer.config",
+    ),
+    **dict.fromkeys(["ConfigError", "DlxError", "TrainingError"], "trainer.errors"),
+    "train_local": "trainer.launch",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(import_module(_HOME[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
+
 
 __all__ = [
+    "CompressionConfig",
     "ConfigError",
     "Contribution",
     "DataConfig",
@@ -43,6 +49,7 @@ __all__ = [
     "StepArtifacts",
     "StepSink",
     "TrainingError",
+    "TransportConfig",
     "bytes_to_tensors",
     "code_hash",
     "load_job",

@@ -42,11 +42,29 @@ class StageShard:
 
 @dataclass(frozen=True)
 class Contribution:
-    """What replica r's stage s contributed this round."""
+    """What replica r's stage s contributed to outer step t: exactly the bytes it sent.
+
+    `data` is safetensors (sorted keys, no metadata), one key family per parameter <name>
+    (the decoder is `trainer.compress.decode_contribution`; shapes come from the shard):
+    - compression `none`: ``delta/<name>`` float32, theta_outer - theta_local as is;
+    - otherwise ``meta/<name>`` int32 [codec, bits, rank] (codec 1 = quantised, 2 = low
+      rank), plus for codec 1 ``q/<name>`` uint8 (rows, ceil(cols*bits/8)) and
+      ``q_scale/<name>`` float32 (rows,), and for codec 2 ``u/<name>`` (rank, ceil(m*bits/8))
+      with ``u_scale/<name>`` (rank,) and ``v/<name>`` (rank, ceil(n*bits/8)) with
+      ``v_scale/<name>`` (rank,). A tensor is viewed as (shape[0], rest), a 1-D tensor as
+      (1, n); b-bit values are stored offset by 2**(b-1)-1, 8/b per byte, low bits first;
+      value = (stored - (2**(b-1)-1)) * scale of its row; a low-rank tensor is
+      sum_k outer(u_k, v_k), summed in k order.
+    The new shard of step t is `apply_outer_step(shard of step t-1, [data of r = 0..R-1])`.
+    With `outer.delay = 1` the round that produced step t's contribution started from the
+    shard of step t-2 (genesis for t <= 2), and the contribution carries that round's data
+    shard and loss. Under `parallel.sync = "allreduce"` (the baseline) `data` is an empty
+    safetensors blob: there is no outer step to recompute.
+    """
 
     replica: int
     stage: int
-    data: bytes  # safetensors bytes: keys "delta/<name>" (theta_outer - theta_local), sorted
+    data: bytes  # safetensors bytes of the payload sent (layout above)
     data_shard: bytes  # 32-byte sha256 of the round's tokens for this replica
     loss: float  # mean training loss of this replica over the round's H inner steps
 
@@ -61,7 +79,12 @@ class StepArtifacts:
     step: int  # 1-based outer step
     stages: list[StageShard]  # stage order
     contributions: list[Contribution]  # slot order r*S + s
-    # at least eval_loss, train_loss, tokens (cumulative), inner_steps (cumulative), wall_s
+    # at least eval_loss, train_loss, tokens (cumulative), inner_steps (cumulative), wall_s;
+    # also (cumulative, rank 0 aggregates): bytes_sent (every rank, bytes that crossed
+    # replicas), payload_bytes (this step's contributions), compute_s, rounds_wall_s,
+    # compress_s, comm_wait_s, modelled_comm_s (slowest rank), peak_rss_mb (largest rank),
+    # extra_memory_bytes and param_bytes (one replica), and for compressed runs rel_error,
+    # rank_mean, bits_mean, residual_norm (mean over ranks, latest step)
     metrics: dict[str, float]
 
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ConfigError
 
 __all__ = [
+    "CompressionConfig",
     "DataConfig",
     "InnerConfig",
     "JobConfig",
     "ModelConfig",
     "OuterConfig",
     "ParallelConfig",
+    "TransportConfig",
     "load_job",
 ]
 
@@ -63,6 +65,12 @@ class ParallelConfig(_Section):
         4, ge=1, description="M: microbatches per inner step in the pipeline schedule."
     )
     schedule: Literal["1F1B", "GPipe"] = Field("1F1B", description="Pipeline schedule, by name.")
+    sync: Literal["diloco", "allreduce"] = Field(
+        "diloco",
+        description="How replicas sync: DiLoCo outer steps every H inner steps, or the "
+        "AllReduce-DDP baseline (gradients all-reduced every inner step; its checkpoints carry "
+        "the weights with zero momentum and empty contributions, not a verifiable outer step).",
+    )
 
 
 class DataConfig(_Section):
@@ -93,11 +101,60 @@ class DataConfig(_Section):
 class InnerConfig(_Section):
     """Inner optimizer: AdamW on each replica's stage, state kept across rounds."""
 
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="AdamW (default), or plain SGD (used by equivalence tests)."
+    )
     lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay (matrices only).")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
     clip: float = Field(1.0, gt=0.0, description="Max global grad norm over the whole pipeline.")
     warmup: int = Field(10, ge=0, description="Inner steps of linear LR warmup.")
+
+
+ALLOWED_BITS = (2, 4, 8)
+
+
+class CompressionConfig(_Section):
+    """How a replica's pseudo-gradient is compressed before it crosses the link.
+
+    Every kind keeps an error-feedback buffer (unless `error_feedback = false`): what
+    compression dropped this round is added to the next round's pseudo-gradient.
+    """
+
+    kind: Literal["none", "quantize", "lowrank", "adaptive"] = Field(
+        "none",
+        description="none: float32; quantize: `bits`-bit integers with per-row scales; "
+        "lowrank: rank-`rank` factors (PowerSGD-style power iteration, warm start) quantised "
+        "to `bits`, 1-D tensors quantised only; adaptive: rank and bits chosen each outer step "
+        "(trainer/compress.py documents the rule).",
+    )
+    bits: int = Field(8, description="Bits per quantised value: 2, 4 or 8.")
+    rank: int = Field(4, ge=1, description="Low-rank factor rank (kind = lowrank).")
+    power_iters: int = Field(1, ge=1, le=8, description="Power iterations per outer step.")
+    error_feedback: bool = Field(True, description="Carry the compression error to the next round.")
+    max_rank: int = Field(
+        32, ge=1, description="adaptive: the largest rank the rule may pick for any tensor."
+    )
+    energy: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="adaptive: fraction of a tensor's squared norm (with its error-feedback "
+        "residual) the low-rank factors should capture at the end of the warm-up schedule.",
+    )
+    warmup_steps: int = Field(
+        4,
+        ge=0,
+        description="adaptive: outer steps over which the energy target rises from half its "
+        "value to `energy` (more aggressive early).",
+    )
+
+    @field_validator("bits")
+    @classmethod
+    def _valid_bits(cls, bits: int) -> int:
+        if bits not in ALLOWED_BITS:
+            raise ValueError(f"must be one of 2, 4, 8 (got {bits})")
+        return bits
 
 
 class OuterConfig(_Section):
@@ -108,6 +165,47 @@ class OuterConfig(_Section):
     nesterov: bool = Field(True, description="Use Nesterov momentum.")
     steps: int = Field(ge=1, description="T: number of outer steps.")
     inner_steps: int = Field(ge=1, description="H: inner steps per outer step.")
+    delay: int = Field(
+        0,
+        description="One-step-delay overlap: 1 applies mean(delta_{t-1}) at the end of round t "
+        "while delta_t is exchanged in the background; 0 is synchronous DiLoCo.",
+    )
+    compression: CompressionConfig = Field(
+        default_factory=CompressionConfig, description="Pseudo-gradient compression."
+    )
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> OuterConfig:
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("nesterov = true needs momentum > 0 (set nesterov = false)")
+        return self
+
+    @field_validator("delay")
+    @classmethod
+    def _valid_delay(cls, delay: int) -> int:
+        if delay not in (0, 1):
+            raise ValueError(f"must be 0 or 1 (got {delay})")
+        return delay
+
+
+class TransportConfig(_Section):
+    """The link between replicas: every cross-replica byte is counted; the link may be shaped."""
+
+    link: Literal["none", "simulated", "netns"] = Field(
+        "none",
+        description="none: loopback, bytes counted only; simulated: each exchange completes "
+        "no earlier than latency + bytes / bandwidth after it starts (in a background thread); "
+        "netns: replicas in network namespaces joined by tc-shaped veth links (root only).",
+    )
+    bandwidth_mbps: float = Field(1000.0, description="Link bandwidth in Mbit/s (> 0).")
+    latency_ms: float = Field(0.0, ge=0.0, description="One-way latency per ring hop, in ms.")
+
+    @field_validator("bandwidth_mbps")
+    @classmethod
+    def _positive_bandwidth(cls, mbps: float) -> float:
+        if not mbps > 0:
+            raise ValueError(f"must be > 0 (got {mbps:g})")
+        return mbps
 
 
 class JobConfig(_Section):
@@ -124,6 +222,9 @@ class JobConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
     inner: InnerConfig = Field(default_factory=InnerConfig, description="Inner optimizer.")
     outer: OuterConfig = Field(description="Outer optimizer and round counts.")
+    transport: TransportConfig = Field(
+        default_factory=TransportConfig, description="Cross-replica link: counting and shaping."
+    )
 
     @model_validator(mode="after")
     def _cross_section(self) -> JobConfig:
@@ -139,6 +240,18 @@ class JobConfig(_Section):
             raise ValueError(
                 f"parallel.microbatches ({p.microbatches}) must be >= parallel.stages "
                 f"({p.stages}) for the 1F1B schedule"
+            )
+        c = self.outer.compression
+        smallest = min(m.d_model, m.vocab_size, m.seq_len)
+        if c.kind == "lowrank" and c.rank > smallest:
+            raise ValueError(
+                f"outer.compression.rank ({c.rank}) exceeds the smallest side ({smallest}) of "
+                f"the model's matrices"
+            )
+        if c.kind == "adaptive" and c.max_rank > smallest:
+            raise ValueError(
+                f"outer.compression.max_rank ({c.max_rank}) exceeds the smallest side "
+                f"({smallest}) of the model's matrices"
             )
         if p.replicas * p.stages > MAX_WORLD_SIZE:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""DiLoCo's outer loop: pseudo-gradients, their cross-replica average, the outer optimizer.
+"""DiLoCo's outer loop: pseudo-gradients, their exchange, the outer optimizer, and the
+one-step-delay overlap.
 
 DiLoCo (Douillard et al., 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models"; DiLoCoX, 2025, adds pipelining, overlap and compression): each replica
@@ -6,36 +7,38 @@ takes H inner AdamW steps alone, then the replicas average their pseudo-gradient
 delta = theta_outer - theta_local and an outer Nesterov-SGD step moves theta_outer.
 
 Pieces here are small and swappable:
-- `average_across_replicas` is the only cross-replica traffic. A later `Transport` (with
-  compression, byte counting and link shaping) replaces it behind the same call.
+- all cross-replica traffic goes through a `Transport` (trainer/transport.py): each
+  replica all-gathers its compressed contribution (trainer/compress.py), and every replica
+  decodes the R contributions and averages them in replica order (`mean_in_order`);
 - `OuterOptimizer` is the outer copy of one stage's parameters plus its momentum; it is
   what a `StageShard` serialises, and `apply_outer_step` lets a verifier recompute a step
-  from published bytes with exactly the code the trainer ran.
-- `DiLoCo` ties a stage's local module to its outer copy.
+  from the published contribution bytes (any compression kind) with exactly the code the
+  trainer ran;
+- `DiLoCo` ties a stage's local module to its outer copy and runs the round-end protocol,
+  synchronous (delay 0) or one step behind (delay 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
+from trainer.compress import Compressor, decode_contribution
 from trainer.config import OuterConfig
+from trainer.transport import Pending, Transport
 
 __all__ = [
-    "Averager",
+    "AppliedStep",
     "DiLoCo",
     "OuterOptimizer",
     "apply_outer_step",
-    "average_across_replicas",
     "mean_in_order",
 ]
-
-# Averages a list of tensors across replicas; every replica gets the same bits back.
-Averager = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 
 def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -55,28 +58,6 @@ def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
             acc.add_(t)
     for acc in out:
         acc.div_(n)
-    return out
-
-
-def average_across_replicas(
-    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, replicas: int
-) -> list[torch.Tensor]:
-    """Average `tensors` over the stage's data-parallel group (all-gather, ordered sum).
-
-    All tensors are packed into one flat float32 buffer so the exchange is one collective.
-    """
-    if replicas == 1:
-        return [t.detach().clone() for t in tensors]
-    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])  # (N,)
-    gathered = [torch.empty_like(flat) for _ in range(replicas)]
-    # Deadlock hazard: every rank of the group must reach this call with the same N, in
-    # the same order relative to other collectives on `group`.
-    dist.all_gather(gathered, flat, group=group)
-    (mean,) = mean_in_order([[g] for g in gathered])
-    out, offset = [], 0
-    for t in tensors:
-        out.append(mean[offset : offset + t.numel()].view_as(t).to(t.dtype))
-        offset += t.numel()
     return out
 
 
@@ -142,18 +123,28 @@ class OuterOptimizer:
 
 
 def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig) -> bytes:
-    """Recompute a stage's new shard from its parent shard and the replicas' contributions
-    (`delta/<name>` safetensors, in replica order). Bit-identical to what training ran."""
+    """Recompute a stage's new shard from its parent shard and the replicas' published
+    contributions (any compression kind; see `trainer.artifacts.Contribution`), in replica
+    order. Bit-identical to what training ran: the same decoder, the same ordered mean."""
     outer = OuterOptimizer.from_bytes(shard, cfg)
+    shapes = {n: p.shape for n, p in outer.params.items()}
     per_replica = []
     for data in contributions:
-        deltas = {k.removeprefix("delta/"): v for k, v in bytes_to_tensors(data).items()}
-        if sorted(deltas) != outer.names:
-            raise ValueError("contribution: delta/ keys do not match the shard's params")
+        deltas = decode_contribution(data, shapes)
         per_replica.append([deltas[n] for n in outer.names])
     mean = mean_in_order(per_replica)
     outer.step(dict(zip(outer.names, mean, strict=True)))
     return outer.to_bytes()
+
+
+@dataclass(frozen=True)
+class AppliedStep:
+    """An outer step that was just applied: the round whose pseudo-gradients it averaged,
+    this replica's published contribution for that round, and the caller's tag for it."""
+
+    round: int
+    payload: bytes
+    tag: Any
 
 
 class DiLoCo:
@@ -161,34 +152,89 @@ class DiLoCo:
 
     Args:
         module: this rank's stage (theta_local, trained by the inner optimizer).
-        cfg: the outer optimizer (lr = eta, momentum = mu, Nesterov).
-        average: cross-replica mean of a list of tensors (synchronous here; the later
-            overlap mode starts it in the background and waits one round later).
+        cfg: the outer optimizer (lr = eta, momentum = mu, Nesterov) and `delay` (the
+            one-step-delay overlap: 0 synchronous, 1 one step behind).
+        transport: the stage's cross-replica exchange (counts and shapes every byte).
+        compressor: this replica-stage's compressor (error feedback state lives there).
 
-    On failure of any replica the collective inside `average` raises (gloo reports the
+    One-step-delay overlap (delay 1), at the end of round t:
+      1. compute delta_t against theta_outer (not yet updated) and compress it;
+      2. wait for the exchange of delta_{t-1} started at the end of round t-1;
+      3. step the outer optimizer with mean(delta_{t-1});
+      4. copy theta_outer into the local model and start exchanging delta_t in the
+         background, while round t+1's inner steps run.
+    Round 1 has no pending exchange (step 3 is skipped; the local model still restarts from
+    theta_outer); `flush()` after the last round applies the last pending exchange. So
+    round t's contribution is applied, and published, at outer step t either way.
+
+    On failure of any replica the collective inside the transport raises (gloo reports the
     closed peer); the round is lost and the job resumes from the last committed shard.
     """
 
-    def __init__(self, module: nn.Module, cfg: OuterConfig, average: Averager):
+    def __init__(
+        self, module: nn.Module, cfg: OuterConfig, transport: Transport, compressor: Compressor
+    ):
         self.module = module
-        self.average = average
+        self.cfg = cfg
+        self.transport = transport
+        self.compressor = compressor
         self.local = dict(module.named_parameters())
         self.outer = OuterOptimizer(self.local, cfg)
+        self.shapes = {n: p.shape for n, p in self.outer.params.items()}
+        self._pending: tuple[Pending, int, bytes, Any] | None = None
+        self.decode_s = 0.0  # time spent decoding received contributions
+
+    def extra_memory_bytes(self) -> int:
+        """Bytes DiLoCo holds beyond the model: outer weights, momentum, compressor state."""
+        outer = sum(4 * p.numel() for p in self.outer.params.values())
+        return 2 * outer + self.compressor.state_bytes()
 
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
         """delta = theta_outer - theta_local (points where the inner steps did not go)."""
         return {n: (self.outer.params[n] - self.local[n].detach()) for n in self.outer.names}
 
     @torch.no_grad()
-    def sync(self) -> dict[str, torch.Tensor]:
-        """End of round: average the deltas, step theta_outer, reset theta_local to it.
+    def end_round(
+        self,
+        round_t: int,
+        tag: Any = None,
+        loss: float | None = None,
+        budget_bytes: float | None = None,
+    ) -> AppliedStep | None:
+        """The round-end protocol; returns the outer step it applied, if any (delay 1
+        applies round t-1's exchange, so round 1 returns None)."""
+        payload = self.compressor.compress(self.pseudo_gradient(), round_t, loss, budget_bytes)
+        if self.cfg.delay == 0:
+            self._apply(self.transport.all_gather(payload))
+            return AppliedStep(round_t, payload, tag)
+        applied = self.flush()
+        if applied is None:
+            self._reset_local()
+        self._pending = (self.transport.start_all_gather(payload), round_t, payload, tag)
+        return applied
 
-        Returns this replica's own (unaveraged) delta, the contribution it publishes.
-        """
-        delta = self.pseudo_gradient()
+    @torch.no_grad()
+    def flush(self) -> AppliedStep | None:
+        """Wait for the exchange in flight (if any) and apply it."""
+        if self._pending is None:
+            return None
+        pending, round_t, payload, tag = self._pending
+        self._pending = None
+        start = time.perf_counter()
+        blobs = pending.wait()
+        self.transport.wait_s += time.perf_counter() - start
+        self._apply(blobs)
+        return AppliedStep(round_t, payload, tag)
+
+    def _apply(self, blobs: list[bytes]) -> None:
+        start = time.perf_counter()
+        decoded = [decode_contribution(b, self.shapes) for b in blobs]
+        self.decode_s += time.perf_counter() - start
         names = self.outer.names
-        mean = self.average([delta[n] for n in names])
+        mean = mean_in_order([[d[n] for n in names] for d in decoded])
         self.outer.step(dict(zip(names, mean, strict=True)))
-        for n in names:
+        self._reset_local()
+
+    def _reset_local(self) -> None:
+        for n in self.outer.names:
             self.local[n].copy_(self.outer.params[n])
-        return delta

@@ -2,10 +2,13 @@
 
 World = R replicas x S stages, rank = r*S + s. Each replica's S ranks run a
 torch.distributed.pipelining schedule (1F1B or GPipe) over M microbatches; stage s of
-every replica forms the data-parallel group that averages stage s's pseudo-gradients at
-each outer step. Only global rank 0 reports, through `emit(kind, payload)`:
-("genesis", GenesisArtifacts), then per outer step some ("progress", Progress) and one
-("step", StepArtifacts).
+every replica forms the data-parallel group that exchanges stage s's (compressed)
+pseudo-gradients at each outer step through a `Transport`, synchronously or one step
+behind (`outer.delay`). `parallel.sync = "allreduce"` runs the AllReduce-DDP baseline
+instead: the same model, pipeline, data order and inner optimizer, with gradients
+all-reduced through the same Transport every inner step. Only global rank 0 reports,
+through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step some
+("progress", Progress) and one ("step", StepArtifacts).
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
 processes sharing an `init_method` (the Celery workers do).
@@ -14,10 +17,11 @@ processes sharing an `init_method` (the Celery workers do).
 from __future__ import annotations
 
 import math
+import resource
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -34,14 +38,47 @@ from trainer.artifacts import (
     StepArtifacts,
     tensors_to_bytes,
 )
+from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.data import derive_seed, load_corpus
-from trainer.diloco import DiLoCo, average_across_replicas
+from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
 from trainer.model import build_stage
+from trainer.transport import Transport
 
-__all__ = ["Emit", "Topology", "run_rank"]
+__all__ = ["Cancelled", "Emit", "RankControl", "ResumePoint", "Topology", "run_rank"]
 
 Emit = Callable[[str, Any], None]
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Start from a committed checkpoint instead of the seed: this rank's stage shard
+    (outer params + momentum) after outer step `step`. Rounds continue at `step + 1` with
+    the same data shards an uninterrupted run would read; the inner optimizer restarts
+    (its state is not in checkpoints), and with `outer.delay = 1` the exchange that was in
+    flight when the job stopped is lost: the resumed run starts from the checkpoint."""
+
+    step: int
+    shard: bytes
+
+
+@dataclass
+class RankControl:
+    """How a launcher steers a rank beyond the job itself (the job queue uses it).
+
+    Deadlock hazard: `cancellable` adds a broadcast from rank 0 at every inner-step
+    boundary, so every rank of a world must get the same `cancellable` value.
+    """
+
+    stop_requested: Callable[[], bool] | None = None  # polled on rank 0 only
+    cancellable: bool = False
+    start: ResumePoint | None = None
+    timeout_s: float | None = None  # collective timeout: how soon a lost peer fails a round
+    emit_contributions: bool = False  # every rank emits ("contribution", (step, Contribution))
+
+
+class Cancelled(Exception):
+    """The launcher asked the ranks to stop; raised on every rank at the same inner step."""
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 PROGRESS_EVERY = 5  # inner steps between progress reports
@@ -88,14 +125,16 @@ def warmup_lr(base: float, warmup: int, step: int) -> float:
     return base * min(1.0, (step + 1) / warmup) if warmup > 0 else base
 
 
-def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not norms, biases)."""
+def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.Optimizer:
+    """AdamW (or plain SGD) with weight decay on matrices only (not norms, biases)."""
     params = [p for p in module.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": job.inner.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if job.inner.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=job.inner.lr, foreach=False)
     return torch.optim.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
 
 
@@ -183,8 +222,18 @@ def _broadcast_scalar(value: float | None, src: int, group: dist.ProcessGroup | 
     return t.item()
 
 
-def run_rank(rank: int, world_size: int, init_method: str, job: JobConfig, emit: Emit) -> None:
-    """Train `job` as global rank `rank`; `emit` is called on rank 0 only."""
+def run_rank(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    job: JobConfig,
+    emit: Emit,
+    control: RankControl | None = None,
+) -> None:
+    """Train `job` as global rank `rank`; `emit` is called on rank 0 only (and on every
+    rank for its own contributions when `control.emit_contributions`). Raises `Cancelled`
+    on every rank when rank 0's `control.stop_requested()` says so."""
+    control = control or RankControl()
     R, S = job.parallel.replicas, job.parallel.stages
     if world_size != R * S:
         raise ValueError(f"world_size ({world_size}) != replicas x stages ({R} x {S})")
@@ -196,17 +245,22 @@ def run_rank(rank: int, world_size: int, init_method: str, job: JobConfig, emit:
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timedelta(seconds=control.timeout_s) if control.timeout_s else COLLECTIVE_TIMEOUT,
     )
     try:
-        _train(topo, job, emit)
+        _train(topo, job, emit, control)
     finally:
         dist.destroy_process_group()
 
 
-def _train(topo: Topology, job: JobConfig, emit: Emit) -> None:
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> None:
     R, S = topo.R, topo.S
     H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
+    allreduce = job.parallel.sync == "allreduce"
     pipe_group, dp_group = topo.create_groups()
     last_of_replica = topo.global_rank(topo.replica, S - 1)
     last_of_replica0 = topo.global_rank(0, S - 1)
@@ -217,31 +271,127 @@ def _train(topo: Topology, job: JobConfig, emit: Emit) -> None:
     pipeline = Pipeline(module, topo, pipe_group, job)
     inner = build_inner_optimizer(module, job)
     params = [p for p in module.parameters() if p.requires_grad]
-    diloco = DiLoCo(module, job.outer, partial(average_across_replicas, group=dp_group, replicas=R))
+    transport = Transport(dp_group, R, topo.replica, job.transport)
+    shapes = {n: p.shape for n, p in module.named_parameters()}
+    compressor = Compressor(
+        job.outer.compression, shapes, derive_seed("compress", job.seed, topo.replica, topo.stage)
+    )
+    diloco = DiLoCo(module, job.outer, transport, compressor)
 
     def gather(payload: Any) -> list[Any] | None:
         out = [None] * (R * S) if topo.rank == 0 else None
         dist.gather_object(payload, out, dst=0)
         return out
 
-    shards = gather(StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None)
-    if topo.rank == 0:
-        assert shards is not None
-        emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(S)]))
+    first_round = 1
+    if control.start is not None:  # resume: the committed outer state, not the seed's
+        diloco.outer = OuterOptimizer.from_bytes(control.start.shard, job.outer)
+        with torch.no_grad():
+            diloco._reset_local()
+        first_round = control.start.step + 1
+    else:
+        shards = gather(StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None)
+        if topo.rank == 0:
+            assert shards is not None
+            emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(S)]))
+    stop_flag = torch.zeros(1, dtype=torch.int32)
+
+    def stop_now() -> bool:
+        """Rank 0 decides, everyone learns it in the same collective (inner-step boundary)."""
+        if topo.rank == 0:
+            stop_flag[0] = int(bool(control.stop_requested and control.stop_requested()))
+        dist.broadcast(stop_flag, src=0)
+        return bool(stop_flag[0])
 
     start = time.perf_counter()
-    step_in_run = 0
-    for t in range(1, T + 1):
+    # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
+    # compress_s: compression + decoding of every contribution.
+    clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0}
+
+    def shard_bytes() -> bytes:
+        if allreduce:  # the weights, zero momentum: the baseline has no outer optimizer
+            named = dict(module.named_parameters())
+            tensors = {f"param/{n}": p.detach().float() for n, p in named.items()}
+            tensors.update({f"momentum/{n}": torch.zeros_like(p) for n, p in named.items()})
+            return tensors_to_bytes(tensors)
+        return diloco.outer.to_bytes()
+
+    def report(applied: AppliedStep) -> None:
+        """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
+        t = applied.round
+        digest, round_loss = applied.tag
+        contribution = Contribution(
+            replica=topo.replica,
+            stage=topo.stage,
+            data=applied.payload,
+            data_shard=digest,
+            loss=round_loss,
+        )
+        if control.emit_contributions:  # so this rank's node can check what it attests
+            emit("contribution", (t, contribution))
+        eval_loss = pipeline.eval_loss(eval_batches) if topo.replica == 0 else None
+        shard = StageShard(topo.stage, shard_bytes()) if topo.replica == 0 else None
+        stats = {
+            **clock,
+            "bytes_sent": float(transport.bytes_sent),
+            "modelled_comm_s": transport.modelled_s,
+            "comm_wait_s": transport.wait_s,
+            "peak_rss_mb": _peak_rss_mb(),
+            "extra_memory_bytes": float(0 if allreduce else diloco.extra_memory_bytes()),
+            "param_bytes": float(4 * sum(p.numel() for p in params)),
+            **{k: v for k, v in compressor.last_stats.items() if k != "compress_s"},
+        }
+        gathered = gather((contribution, shard, eval_loss, stats))
+        if topo.rank == 0:
+            assert gathered is not None
+            contributions = [c for c, _, _, _ in gathered]
+            stages = [gathered[s][1] for s in range(S)]
+            (eval_value,) = [e for _, _, e, _ in gathered if e is not None]
+            rank_stats = [st for _, _, _, st in gathered]
+            train_loss = sum(contributions[r * S].loss for r in range(R)) / R
+            metrics = {
+                "eval_loss": eval_value,
+                "train_loss": train_loss,
+                "tokens": float(t * H * R * B * L),
+                "inner_steps": float(t * H),
+                "wall_s": time.perf_counter() - start,
+                "lr": lr,
+                # Summed over every rank, cumulative: bytes that crossed replicas.
+                "bytes_sent": sum(st["bytes_sent"] for st in rank_stats),
+                "payload_bytes": float(sum(len(c.data) for c in contributions)),
+            }
+            for key in ("compute_s", "rounds_wall_s", "compress_s", "modelled_comm_s",
+                        "comm_wait_s", "peak_rss_mb"):
+                metrics[key] = max(st[key] for st in rank_stats)  # the slowest rank
+            for key in ("extra_memory_bytes", "param_bytes"):  # one replica's stages
+                metrics[key] = sum(st[key] for st in rank_stats[:S])
+            for key in ("rel_error", "rank_mean", "bits_mean", "residual_norm"):
+                if key in rank_stats[0]:
+                    metrics[key] = sum(st[key] for st in rank_stats) / len(rank_stats)
+            emit(
+                "step",
+                StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics),
+            )
+
+    step_in_run = (first_round - 1) * H  # warmup is not repeated on resume
+    lr = job.inner.lr
+    for t in range(first_round, T + 1):
+        round_start = time.perf_counter()
         torch.manual_seed(derive_seed("round", job.seed, topo.replica, t))  # dropout, if any
         data = corpus.shard(job.seed, topo.replica, t, H, B, L)
         losses: list[float] = []
+        wait_before = transport.wait_s
         for h in range(H):
+            if control.cancellable and stop_now():
+                raise Cancelled(f"stopped at outer step {t}, inner step {h + 1}")
             lr = warmup_lr(job.inner.lr, job.inner.warmup, step_in_run)
             for g in inner.param_groups:
                 g["lr"] = lr
             inner.zero_grad(set_to_none=True)
             x, y = data.tokens[h, :, :-1], data.tokens[h, :, 1:]  # (B, T) each
             loss = pipeline.train_step(x, y)
+            if allreduce:
+                transport.all_reduce_mean_([p.grad for p in params])
             clip_pipeline_grad_norm(params, job.inner.clip, pipe_group, S)
             inner.step()
             step_in_run += 1
@@ -253,6 +403,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit) -> None:
                 if topo.rank == 0:
                     assert value is not None
                     emit("progress", Progress(t, h + 1, value, T, H))
+        compute = time.perf_counter() - round_start - (transport.wait_s - wait_before)
+        clock["compute_s"] += compute
 
         # The round's loss lives on the last stage; every stage's Contribution carries it.
         round_loss = sum(losses) / H if topo.is_last else None
@@ -261,32 +413,17 @@ def _train(topo: Topology, job: JobConfig, emit: Emit) -> None:
         )
         assert round_loss is not None
 
-        delta = diloco.sync()
-        contribution = Contribution(
-            replica=topo.replica,
-            stage=topo.stage,
-            data=tensors_to_bytes({f"delta/{n}": d for n, d in delta.items()}),
-            data_shard=data.digest,
-            loss=round_loss,
-        )
-        eval_loss = pipeline.eval_loss(eval_batches) if topo.replica == 0 else None
-        shard = StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None
-        gathered = gather((contribution, shard, eval_loss))
-        if topo.rank == 0:
-            assert gathered is not None
-            contributions = [c for c, _, _ in gathered]
-            stages = [gathered[s][1] for s in range(S)]
-            (eval_value,) = [e for _, _, e in gathered if e is not None]
-            train_loss = sum(contributions[r * S].loss for r in range(R)) / R
-            metrics = {
-                "eval_loss": eval_value,
-                "train_loss": train_loss,
-                "tokens": float(t * H * R * B * L),
-                "inner_steps": float(t * H),
-                "wall_s": time.perf_counter() - start,
-                "lr": lr,
-            }
-            emit(
-                "step",
-                StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics),
-            )
+        if allreduce:
+            applied: AppliedStep | None = AppliedStep(t, tensors_to_bytes({}), (data.digest, round_loss))
+        else:
+            # The exchange must fit the overlap window: the link moves this many bytes in
+            # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
+            budget = transport.link.bandwidth * compute / max(1, R - 1)
+            applied = diloco.end_round(t, (data.digest, round_loss), round_loss, budget)
+        clock["rounds_wall_s"] += time.perf_counter() - round_start
+        clock["compress_s"] = compressor.total_s + diloco.decode_s
+        if applied is not None:
+            report(applied)
+    applied = diloco.flush()
+    if applied is not None:
+        report(applied)

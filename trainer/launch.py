@@ -11,6 +11,7 @@ others and raises one `TrainingError` naming the rank and the cause.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +29,7 @@ from trainer.errors import TrainingError
 __all__ = ["free_port", "train_local"]
 
 POLL_S = 0.2
+NETNS_PORT = 29500  # the store's port inside replica 0's fresh namespace
 GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
 # Errors that are usually the echo of another rank's death, not the cause.
 _ECHO_MARKERS = (
@@ -48,17 +50,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, init_method: str, job: JobConfig, events: Any) -> None:
+def _rank_main(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    job: JobConfig,
+    events: Any,
+    control: Any = None,
+    *,
+    netns: str | None = None,
+) -> None:
     # Imported here so the parent does not need torch.distributed initialised.
-    from trainer.engine import run_rank
+    from trainer.engine import Cancelled, run_rank
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _die_with_parent()
+    if netns is not None:  # before any socket: the replica's shaped namespace
+        from trainer.netns import enter_netns
+
+        enter_netns(netns)
 
     def emit(kind: str, payload: Any) -> None:
         events.put((kind, rank, payload))
 
     try:
-        run_rank(rank, world_size, init_method, job, emit)
+        run_rank(rank, world_size, init_method, job, emit, control)
+    except Cancelled as exc:
+        events.put(("cancelled", rank, str(exc)))
+        _exit_quietly(events, 0)
     except BaseException as exc:  # every failure, even SystemExit, must reach the parent
         last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
         where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
@@ -67,6 +86,20 @@ def _rank_main(rank: int, world_size: int, init_method: str, job: JobConfig, eve
         _exit_quietly(events, 1)
     events.put(("done", rank, None))
     _exit_quietly(events, 0)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that started it dies, so a killed
+    launcher or worker never leaves an orphan rank training on."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _exit_quietly(events: Any, code: int) -> None:
@@ -120,16 +153,41 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     """Train `job` in R*S local processes (gloo over 127.0.0.1), reporting to `sink`.
 
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
-    raised by the sink stops the ranks and propagates unchanged.
+    raised by the sink stops the ranks and propagates unchanged. With
+    `transport.link = "netns"` (root only) each replica's ranks run in their own network
+    namespace behind a tc-shaped veth link (trainer/netns.py), removed afterwards.
     """
+    with contextlib.ExitStack() as stack:
+        if job.transport.link == "netns":
+            from trainer.netns import ReplicaLinks
+
+            links = stack.enter_context(
+                ReplicaLinks(job.parallel.replicas, job.transport.bandwidth_mbps,
+                             job.transport.latency_ms)
+            )
+            init_method = links.init_method(NETNS_PORT)
+            netns = [links.names[rank // job.parallel.stages] for rank in range(job.world_size)]
+        else:
+            init_method = f"tcp://127.0.0.1:{free_port()}"
+            netns = [None] * job.world_size
+        _train_local(job, sink, timeout_s, init_method, netns)
+
+
+def _train_local(
+    job: JobConfig,
+    sink: StepSink,
+    timeout_s: float | None,
+    init_method: str,
+    netns: list[str | None],
+) -> None:
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     world = job.world_size
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(rank, world, init_method, job, events),
+            kwargs={"netns": netns[rank]},
             name=f"dlx-rank-{rank}",
             daemon=True,
         )
@@ -198,5 +256,7 @@ def _dispatch(sink: StepSink, kind: str, payload: Any) -> None:
         sink.on_step(payload)
     elif kind == "progress":
         sink.on_progress(payload)
+    elif kind in ("contribution", "cancelled"):
+        pass  # only launchers that ask for them (RankControl) act on these
     else:
         raise TrainingError(f"unknown event kind from rank 0: {kind!r}")

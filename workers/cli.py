@@ -182,6 +182,7 @@ def verify(
 app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  # dlx cas ...
 
 
+__import__("workers.cli_jobs", fromlist=["register"]).register(app, user_errors)  # worker, submit, status, ...
 
 
 def main() -> None:

@@ -22,13 +22,29 @@ from multiformats import CID
 from lineage.attest import ContributionClaim, Domain, loss_micros
 from lineage.blockstore import Blockstore
 from lineage.chain import Attestation, Ledger
-from lineage.cid import digest_of
-from lineage.manifest import Manifest, put_config, put_manifest
+from lineage.cid import digest_of, parse_cid
+from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
 from lineage.runrecord import RunRecord
-from lineage.unixfs import import_bytes
+from lineage.unixfs import file_cid, import_bytes
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
+
+Signer = Callable[[int, list[ContributionClaim]], list[bytes]]
+
+
+def local_signer(keys: list[LocalAccount], domain: Domain) -> Signer:
+    """Sign every slot's claim with that slot's key, held in this process (`dlx train`)."""
+
+    def sign(step: int, claims: list[ContributionClaim]) -> list[bytes]:
+        return [c.sign(domain, keys[i].key) for i, c in enumerate(claims)]
+
+    return sign
+
+
+def content_digest(data: bytes) -> bytes:
+    """The on-chain digest of a contribution: its UnixFS file CID's sha-256 (nothing stored)."""
+    return digest_of(file_cid(data))
 
 
 class LedgerSink:
@@ -42,32 +58,49 @@ class LedgerSink:
         store: Blockstore,
         ledger: Ledger,
         submitter: LocalAccount,
-        slot_keys: list[LocalAccount],
         record: RunRecord,
         run_dir: Path,
         challenge_window: int,
         min_stake: int,
+        slot_keys: list[LocalAccount] | None = None,
+        slot_nodes: list[str] | None = None,
+        signer: Signer | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_committed: Callable[[int, CID, StepArtifacts], None] | None = None,
     ) -> None:
-        if len(slot_keys) != job.world_size:
-            raise ValueError(f"need {job.world_size} slot keys, got {len(slot_keys)}")
+        """Either `slot_keys` (one local key per slot: `dlx train`) or `slot_nodes` and a
+        `signer` that obtains each slot's signature from its own node (the job queue)."""
+        if slot_keys is not None:
+            slot_nodes = [k.address for k in slot_keys]
+            signer = local_signer(slot_keys, Domain(ledger.chain.chain_id, ledger.ledger.address))
+        if slot_nodes is None or signer is None:
+            raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
+        if len(slot_nodes) != job.world_size:
+            raise ValueError(f"need {job.world_size} slot nodes, got {len(slot_nodes)}")
         self.job = job
         self.config = config
         self.store = store
         self.ledger = ledger
         self.submitter = submitter
-        self.slot_keys = slot_keys
+        self.slot_nodes = slot_nodes
+        self.signer = signer
         self.record = record
         self.run_dir = run_dir
         self.challenge_window = challenge_window
         self.min_stake = min_stake
         self.code = code_hash()
-        self.domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
         self._progress = on_progress
         self._committed = on_committed
         self._config_cid: CID | None = None
         self._head: CID | None = None
+
+    def resume_from(self, checkpoint: CID | str) -> None:
+        """Continue the run recorded in `record` from a committed checkpoint."""
+        manifest = get_manifest(self.store, checkpoint)
+        if manifest.step > 0 and manifest.run != self.record.run_id:
+            raise TrainingError(f"checkpoint {checkpoint} belongs to run {manifest.run}, not {self.record.run_id}")
+        self._head = parse_cid(checkpoint)
+        self._config_cid = manifest.config
 
     # -- StepSink --------------------------------------------------------------------------
 
@@ -76,7 +109,7 @@ class LedgerSink:
         stages = [self._put_file(s.data) for s in genesis.stages]
         manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
         head = put_manifest(self.store, manifest)
-        nodes = list(dict.fromkeys(k.address for k in self.slot_keys))
+        nodes = list(dict.fromkeys(self.slot_nodes))
         run_id = self.ledger.create_run(
             self.submitter,
             config_digest=digest_of(self._config_cid),
@@ -118,37 +151,48 @@ class LedgerSink:
         )
         checkpoint = put_manifest(self.store, manifest)
         parent = digest_of(self._head)
-        attestations = []
+        claims = []
         for slot, (contrib, cid) in enumerate(zip(step.contributions, contribs, strict=True)):
             if (contrib.replica, contrib.stage) != divmod(slot, S):
                 raise TrainingError(f"step {step.step}: contribution {slot} is for slot "
                                     f"({contrib.replica}, {contrib.stage})")
-            claim = ContributionClaim(
+            claims.append(ContributionClaim(
                 run_id=self.record.run_id, step=step.step, replica=contrib.replica,
                 stage=contrib.stage, parent=parent, contribution=digest_of(cid),
                 data_shard=contrib.data_shard, code_hash=self.code,
                 loss_micros=loss_micros(contrib.loss),
-            )
-            signature = claim.sign(self.domain, self.slot_keys[slot].key)
-            attestations.append(Attestation(
-                contrib.replica, contrib.stage, claim.contribution, claim.data_shard,
-                claim.code_hash, claim.loss_micros, signature,
             ))
-        self.ledger.commit_step(
-            self.submitter,
-            run_id=self.record.run_id,
-            step=step.step,
-            parent=parent,
-            checkpoint=digest_of(checkpoint),
-            metrics_digest=hashlib.sha256(dag_cbor.encode(manifest.to_node()["metrics"])).digest(),
-            attestations=attestations,
-        )
+        if not self._already_committed(step.step, checkpoint):  # redelivery: nothing to do
+            signatures = self.signer(step.step, claims)
+            attestations = [
+                Attestation(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, sig)
+                for c, sig in zip(claims, signatures, strict=True)
+            ]
+            self.ledger.commit_step(
+                self.submitter,
+                run_id=self.record.run_id,
+                step=step.step,
+                parent=parent,
+                checkpoint=digest_of(checkpoint),
+                metrics_digest=hashlib.sha256(dag_cbor.encode(manifest.to_node()["metrics"])).digest(),
+                attestations=attestations,
+            )
         self._head = checkpoint
         self.record.head, self.record.steps = str(checkpoint), step.step
         self.record.save(self.run_dir)
         self._pin(checkpoint)
         if self._committed:
             self._committed(step.step, checkpoint, step)
+
+    def _already_committed(self, step: int, checkpoint: CID) -> bool:
+        head, head_step = self.ledger.head(self.record.run_id)
+        if head_step < step:
+            return False
+        on_chain = self.ledger.ledger.functions.stepCheckpoint(self.record.run_id, step).call()
+        if bytes(on_chain) != digest_of(checkpoint):
+            raise TrainingError(f"step {step} is already committed with another checkpoint "
+                                f"(0x{bytes(on_chain).hex()}); this run cannot continue from {self._head}")
+        return True
 
     # -- storage ---------------------------------------------------------------------------
 

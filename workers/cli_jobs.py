@@ -1,0 +1,219 @@
+"""`dlx` commands for the job queue: worker, submit, status, cancel, resume, up, down.
+
+    dlx up --workers 2                 # local redis + anvil + 2 staked workers in .dlx/
+    dlx submit examples/tiny.toml      # prints a job id at once
+    dlx status JOB [--follow|--json]
+    dlx cancel JOB                     # ranks stop at the next inner-step boundary
+    dlx resume JOB                     # from the last checkpoint committed on chain
+    dlx down
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+STACK_HELP = "Stack directory written by `dlx up` (Redis, chain and ledger addresses)."
+
+
+def register(app: typer.Typer, user_errors: Any) -> None:
+    """Add the job-queue commands to the `dlx` app."""
+
+    @app.command()
+    @user_errors
+    def worker(
+        slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks).")] = int(os.environ.get("DLX_WORKER_SLOTS", "1")),
+        queues: Annotated[str, typer.Option("--queues", help="Queues to consume.")] = "train,jobs,verify",
+    ) -> None:
+        """Run this machine as a training node: a Celery worker whose rank tasks sign with
+        this node's key (DLX_NODE_KEY, or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD).
+        The node's stake is checked on start (DLX_RPC, DLX_REGISTRY)."""
+        from workers.node import NodeIdentity
+
+        me = NodeIdentity.from_env()
+        rpc, registry = os.environ.get("DLX_RPC"), os.environ.get("DLX_REGISTRY")
+        if rpc and registry:
+            from lineage.chain import Chain
+
+            chain = Chain(rpc, int(os.environ["DLX_CHAIN_ID"]) if os.environ.get("DLX_CHAIN_ID") else None)
+            stake = chain.contract("NodeRegistry", registry).functions.stakeOf(me.address).call()
+            if stake == 0:
+                from trainer.errors import ConfigError
+
+                raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
+            sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
+        from workers.celery_app import app as celery_app
+
+        celery_app.worker_main([
+            "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,
+            "-n", f"{me.address[:10]}-{os.getpid()}@%h", "--loglevel", "INFO",
+            "--without-gossip", "--without-mingle",
+        ])
+
+    @app.command()
+    @user_errors
+    def submit(
+        job_file: Annotated[Path, typer.Argument(help="Job file (TOML).")],
+        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+        rendezvous_s: Annotated[float, typer.Option("--rendezvous-timeout", min=1, help="Seconds for all ranks to join.")] = 60.0,
+        collective_timeout_s: Annotated[float, typer.Option("--collective-timeout", min=5, help="Seconds before a lost rank fails the round.")] = 60.0,
+    ) -> None:
+        """Queue a training job; prints its id at once."""
+        from workers.jobfile import load_job_file
+
+        job = load_job_file(job_file)
+        from workers.jobs import JobStore, connect
+        from workers.stack import Stack
+
+        stack = Stack.load(stack_dir)
+        store = JobStore(connect(stack.redis_url))
+        job_id = store.create({
+            "job_toml": job_file.read_text(), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
+            "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
+            "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
+            "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
+            "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,
+        })
+        store.update(job_id, run_dir=str(stack.runs / job_id))
+        _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)
+        sys.stdout.write(job_id + "\n")
+
+    @app.command()
+    @user_errors
+    def status(
+        job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
+        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON (state, run id, outer step, loss).")] = False,
+        follow: Annotated[bool, typer.Option("--follow", "-f", help="Draw a live bar until the job ends.")] = False,
+    ) -> None:
+        """A job's state and progress, read from Redis."""
+        from workers.jobs import TERMINAL, JobStore, connect
+        from workers.stack import Stack
+
+        store = JobStore(connect(Stack.load(stack_dir).redis_url))
+        rec = store.get(job_id)
+        if as_json:
+            keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
+                    "bytes_sent", "error", "attempt", "nodes", "run_dir")
+            sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
+        bar = Progress(TextColumn("[bold]{task.fields[state]}"), TextColumn("outer {task.fields[o]}/{task.fields[T]}"),
+                       TextColumn("inner {task.fields[i]}/{task.fields[H]}"), BarColumn(),
+                       TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sent]}"),
+                       TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+
+        def fields(rec: dict[str, Any]) -> dict[str, Any]:
+            o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
+            done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
+            loss = rec.get("loss")
+            return {"completed": done, "state": rec["state"], "o": o, "T": T, "i": i, "H": H,
+                    "loss": "-" if loss is None else f"{loss:.3f}",
+                    "sent": f"{(rec.get('bytes_sent') or 0) / 1e6:.2f} MB sent"}
+
+        with bar:
+            task = bar.add_task("job", total=T * H, **fields(rec))
+            while follow and rec["state"] not in TERMINAL:
+                time.sleep(0.5)
+                rec = store.get(job_id)
+                bar.update(task, **fields(rec))
+            bar.update(task, **fields(rec))
+        out = Console()
+        out.print(f"job {job_id}: {rec['state']}" + (f", run {rec['run_id']}" if rec.get("run_id") else "")
+                  + (f", head {rec['head']}" if rec.get("head") else ""))
+        if rec.get("error"):
+            out.print(f"[red]error:[/] {rec['error']}")
+
+    @app.command()
+    @user_errors
+    def cancel(
+        job_id: Annotated[str, typer.Argument(help="Job id.")],
+        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    ) -> None:
+        """Stop a job's ranks at the next inner-step boundary; committed steps stay committed."""
+        from workers.jobs import TERMINAL, JobStore, connect
+        from workers.stack import Stack
+
+        store = JobStore(connect(Stack.load(stack_dir).redis_url))
+        rec = store.get(job_id)
+        if rec["state"] in TERMINAL:
+            sys.stdout.write(f"job {job_id} already {rec['state']}\n")
+            return
+        store.request_cancel(job_id)
+        if rec["state"] == "queued":
+            store.finish(job_id, "cancelled")
+        sys.stdout.write(f"cancel requested for job {job_id}\n")
+
+    @app.command()
+    @user_errors
+    def resume(
+        job_id: Annotated[str, typer.Argument(help="Job id of a failed or cancelled job.")],
+        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    ) -> None:
+        """Restart a failed or cancelled job from the last checkpoint committed on chain."""
+        from lineage.chain import Chain, Ledger
+        from lineage.cid import DAG_CBOR, cid_from_digest
+        from trainer.errors import ConfigError
+        from workers.jobs import JobStore, connect
+        from workers.stack import Stack
+
+        stack = Stack.load(stack_dir)
+        store = JobStore(connect(stack.redis_url))
+        rec = store.get(job_id)
+        if rec["state"] not in ("failed", "cancelled"):
+            raise ConfigError(f"job {job_id} is {rec['state']}: only a failed or cancelled job can resume")
+        if not rec.get("run_id"):
+            raise ConfigError(f"job {job_id} committed nothing on chain: submit it again")
+        ledger = Ledger(Chain(rec["rpc"], int(rec["chain_id"])), rec["registry"], rec["ledger"])
+        head, step = ledger.head(int(rec["run_id"]))
+        if step >= int(rec["outer_steps"]):
+            raise ConfigError(f"job {job_id} already committed all {step} steps")
+        attempt = int(rec["attempt"]) + 1
+        store.r.delete(store.key(job_id, "cancel"))
+        store.update(job_id, state="queued", attempt=attempt, error=None,
+                     resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
+        _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
+        sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
+
+    @app.command()
+    @user_errors
+    def up(
+        workers: Annotated[int, typer.Option("--workers", min=1, max=30, help="Worker nodes to start.")] = 2,
+        slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots per worker.")] = 2,
+        stack_dir: Annotated[Path, typer.Option("--stack", help="Directory for the stack's state and logs.")] = Path(".dlx"),
+    ) -> None:
+        """Start a local stack: redis-server, anvil (state file) and N staked workers."""
+        from workers.stack import up as stack_up
+
+        sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
+        stack = stack_up(stack_dir, workers, slots)
+        sys.stdout.write(f"redis {stack.redis_url}\nchain {stack.rpc} (id {stack.chain_id})\n"
+                         f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
+
+    @app.command()
+    @user_errors
+    def down(
+        stack_dir: Annotated[Path, typer.Option("--stack", help="Directory of the stack to stop.")] = Path(".dlx"),
+    ) -> None:
+        """Stop exactly the processes `dlx up` started."""
+        from workers.stack import down as stack_down
+
+        pids = stack_down(stack_dir)
+        sys.stdout.write(f"stopped {len(pids)} processes\n")
+
+
+def _send_ranks(redis_url: str, job_id: str, world: int, attempt: int) -> None:
+    from workers.celery_app import make_app
+
+    app = make_app(redis_url)
+    for rank in range(world):
+        app.send_task("workers.tasks.run_rank", args=(job_id, rank, attempt), queue="train")

@@ -1,0 +1,317 @@
+"""Celery tasks: one task per rank of a training job.
+
+A job of R x S ranks is R x S `run_rank` tasks on the `train` queue. Each task is one
+rank on one worker node:
+
+1. it joins the job's rendezvous record in Redis with its node address; rank 0 also
+   publishes its TCPStore address; all wait until the world is complete or the deadline
+   passes (then the job fails saying how many slots were needed and how many came);
+2. it runs the rank in a child process (torch.distributed over gloo), relaying events;
+3. every rank attests its own work: when rank 0 publishes the claim for its slot, the
+   rank checks the claimed contribution, data shard and loss against what it computed
+   itself and only then signs the EIP-712 `Contribution` with its node key;
+4. rank 0 also hosts the step sink: blocks, manifest, signatures collected from Redis,
+   `commitStep`; progress goes to the job record, which `dlx status` reads.
+
+Tasks are idempotent: a task of a finished job or of an older attempt exits at once, and
+the sink never commits a step the ledger already holds. A rank whose peer dies fails
+within the collective timeout, naming the lost rank; `dlx resume` starts a new attempt
+from the last checkpoint committed on chain.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from celery.utils.log import get_task_logger
+
+from lineage.attest import ContributionClaim, Domain, loss_micros
+from lineage.errors import ChainError
+
+from .celery_app import app, redis_url
+from .jobs import TERMINAL, JobError, JobStore, connect
+from .node import NodeIdentity
+
+log = get_task_logger(__name__)
+POLL_S = 0.1
+SIGNATURE_TIMEOUT_S = 300.0
+HEARTBEAT_S = 1.0      # every rank task refreshes its heartbeat this often ...
+HEARTBEAT_TTL_S = 6.0  # ... and is declared lost when it has not for this long
+
+
+def _store() -> JobStore:
+    return JobStore(connect(redis_url()))
+
+
+class StopFlag:
+    """Picklable: polled by rank 0's training process at inner-step boundaries."""
+
+    def __init__(self, url: str, job_id: str) -> None:
+        self.url, self.job_id = url, job_id
+        self._r: Any = None
+
+    def __call__(self) -> bool:
+        if self._r is None:
+            import redis
+
+            self._r = redis.Redis.from_url(self.url, socket_timeout=5)
+        try:
+            return bool(self._r.exists(JobStore.key(self.job_id, "cancel")))
+        except Exception:  # a Redis hiccup must not kill training; cancel is best effort
+            return False
+
+
+class RedisSigner:
+    """Rank 0's side of attestation: publish claims, sign its own slot, collect the rest."""
+
+    def __init__(self, store: JobStore, job_id: str, attempt: int, me: NodeIdentity, domain: Domain) -> None:
+        self.store, self.job_id, self.attempt, self.me, self.domain = store, job_id, attempt, me, domain
+
+    def __call__(self, step: int, claims: list[ContributionClaim]) -> list[bytes]:
+        self.store.publish_claims(self.job_id, self.attempt, step, {i: _claim_json(c) for i, c in enumerate(claims)})
+        self.store.put_signature(self.job_id, self.attempt, step, 0, claims[0].sign(self.domain, self.me.account.key))
+        deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
+        while True:
+            sigs = self.store.signatures(self.job_id, self.attempt, step)
+            if len(sigs) == len(claims):
+                return [sigs[i] for i in range(len(claims))]
+            if self.store.get(self.job_id)["state"] in TERMINAL:
+                raise JobError(f"job ended while step {step} waited for attestations")
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(len(claims))) - set(sigs))
+                raise JobError(f"step {step}: no attestation from slots {missing} within {SIGNATURE_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+
+
+def _claim_json(c: ContributionClaim) -> dict[str, Any]:
+    return {"run_id": c.run_id, "step": c.step, "replica": c.replica, "stage": c.stage,
+            "parent": c.parent.hex(), "contribution": c.contribution.hex(),
+            "data_shard": c.data_shard.hex(), "code_hash": c.code_hash.hex(),
+            "loss_micros": c.loss_micros}
+
+
+def _claim_from_json(d: dict[str, Any]) -> ContributionClaim:
+    return ContributionClaim(d["run_id"], d["step"], d["replica"], d["stage"], bytes.fromhex(d["parent"]),
+                             bytes.fromhex(d["contribution"]), bytes.fromhex(d["data_shard"]),
+                             bytes.fromhex(d["code_hash"]), d["loss_micros"])
+
+
+@app.task(bind=True, name="workers.tasks.run_rank", acks_late=True)
+def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
+    """Run `rank` of job `job_id` (attempt `attempt`) on this worker node."""
+    store = _store()
+    rec = store.get(job_id)
+    if rec["state"] in TERMINAL or rec["attempt"] != attempt:
+        return {"rank": rank, "skipped": True}
+    me = NodeIdentity.from_env()
+    try:
+        return _run(store, job_id, rank, attempt, rec, me)
+    except BaseException as exc:
+        text = " ".join(str(exc).split()) or exc.__class__.__name__
+        known = text.startswith(("rank ", "lost rank")) or "rendezvous" in text
+        store.finish(job_id, "failed", text if known else f"rank {rank} ({me.address}) failed: {text}")
+        raise
+
+
+def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity) -> dict[str, Any]:
+    from trainer.config import load_job
+    from workers.jobfile import JobFile
+
+    job = load_job(tomllib.loads(rec["job_toml"]), JobFile)
+    world = job.world_size
+    store.join(job_id, attempt, rank, me.address)
+    store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+    if rank == 0:
+        store.publish_store_address(job_id, attempt, f"{me.host}:{free_port_on(me.host)}")
+    deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
+    while True:
+        joined = store.joined(job_id, attempt)
+        address = store.store_address(job_id, attempt)
+        store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+        if len(joined) >= world and address:
+            break
+        if store.get(job_id)["state"] in TERMINAL:
+            return {"rank": rank, "skipped": True}
+        if time.monotonic() > deadline:
+            raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
+                           f"{len(joined)} joined within {rec.get('rendezvous_s', 60)} s")
+        time.sleep(POLL_S)
+    nodes = [joined[i] for i in range(world)]
+    if rank == 0:
+        store.update(job_id, state="running", nodes=nodes, world=world)
+
+    sink = _rank0_sink(store, job_id, attempt, rec, job, me, nodes) if rank == 0 else None
+    start = _resume_point(rec, job, rank) if rec.get("resume_from") else None
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    from trainer.engine import RankControl
+    from trainer.launch import _rank_main
+
+    control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
+                          cancellable=True, start=start, emit_contributions=True,
+                          timeout_s=float(rec.get("collective_timeout_s", 60)))
+    proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", job.training_config(), events, control),
+                       daemon=False)
+    proc.start()
+    pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
+    beat = 0.0
+    try:
+        while True:
+            if time.monotonic() - beat > HEARTBEAT_S:
+                store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+                beat = time.monotonic()
+                lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
+                if lost:
+                    who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
+                    raise JobError(f"lost {who}: its worker stopped answering; the round failed")
+            try:
+                kind, _, payload = events.get(timeout=POLL_S)
+            except queue.Empty:
+                _attest_pending(store, job_id, attempt, rank, me, pending, rec)
+                if not proc.is_alive():
+                    raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me,
+                                          f"training process exited with code {proc.exitcode}")) from None
+                state = store.get(job_id)["state"]
+                if state in TERMINAL:
+                    return {"rank": rank, "state": state}
+                continue
+            if kind == "contribution":
+                step, contribution = payload
+                pending[step] = contribution
+                _attest_pending(store, job_id, attempt, rank, me, pending, rec)
+            elif kind == "genesis" and sink is not None:
+                sink.on_genesis(payload)
+            elif kind == "step" and sink is not None:
+                sink.on_step(payload)
+                store.update(job_id, step=payload.step, head=sink.record.head, run_id=sink.record.run_id,
+                             eval_loss=payload.metrics.get("eval_loss"),
+                             bytes_sent=payload.metrics.get("bytes_sent", 0))
+            elif kind == "progress" and rank == 0:
+                store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
+                             loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps)
+            elif kind == "cancelled":
+                # Steps gathered before the stop still get committed: attest them first.
+                while pending:
+                    _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
+                if rank == 0:
+                    store.finish(job_id, "cancelled")
+                return {"rank": rank, "state": "cancelled"}
+            elif kind == "error":
+                raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me, str(payload)))
+            elif kind == "done":
+                store.heartbeat(job_id, attempt, rank, 3600)  # finished ranks are never "lost"
+                while pending:
+                    _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
+                if rank == 0:
+                    store.finish(job_id, "completed")
+                return {"rank": rank, "state": "completed"}
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+
+
+def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[str], rank: int,
+           me: NodeIdentity, error: str) -> str:
+    """Name the lost rank when a peer vanished (its heartbeat expires), else this rank's error."""
+    deadline = time.monotonic() + HEARTBEAT_TTL_S + 1
+    while time.monotonic() < deadline:
+        store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+        lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
+        if lost:
+            who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
+            return f"lost {who}: its worker stopped answering; the round failed"
+        if store.get(job_id)["state"] in TERMINAL:
+            break
+        time.sleep(0.5)
+    return f"rank {rank} ({me.address}) failed: {error}"
+
+
+def free_port_on(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _attest_pending(store: JobStore, job_id: str, attempt: int, rank: int, me: NodeIdentity,
+                    pending: dict[int, Any], rec: dict[str, Any], wait: bool = False) -> None:
+    """Sign rank 0's claim for my slot once it is published, if it matches my own work."""
+    if rank == 0:
+        pending.clear()  # rank 0 signs its own slot inside the sink
+        return
+    from workers.sink import content_digest
+
+    domain = Domain(int(rec["chain_id"]), rec["ledger"])
+    deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
+    for step in sorted(pending):
+        while True:
+            claim_d = store.claim(job_id, attempt, step, rank)
+            if claim_d is not None or not wait or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        if claim_d is None:
+            if wait:
+                raise JobError(f"rank {rank}: rank 0 never published the claim for step {step}")
+            return
+        mine = pending.pop(step)
+        claim = _claim_from_json(claim_d)
+        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), divmod(rank, int(rec["stages"])))
+        got = (claim.contribution, claim.data_shard, claim.loss_micros, (claim.replica, claim.stage))
+        if expected != got:
+            raise JobError(f"rank {rank} refuses to attest step {step}: rank 0's claim differs from its own work")
+        store.put_signature(job_id, attempt, step, rank, claim.sign(domain, me.account.key))
+
+
+def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, me: NodeIdentity,
+                nodes: list[str]) -> Any:
+    from lineage.blockstore import Blockstore
+    from lineage.chain import Chain, Ledger
+    from lineage.runrecord import RunRecord
+    from trainer.artifacts import code_hash
+    from trainer.data import corpus_digest
+    from workers.sink import LedgerSink
+
+    chain = Chain(rec["rpc"], int(rec["chain_id"]))
+    ledger = Ledger(chain, rec["registry"], rec["ledger"])
+    run_dir = Path(rec["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        record = RunRecord.load(run_dir)
+    except Exception:
+        record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
+                           registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"])
+    training = job.training_config()
+    config = {"job": job.model_dump(mode="json", exclude={"storage"}),
+              "corpus": corpus_digest(training.data), "code": code_hash()}
+    domain = Domain(chain.chain_id, ledger.ledger.address)
+    sink = LedgerSink(
+        job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,
+        submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain),
+        record=record, run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
+        min_stake=job.chain.min_stake_wei,
+    )
+    if rec.get("resume_from"):
+        sink.resume_from(rec["resume_from"]["checkpoint"])
+    return sink
+
+
+def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
+    from lineage.blockstore import Blockstore
+    from lineage.manifest import get_manifest
+    from lineage.unixfs import read_bytes
+    from trainer.engine import ResumePoint
+
+    store = Blockstore(Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"])
+    manifest = get_manifest(store, rec["resume_from"]["checkpoint"])
+    stage = rank % job.parallel.stages
+    return ResumePoint(step=manifest.step, shard=read_bytes(store, manifest.stages[stage]))
+
+
+__all__ = ["ChainError", "RedisSigner", "StopFlag", "run_rank"]
