@@ -80,3 +80,16 @@ def test_lineage_html_report_is_one_self_contained_file(trained_run, tmp_path):
         assert s["metrics"]["eval_loss"] == s["loss"]
     assert doc["config"]["job"]["name"] == "e2e"
     assert all(int(v) >= 10**18 for v in doc["stakes"].values())
+
+
+@pytest.mark.slow
+def test_the_same_job_and_seed_give_the_same_checkpoint_cids(trained_run, tmp_path):
+    run_dir, _ = trained_run
+    job = run_dir / "job.toml"  # the run directory keeps the job file it ran
+    again = tmp_path / "again"
+    res = subprocess.run([DLX, "train", str(job), "--run-dir", str(again)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    first, second = RunRecord.load(run_dir), RunRecord.load(again)
+    assert (first.genesis, first.head) == (second.genesis, second.head)
+    assert (again / "timings.jsonl").read_text().count("\n") == 3  # wall times live here

@@ -11,6 +11,7 @@ the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the w
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,10 @@ from lineage.unixfs import file_cid, import_bytes
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
+
+#: Wall-clock measurements: reported, but kept out of manifests (they are not reproducible).
+TIMING_METRICS = frozenset({"wall_s", "compute_s", "rounds_wall_s", "compress_s", "comm_wait_s", "peak_rss_mb"})
+TIMINGS_FILE = "timings.jsonl"
 
 Signer = Callable[[int, list[ContributionClaim]], list[bytes]]
 
@@ -137,7 +142,10 @@ class LedgerSink:
             raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
         stages = [self._put_file(s.data) for s in step.stages]
         contribs = [self._put_file(c.data) for c in step.contributions]
-        metrics = dict(step.metrics)
+        # Timings differ between two runs of the same job; they go to a local log, not into
+        # the manifest, so the same job and seed give the same checkpoint CIDs.
+        metrics = {k: v for k, v in step.metrics.items() if k not in TIMING_METRICS}
+        timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         manifest = Manifest(
             step=step.step,
             parent=self._head,
@@ -178,6 +186,8 @@ class LedgerSink:
                 attestations=attestations,
             )
         self._head = checkpoint
+        with open(self.run_dir / TIMINGS_FILE, "a") as fh:
+            fh.write(json.dumps({"step": step.step, "checkpoint": str(checkpoint), **timings}) + "\n")
         self.record.head, self.record.steps = str(checkpoint), step.step
         self.record.save(self.run_dir)
         self._pin(checkpoint)
