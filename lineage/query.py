@@ -19,7 +19,6 @@ import dag_cbor
 from multiformats import CID
 
 from .anvil import Anvil
-from .blockstore import Blockstore
 from .chain import Chain, Ledger
 from .cid import DAG_CBOR, cid_from_digest
 from .errors import ChainError
@@ -94,7 +93,7 @@ def _plain(value: Any) -> Any:
 def run_lineage(run_dir: Path, rpc: str | None = None) -> Lineage:
     """The committed step chain of the run in `run_dir`, oldest first."""
     record = RunRecord.load(run_dir)
-    store = Blockstore(record.blocks_dir(run_dir))
+    store = record.open_store(run_dir)
     with open_ledger(run_dir, record, rpc) as ledger:
         records = ledger.steps(record.run_id)
         created = ledger.run_created(record.run_id)

@@ -11,6 +11,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.errors import ConfigError
 
@@ -33,6 +34,7 @@ class RunRecord:
     steps: int = 0
     nodes: list[str] = field(default_factory=list)
     status: str = "created"  # created | running | completed | failed
+    ipfs_api: str | None = None  # set: blocks live in this IPFS daemon, not in `blocks`
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / f".{RUN_FILE}.tmp"
@@ -50,6 +52,12 @@ class RunRecord:
             raise ConfigError(f"not a run directory (no {RUN_FILE}): {run_dir}") from None
         except (json.JSONDecodeError, TypeError) as exc:
             raise ConfigError(f"malformed {path}: {exc}") from None
+
+    def open_store(self, run_dir: Path) -> Any:
+        """The run's block store: the IPFS daemon it used, or its blockstore directory."""
+        from .ipfs import open_store
+
+        return open_store(self.blocks_dir(run_dir), self.ipfs_api)
 
     def blocks_dir(self, run_dir: Path) -> Path:
         p = Path(self.blocks)

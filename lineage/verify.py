@@ -82,7 +82,7 @@ def _check(cond: bool, reason: str) -> None:
 
 def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = LEVELS) -> RunReport:
     record = RunRecord.load(run_dir)
-    store = Blockstore(record.blocks_dir(run_dir))
+    store = record.open_store(run_dir)
     with open_ledger(run_dir, record, rpc) as ledger:
         created = ledger.run_created(record.run_id)
         steps = ledger.steps(record.run_id)

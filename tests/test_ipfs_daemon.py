@@ -202,3 +202,58 @@ def test_dlx_cas_add_and_get_through_the_daemon(daemon, tmp_path):
     assert get.returncode == 0, get.stderr
     assert (tmp_path / "back").read_bytes() == src.read_bytes()
     assert isinstance(open_store(api=daemon.api), IpfsStore)
+
+
+@pytest.mark.slow
+def test_a_run_stored_in_the_daemon_trains_and_verifies(daemon, tmp_path):
+    """`[storage] backend = "ipfs"`: every checkpoint block goes to the daemon, and
+    `dlx lineage` and `dlx verify` read them back from it (nothing in a local blockstore)."""
+    dlx = str(Path(sys.executable).parent / "dlx")
+    job = tmp_path / "job.toml"
+    job.write_text(f"""
+name = "ipfs-run"
+seed = 5
+[model]
+d_model = 32
+n_layers = 2
+n_heads = 2
+seq_len = 32
+[parallel]
+replicas = 2
+stages = 2
+microbatches = 2
+[data]
+max_bytes = 200000
+batch_size = 4
+eval_batches = 1
+[outer]
+steps = 2
+inner_steps = 3
+[storage]
+backend = "ipfs"
+api = "{daemon.api}"
+""")
+    run_dir = tmp_path / "run"
+    res = subprocess.run([dlx, "train", str(job), "--run-dir", str(run_dir)], capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not (run_dir / "blocks").exists()
+    res = subprocess.run([dlx, "verify", "--run-dir", str(run_dir), "--json"], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate"]] * 2
+    head = json.loads((run_dir / "run.json").read_text())["head"]
+    assert IpfsStore(daemon.api).has(head)
+
+
+def test_an_unreachable_daemon_is_refused_before_anything_starts(tmp_path):
+    dlx = str(Path(sys.executable).parent / "dlx")
+    job = tmp_path / "job.toml"
+    job.write_text('name = "x"\n[outer]\nsteps = 1\ninner_steps = 1\n'
+                   f'[storage]\nbackend = "ipfs"\napi = "/ip4/127.0.0.1/tcp/{free_port()}/http"\n')
+    res = subprocess.run([dlx, "train", str(job), "--run-dir", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "no IPFS daemon answers" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()

@@ -71,10 +71,10 @@ def train(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from workers.local import Callbacks, check_run_dir, default_run_dir, run_job
+    from workers.local import Callbacks, default_run_dir, preflight, run_job
 
     run_dir = run_dir or default_run_dir(job)
-    check_run_dir(run_dir)
+    preflight(job, run_dir, rpc)
     err = Console(stderr=True)
     out = Console()
     T, H = job.outer.steps, job.outer.inner_steps

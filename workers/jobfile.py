@@ -39,8 +39,21 @@ class ChainConfig(_Section):
 class StorageConfig(_Section):
     """Where blocks (checkpoints, contributions, manifests) are stored."""
 
-    backend: Literal["local"] = Field("local", description="Content-addressed store backend.")
+    backend: Literal["local", "ipfs"] = Field(
+        "local", description="local: a blockstore directory; ipfs: a daemon's Kubo RPC API."
+    )
     path: str | None = Field(None, description="Blockstore directory; unset uses <run dir>/blocks.")
+    api: str | None = Field(
+        None, description="Kubo RPC API multiaddr (backend = ipfs), e.g. /ip4/127.0.0.1/tcp/5001/http."
+    )
+
+    @model_validator(mode="after")
+    def _api_matches_backend(self) -> StorageConfig:
+        if self.backend == "ipfs" and not self.api:
+            raise ValueError("api must name the daemon's RPC address when backend is 'ipfs'")
+        if self.backend == "local" and self.api:
+            raise ValueError("api is only for backend = 'ipfs'")
+        return self
 
 
 class JobFile(JobConfig):

@@ -21,7 +21,6 @@ from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
 from lineage.anvil import ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
-from lineage.blockstore import Blockstore
 from lineage.chain import Chain, Ledger, artifact
 from lineage.runrecord import RunRecord
 from trainer.artifacts import Progress, StepArtifacts, code_hash
@@ -73,16 +72,24 @@ def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str],
     return accounts[0], accounts[1:]
 
 
-def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
-    """Train `job`, recording every outer step; returns the final run record."""
-    rpc = rpc or job.chain.rpc
-    embedded = rpc is None
-    # Check everything that can fail cheaply before anything is created or started.
+def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> None:
+    """Check everything that can fail cheaply, before anything is created or started."""
     check_run_dir(run_dir)
-    if embedded:
+    if (rpc or job.chain.rpc) is None:
         tool_path("anvil")
     artifact("TrainingLedger")
     artifact("NodeRegistry")
+    if job.storage.backend == "ipfs":  # the daemon must answer before anything starts
+        from lineage.ipfs import open_store
+
+        open_store(api=job.storage.api)
+
+
+def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
+    """Train `job`, recording every outer step; returns the final run record."""
+    preflight(job, run_dir, rpc)
+    rpc = rpc or job.chain.rpc
+    embedded = rpc is None
 
     created = not run_dir.exists()
     record: RunRecord | None = None
@@ -107,7 +114,7 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
             record = RunRecord(
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else url,
                 chain_state=CHAIN_STATE if embedded else None, registry=ledger.addresses["registry"],
-                ledger=ledger.addresses["ledger"], blocks=str(blocks),
+                ledger=ledger.addresses["ledger"], blocks=str(blocks), ipfs_api=job.storage.api,
             )
             training = job.training_config()
             config = {
@@ -116,7 +123,7 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
                 "code": code_hash(),
             }
             sink = LedgerSink(
-                job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)),
+                job=training, config=config, store=record.open_store(run_dir),
                 ledger=ledger, submitter=submitter, slot_keys=slot_keys, record=record,
                 run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
                 min_stake=job.chain.min_stake_wei, on_progress=cb.progress,
