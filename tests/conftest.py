@@ -31,9 +31,12 @@ def ledger(anvil, accounts):
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
-E2E_JOB = """
-name = "e2e"
-seed = 7
+def small_job_toml(name: str, *, seed: int = 7, steps: int = 3, inner_steps: int = 4,
+                   replicas: int = 2, stages: int = 2, extra: str = "") -> str:
+    """A job small enough for tests (a 2-layer d=32 GPT), with `extra` TOML appended."""
+    return f"""
+name = "{name}"
+seed = {seed}
 
 [model]
 d_model = 32
@@ -42,8 +45,8 @@ n_heads = 2
 seq_len = 32
 
 [parallel]
-replicas = 2
-stages = 2
+replicas = {replicas}
+stages = {stages}
 microbatches = 2
 
 [data]
@@ -56,10 +59,15 @@ lr = 3e-3
 warmup = 2
 
 [outer]
-steps = 3
-inner_steps = 4
-"""
+steps = {steps}
+inner_steps = {inner_steps}
+{extra}"""
 
+
+@pytest.fixture(scope="session")
+def small_job():
+    """`small_job(name, steps=..., ...)`: the TOML of a small test job (see small_job_toml)."""
+    return small_job_toml
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +76,7 @@ def trained_run(tmp_path_factory):
     read it; tests that tamper with it work on a copy."""
     root = tmp_path_factory.mktemp("e2e")
     job = root / "job.toml"
-    job.write_text(E2E_JOB)
+    job.write_text(small_job_toml("e2e"))
     run_dir = root / "run"
     res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=600)

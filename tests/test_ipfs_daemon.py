@@ -205,34 +205,13 @@ def test_dlx_cas_add_and_get_through_the_daemon(daemon, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_stored_in_the_daemon_trains_and_verifies(daemon, tmp_path):
+def test_a_run_stored_in_the_daemon_trains_and_verifies(daemon, tmp_path, small_job):
     """`[storage] backend = "ipfs"`: every checkpoint block goes to the daemon, and
     `dlx lineage` and `dlx verify` read them back from it (nothing in a local blockstore)."""
     dlx = str(Path(sys.executable).parent / "dlx")
     job = tmp_path / "job.toml"
-    job.write_text(f"""
-name = "ipfs-run"
-seed = 5
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-seq_len = 32
-[parallel]
-replicas = 2
-stages = 2
-microbatches = 2
-[data]
-max_bytes = 200000
-batch_size = 4
-eval_batches = 1
-[outer]
-steps = 2
-inner_steps = 3
-[storage]
-backend = "ipfs"
-api = "{daemon.api}"
-""")
+    job.write_text(small_job("ipfs-run", seed=5, steps=2, inner_steps=3,
+                             extra=f'[storage]\nbackend = "ipfs"\napi = "{daemon.api}"\n'))
     run_dir = tmp_path / "run"
     res = subprocess.run([dlx, "train", str(job), "--run-dir", str(run_dir)], capture_output=True,
                          text=True, timeout=600)

@@ -27,31 +27,6 @@ def dlx(*args: str, timeout: float = 180, env: dict | None = None) -> subprocess
     return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def job_file(tmp: Path, name: str, steps: int, inner: int = 3, replicas: int = 2, stages: int = 2) -> Path:
-    path = tmp / f"{name}.toml"
-    path.write_text(f"""
-name = "{name}"
-seed = 3
-[model]
-d_model = 32
-n_layers = 2
-n_heads = 2
-seq_len = 32
-[parallel]
-replicas = {replicas}
-stages = {stages}
-microbatches = 2
-[data]
-max_bytes = 200000
-batch_size = 4
-eval_batches = 1
-[outer]
-steps = {steps}
-inner_steps = {inner}
-""")
-    return path
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     d = tmp_path_factory.mktemp("stack")
@@ -84,6 +59,12 @@ def wait_for(stack: Path, job: str, pred, timeout: float = 300) -> dict:
         time.sleep(0.2)
 
 
+def _job(tmp: Path, small_job, name: str, **kw) -> Path:
+    path = tmp / f"{name}.toml"
+    path.write_text(small_job(name, seed=3, **kw))
+    return path
+
+
 def submit(stack: Path, path: Path, *extra: str) -> str:
     res = dlx("submit", str(path), "--stack", str(stack), *extra)
     assert res.returncode == 0, res.stderr
@@ -92,8 +73,8 @@ def submit(stack: Path, path: Path, *extra: str) -> str:
     return job
 
 
-def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path):
-    job = submit(stack, job_file(tmp_path, "q-ok", steps=2))
+def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path, small_job):
+    job = submit(stack, _job(tmp_path, small_job, "q-ok", steps=2))
     st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"))
     assert st["state"] == "completed", st
     assert st["step"] == 2 and st["run_id"] >= 1 and st["loss"] is not None
@@ -108,8 +89,8 @@ def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path):
     assert res.returncode == 0 and "completed" in res.stdout
 
 
-def test_cancel_stops_the_job_and_keeps_committed_steps(stack, tmp_path):
-    job = submit(stack, job_file(tmp_path, "q-cancel", steps=40, inner=5))
+def test_cancel_stops_the_job_and_keeps_committed_steps(stack, tmp_path, small_job):
+    job = submit(stack, _job(tmp_path, small_job, "q-cancel", steps=40, inner_steps=5))
     st = wait_for(stack, job, lambda s: (s["step"] or 0) >= 1 or s["state"] in ("failed", "completed"))
     assert st["state"] == "running", st
     res = dlx("cancel", job, "--stack", str(stack))
@@ -121,16 +102,16 @@ def test_cancel_stops_the_job_and_keeps_committed_steps(stack, tmp_path):
     assert 1 <= len(steps) < 40 and steps[-1]["checkpoint"] == st["head"]
 
 
-def test_a_job_needing_more_slots_than_exist_fails_clearly(stack, tmp_path):
-    job = submit(stack, job_file(tmp_path, "q-big", steps=1, replicas=3, stages=2), "--rendezvous-timeout", "8")
+def test_a_job_needing_more_slots_than_exist_fails_clearly(stack, tmp_path, small_job):
+    job = submit(stack, _job(tmp_path, small_job, "q-big", steps=1, replicas=3), "--rendezvous-timeout", "8")
     st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=120)
     assert st["state"] == "failed"
     assert "needs 6 rank slots" in st["error"] and "4 joined" in st["error"], st["error"]
 
 
-def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp_path):
+def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp_path, small_job):
     info = json.loads((stack / "stack.json").read_text())
-    job = submit(stack, job_file(tmp_path, "q-kill", steps=8, inner=40), "--collective-timeout", "20")
+    job = submit(stack, _job(tmp_path, small_job, "q-kill", steps=8, inner_steps=40), "--collective-timeout", "20")
     wait_for(stack, job, lambda s: (s["step"] or 0) >= 1)
     victim = info["workers"][1]
     os.kill(victim["pid"], signal.SIGKILL)

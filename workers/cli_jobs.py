@@ -48,6 +48,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
 
                 raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
             sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
+        import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
         from workers.celery_app import app as celery_app
 
         celery_app.worker_main([

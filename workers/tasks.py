@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import threading
 import time
 import tomllib
 from pathlib import Path
@@ -109,30 +110,60 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     if rec["state"] in TERMINAL or rec["attempt"] != attempt:
         return {"rank": rank, "skipped": True}
     me = NodeIdentity.from_env()
+    beat = Heartbeat(job_id, attempt, rank)
     try:
-        return _run(store, job_id, rank, attempt, rec, me)
+        return _run(store, job_id, rank, attempt, rec, me, beat)
     except BaseException as exc:
         text = " ".join(str(exc).split()) or exc.__class__.__name__
         known = text.startswith(("rank ", "lost rank")) or "rendezvous" in text
         store.finish(job_id, "failed", text if known else f"rank {rank} ({me.address}) failed: {text}")
         raise
+    finally:
+        beat.stop()
 
 
-def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity) -> dict[str, Any]:
+class Heartbeat:
+    """Says this rank's worker is alive, from its own thread: the task's thread may block
+    for long (importing torch, rank 0's sink waiting for attestations), which is not a
+    sign of a lost worker; a dead worker process is."""
+
+    def __init__(self, job_id: str, attempt: int, rank: int) -> None:
+        self.job_id, self.attempt, self.rank = job_id, attempt, rank
+        self.store = _store()
+        self.store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.store.heartbeat(self.job_id, self.attempt, self.rank, HEARTBEAT_TTL_S)
+            except Exception:  # a Redis hiccup: the TTL tolerates a few missed beats
+                log.warning("heartbeat for job %s rank %s failed", self.job_id, self.rank)
+
+    def stop(self, final_ttl_s: float | None = None) -> None:
+        """Stop beating; `final_ttl_s` leaves one long beat (a finished rank is never lost)."""
+        self._stop.set()
+        self._thread.join(5)
+        if final_ttl_s is not None:
+            self.store.heartbeat(self.job_id, self.attempt, self.rank, final_ttl_s)
+
+
+def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
+         beat: Heartbeat) -> dict[str, Any]:
     from trainer.config import load_job
     from workers.jobfile import JobFile
 
     job = load_job(tomllib.loads(rec["job_toml"]), JobFile)
     world = job.world_size
     store.join(job_id, attempt, rank, me.address)
-    store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
     if rank == 0:
         store.publish_store_address(job_id, attempt, f"{me.host}:{free_port_on(me.host)}")
     deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
     while True:
         joined = store.joined(job_id, attempt)
         address = store.store_address(job_id, attempt)
-        store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
         if len(joined) >= world and address:
             break
         if store.get(job_id)["state"] in TERMINAL:
@@ -159,12 +190,11 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                        daemon=False)
     proc.start()
     pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
-    beat = 0.0
+    last_check = 0.0
     try:
         while True:
-            if time.monotonic() - beat > HEARTBEAT_S:
-                store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
-                beat = time.monotonic()
+            if time.monotonic() - last_check > HEARTBEAT_S:
+                last_check = time.monotonic()
                 lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
                 if lost:
                     who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
@@ -204,7 +234,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
             elif kind == "error":
                 raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me, str(payload)))
             elif kind == "done":
-                store.heartbeat(job_id, attempt, rank, 3600)  # finished ranks are never "lost"
+                beat.stop(final_ttl_s=3600)  # finished ranks are never "lost"
                 while pending:
                     _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
                 if rank == 0:
@@ -221,7 +251,6 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
     """Name the lost rank when a peer vanished (its heartbeat expires), else this rank's error."""
     deadline = time.monotonic() + HEARTBEAT_TTL_S + 1
     while time.monotonic() < deadline:
-        store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
         lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
         if lost:
             who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
