@@ -48,9 +48,10 @@ def tool_path(name: str) -> Path:
     raise ChainError(f"{name} not found: run ./scripts/setup (it installs Foundry from npm)")
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from multiformats import CID
 
@@ -106,13 +107,7 @@ class Blockstore:
 
     def verify(self) -> list[CID]:
         """Re-hash every block; returns the CIDs whose bytes do not match."""
-        bad = []
-        for cid in self:
-            try:
-                self.get(cid)
-            except CorruptBlockError:
-                bad.append(cid)
-        return bad
+        return corrupt_blocks(self)
 
     # -- batches: all or nothing -----------------------------------------------------------
 
@@ -187,3 +182,13 @@ class Blockstore:
             removed.append(cid)
         return removed
 
+
+def corrupt_blocks(store: Any) -> list[CID]:
+    """The CIDs of `store`'s blocks that do not hash to their CID (`get` re-hashes)."""
+    bad = []
+    for cid in store:
+        try:
+            store.get(cid)
+        except CorruptBlockError:
+            bad.append(cid)
+    return bad

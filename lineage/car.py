@@ -26,7 +26,7 @@ from multiformats import CID
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
 from .errors import StorageError
-from .unixfs import _varint
+from .unixfs import _varint, read_varint
 
 MAX_SECTION = 8 << 20  # larger than any block an IPFS node accepts (Kubo: 4 MiB)
 
@@ -90,7 +90,7 @@ def _split_cid(section: bytes) -> tuple[CID, bytes]:
             for _ in range(2):  # version, codec
                 pos = _skip_varint(section, pos)
             code_end = _skip_varint(section, pos)  # multihash code
-            size, digest_at = _varint_at(section, code_end)
+            size, digest_at = read_varint(section, code_end)
             end = digest_at + size
         if end > len(section):
             raise ValueError("CID runs past its section")
@@ -99,21 +99,8 @@ def _split_cid(section: bytes) -> tuple[CID, bytes]:
         raise CarError(f"malformed CAR: bad CID in a section ({exc})") from None
 
 
-def _varint_at(buf: bytes, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        b = buf[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, pos
-        shift += 7
-
-
 def _skip_varint(buf: bytes, pos: int) -> int:
-    return _varint_at(buf, pos)[1]
+    return read_varint(buf, pos)[1]
 
 
 def read_car(fh: BinaryIO) -> tuple[list[CID], Iterator[tuple[CID, bytes]]]:

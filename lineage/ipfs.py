@@ -25,7 +25,7 @@ from typing import Any
 
 from multiformats import CID
 
-from .blockstore import Blockstore
+from .blockstore import Blockstore, corrupt_blocks
 from .cid import RAW, as_v1, cid_for, parse_cid
 from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
@@ -131,13 +131,7 @@ class IpfsStore:
             yield parse_cid(ref["Ref"])
 
     def verify(self) -> list[CID]:
-        bad = []
-        for cid in self:
-            try:
-                self.get(cid)
-            except CorruptBlockError:
-                bad.append(cid)
-        return bad
+        return corrupt_blocks(self)
 
     @contextmanager
     def batch(self) -> Iterator[Blockstore]:

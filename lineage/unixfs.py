@@ -60,7 +60,7 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def _read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
     n = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
@@ -77,13 +77,13 @@ def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
     """(field number, value) pairs of a protobuf message with varint and bytes fields."""
     pos = 0
     while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         num, wire = key >> 3, key & 7
         if wire == 0:
-            value, pos = _read_varint(buf, pos)
+            value, pos = read_varint(buf, pos)
             yield num, value
         elif wire == 2:
-            size, pos = _read_varint(buf, pos)
+            size, pos = read_varint(buf, pos)
             if pos + size > len(buf):
                 raise ValueError("truncated length-delimited field")
             yield num, bytes(buf[pos:pos + size])
@@ -179,7 +179,7 @@ class UnixFSData:
                 else:  # tolerate a packed encoding from other writers
                     pos = 0
                     while pos < len(value):
-                        n, pos = _read_varint(value, pos)
+                        n, pos = read_varint(value, pos)
                         sizes.append(n)
         if kind is None:
             raise ValueError("UnixFS data without a Type")

@@ -130,11 +130,8 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             prev_manifest = manifest or get_manifest(store, checkpoint)
         except DlxError:
             prev_manifest = None
-    head, head_step = b"", 0
-    if steps:
-        head, head_step = steps[-1].checkpoint, steps[-1].step
-    if record.head and steps and str(cid_from_digest(head, DAG_CBOR)) != record.head:
-        report.run_failures.append(f"run.json head {record.head} is not the chain's head at step {head_step}")
+    if record.head and steps and str(cid_from_digest(steps[-1].checkpoint, DAG_CBOR)) != record.head:
+        report.run_failures.append(f"run.json head {record.head} is not the chain's head at step {steps[-1].step}")
     return report
 
 
@@ -163,7 +160,6 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
     _check(len(rec.attestations) == R * S, f"{len(rec.attestations)} attestation events for {R * S} slots")
     for slot, (att, event) in enumerate(zip(atts, sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"])), strict=True)):
         replica, stage, contribution, data_shard, code, loss, signature = (
-            att[0], att[1], att[2], att[3], att[4], att[5], att[6]) if isinstance(att, tuple | list) else (
             att["replica"], att["stage"], att["contribution"], att["dataShard"], att["codeHash"],
             att["lossMicros"], att["signature"])
         _check((replica, stage) == divmod(slot, S), f"attestation {slot} is for slot ({replica}, {stage})")
@@ -177,7 +173,7 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
                                         f"the ledger recorded {event['node']}")
         _check(signer in members, f"slot ({replica}, {stage}): {signer} is not a member of the run")
         _check(stakes[(event["node"], rec.block)] > 0, f"slot ({replica}, {stage}): {signer} had no stake")
-    root = keccak(b"".join(bytes(a[2] if isinstance(a, tuple | list) else a["contribution"]) for a in atts))
+    root = keccak(b"".join(bytes(a["contribution"]) for a in atts))
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
 
 

@@ -13,7 +13,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from lineage.anvil import free_port
 from lineage.blockstore import Blockstore
 from lineage.car import export_car, import_car
 from lineage.cid import parse_cid
@@ -38,12 +38,6 @@ POLYFILL = ROOT / "tests" / "oracles" / "promise_with_resolvers.cjs"
 
 class DaemonError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class JsIpfsDaemon:

@@ -27,6 +27,12 @@ app = typer.Typer(
 )
 
 
+# Options the reading commands (lineage, verify) share.
+RunDirOption = Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+ReadRpcOption = Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")]
+
+
 def _fail(message: str, code: int = 2) -> None:
     sys.stderr.write(f"dlx: error: {message}\n")
     raise typer.Exit(code)
@@ -108,10 +114,10 @@ def train(
 @app.command()
 @user_errors
 def lineage(
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    run_dir: RunDirOption,
+    as_json: JsonOption = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
-    rpc: Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")] = None,
+    rpc: ReadRpcOption = None,
 ) -> None:
     """The run's checkpoint chain as recorded on the ledger, checked against the blockstore."""
     from lineage.query import run_lineage
@@ -146,9 +152,9 @@ def lineage(
 @app.command()
 @user_errors
 def verify(
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    rpc: Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")] = None,
+    run_dir: RunDirOption,
+    as_json: JsonOption = False,
+    rpc: ReadRpcOption = None,
 ) -> None:
     """Audit every committed step: chain (links, signatures, stakes), content (every block
     present and matching its CID), aggregate (outer step recomputed bit for bit).

@@ -195,7 +195,7 @@ class LedgerSink:
             self._committed(step.step, checkpoint, step)
 
     def _already_committed(self, step: int, checkpoint: CID) -> bool:
-        head, head_step = self.ledger.head(self.record.run_id)
+        _, head_step = self.ledger.head(self.record.run_id)
         if head_step < step:
             return False
         on_chain = self.ledger.ledger.functions.stepCheckpoint(self.record.run_id, step).call()

@@ -31,8 +31,8 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
+from lineage.anvil import free_port
 from lineage.attest import ContributionClaim, Domain, loss_micros
-from lineage.errors import ChainError
 
 from .celery_app import app, redis_url
 from .jobs import TERMINAL, JobError, JobStore, connect
@@ -159,7 +159,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     world = job.world_size
     store.join(job_id, attempt, rank, me.address)
     if rank == 0:
-        store.publish_store_address(job_id, attempt, f"{me.host}:{free_port_on(me.host)}")
+        store.publish_store_address(job_id, attempt, f"{me.host}:{free_port(me.host)}")
     deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
     while True:
         joined = store.joined(job_id, attempt)
@@ -261,14 +261,6 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
     return f"rank {rank} ({me.address}) failed: {error}"
 
 
-def free_port_on(host: str) -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _attest_pending(store: JobStore, job_id: str, attempt: int, rank: int, me: NodeIdentity,
                     pending: dict[int, Any], rec: dict[str, Any], wait: bool = False) -> None:
     """Sign rank 0's claim for my slot once it is published, if it matches my own work."""
@@ -343,4 +335,4 @@ def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
     return ResumePoint(step=manifest.step, shard=read_bytes(store, manifest.stages[stage]))
 
 
-__all__ = ["ChainError", "RedisSigner", "StopFlag", "run_rank"]
+__all__ = ["RedisSigner", "StopFlag", "run_rank"]
