@@ -8,7 +8,10 @@ A manifest's CID is the checkpoint's identity. Because `parent` is a CID link,
     step t:  {version, run, step, parent, config, stages, contributions, data, metrics, code}
 
 `contributions[r][s]` links replica r's stage-s contribution; `data[r]` is the sha-256
-of the tokens replica r trained on in this round.
+of the tokens replica r trained on in this round. `replay[r][s]` (present when the ranks
+published them; absent for the AllReduce baseline and older runs) links the start state
+of the round that produced `contributions[r][s]` (`trainer.engine.round_state`), the
+input of replay verification (lineage/replay.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class Manifest:
     contributions: list[list[CID]] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    replay: list[list[CID]] = field(default_factory=list)
 
     def to_node(self) -> dict[str, Any]:
         node: dict[str, Any] = {
@@ -53,6 +57,8 @@ class Manifest:
             node["contributions"] = [list(row) for row in self.contributions]
             node["data"] = list(self.data)
             node["metrics"] = {k: _finite(k, v) for k, v in sorted(self.metrics.items())}
+            if self.replay:  # absent rather than empty: older manifests keep their bytes
+                node["replay"] = [list(row) for row in self.replay]
         return node
 
     def encode(self) -> bytes:
@@ -74,6 +80,7 @@ class Manifest:
                 contributions=[[parse_cid(c) for c in row] for row in node.get("contributions", [])],
                 data=[bytes(d) for d in node.get("data", [])],
                 metrics=dict(node.get("metrics", {})),
+                replay=[[parse_cid(c) for c in row] for row in node.get("replay", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"malformed checkpoint manifest: {exc}") from None

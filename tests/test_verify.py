@@ -58,3 +58,20 @@ def test_a_tampered_contribution_block_fails_content_with_its_cid(trained_run, t
     last = report["steps"][-1]
     assert "content" in last["failures"] and str(victim) in last["failures"]["content"]
     assert all(s["ok"] for s in report["steps"][:-1])
+
+
+@pytest.mark.slow
+def test_a_tampered_start_state_block_fails_content_with_its_cid(trained_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run[0], run_dir)
+    record = RunRecord.load(run_dir)
+    store = Blockstore(record.blocks_dir(run_dir))
+    step2 = dag_cbor.decode(store.get(dag_cbor.decode(store.get(record.head))["parent"]))
+    victim = parse_cid(step2["replay"][0][1])  # replica 0, stage 1: its round's start state
+    path = _block_path(run_dir, victim)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+    code, report = verify(run_dir)
+    assert code == 1 and [s["ok"] for s in report["steps"]] == [True, False, True]
+    assert str(victim) in report["steps"][1]["failures"]["content"]

@@ -59,7 +59,12 @@ class Contribution:
     With `outer.delay = 1` the round that produced step t's contribution started from the
     shard of step t-2 (genesis for t <= 2), and the contribution carries that round's data
     shard and loss. Under `parallel.sync = "allreduce"` (the baseline) `data` is an empty
-    safetensors blob: there is no outer step to recompute.
+    safetensors blob: there is no outer step to recompute. An adaptive payload whose byte
+    budget capped it also holds ``adaptive/budget`` (float64 (1,)), which replay re-uses.
+
+    `start_state` is what replay verification starts from: this rank's state at the start
+    of the round that produced `data` (`trainer.engine.round_state`: local weights, inner
+    optimizer state, compressor state; safetensors, sorted keys). Empty for the baseline.
     """
 
     replica: int
@@ -67,6 +72,7 @@ class Contribution:
     data: bytes  # safetensors bytes of the payload sent (layout above)
     data_shard: bytes  # 32-byte sha256 of the round's tokens for this replica
     loss: float  # mean training loss of this replica over the round's H inner steps
+    start_state: bytes = b""  # the round's start state (see above), for replay
 
 
 @dataclass(frozen=True)

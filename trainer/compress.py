@@ -36,11 +36,18 @@ The adaptive rule (ours; the DiLoCoX paper gives none). Per 2-D tensor, each out
 5. Bandwidth cap: if the payload would exceed `budget_bytes` (the bytes the link moves
    within the overlap window, computed by the engine from the round's measured compute
    time and the configured bandwidth), whole-quantised matrices go back to their factors
-   and ranks are halved, largest tensor first, until it fits or every rank is 1.
+   and ranks are halved, largest tensor first, until it fits or every rank is 1. The
+   budget is a wall-clock measurement nobody can re-derive, so a payload whose cap bit
+   records it (``adaptive/budget``, float64, ignored by the decoder): a replay re-runs the
+   rule with the recorded budget and gets the same decisions (`payload_budget`).
 1-D tensors (norms, biases) are quantised whole at 8 bits.
 
 Reconstruction is pure elementwise float32 arithmetic in a fixed order (no matmul), so
 decoding gives the same bits whatever the thread count.
+
+A compressor's whole state (residuals, warm starts, adaptive bits and loss trend, the
+generator of first warm starts) round-trips through `state_tensors` / `load_state_tensors`,
+so a replay can start a round's compression exactly where training did.
 """
 
 from __future__ import annotations
@@ -62,12 +69,14 @@ __all__ = [
     "decode_contribution",
     "dequantize_rows",
     "lowrank_reconstruct",
+    "payload_budget",
     "quantize_rows",
 ]
 
 CODEC_NONE, CODEC_QUANT, CODEC_LOWRANK = 0, 1, 2
 ONE_D_BITS = 8  # norms and biases: few values, quantised whole
 _EASE_STEP = 0.05
+BUDGET_KEY = "adaptive/budget"  # the byte budget that capped an adaptive payload
 
 
 def _levels(bits: int) -> int:
@@ -191,6 +200,12 @@ def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) 
     return M.reshape(shape)
 
 
+def payload_budget(data: bytes) -> float | None:
+    """The byte budget an adaptive payload was capped to, or None when the cap did not bite."""
+    t = bytes_to_tensors(data).get(BUDGET_KEY)
+    return None if t is None else float(t.double().reshape(-1)[0])
+
+
 def decode_contribution(data: bytes, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """A published contribution (any kind) back to float32 pseudo-gradients by name."""
     payload = bytes_to_tensors(data)
@@ -243,6 +258,48 @@ class Compressor:
                 total += 4 * st.warm.numel()
         return total
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Everything `compress` reads besides its arguments, as named tensors (keys
+        ``compress/...``): what a replay needs to start a round's compression exactly."""
+        out: dict[str, torch.Tensor] = {
+            "compress/rng": self._gen.get_state(),
+            "compress/ease": torch.tensor([self._ease], dtype=torch.float64),
+        }
+        if self._prev_loss is not None:
+            out["compress/prev_loss"] = torch.tensor([self._prev_loss], dtype=torch.float64)
+        for n, st in self.state.items():
+            out[f"compress/residual/{n}"] = st.residual
+            out[f"compress/bits/{n}"] = torch.tensor([st.bits], dtype=torch.int32)
+            if st.warm is not None:
+                out[f"compress/warm/{n}"] = st.warm
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore `state_tensors()` output (other keys are ignored). ValueError if it does
+        not fit this compressor's tensors."""
+        try:
+            self._gen.set_state(tensors["compress/rng"].clone())
+            self._ease = float(tensors["compress/ease"].reshape(-1)[0])
+            prev = tensors.get("compress/prev_loss")
+            self._prev_loss = None if prev is None else float(prev.reshape(-1)[0])
+            for n, st in self.state.items():
+                residual = tensors[f"compress/residual/{n}"]
+                if residual.shape != st.residual.shape or residual.dtype != torch.float32:
+                    raise ValueError(f"compress/residual/{n} has shape {tuple(residual.shape)}, "
+                                     f"want {tuple(st.residual.shape)} float32")
+                st.residual = residual.clone()
+                st.bits = int(tensors[f"compress/bits/{n}"].reshape(-1)[0])
+                if st.bits not in (2, 4, 8):
+                    raise ValueError(f"compress/bits/{n} is {st.bits}")
+                warm = tensors.get(f"compress/warm/{n}")
+                if warm is not None and (warm.dim() != 2 or warm.size(0) != _as_matrix_shape(st.shape)[1]):
+                    raise ValueError(f"compress/warm/{n} has shape {tuple(warm.shape)}")
+                st.warm = None if warm is None else warm.float().clone()
+        except KeyError as exc:
+            raise ValueError(f"compressor state: missing {exc.args[0]}") from None
+        except RuntimeError as exc:  # a generator state of the wrong size or type
+            raise ValueError(f"compressor state: {exc}") from None
+
     # -- the interface --------------------------------------------------------------------
 
     def compress(
@@ -266,9 +323,9 @@ class Compressor:
             st = self.state[n]
             M = delta[n].float() + st.residual if cfg.error_feedback else delta[n].float()
             plans[n] = self._plan(n, M.reshape(_as_matrix_shape(st.shape)), tau)
-        if budget_bytes is not None and cfg.kind == "adaptive":
-            self._fit_budget(plans, budget_bytes)
         payload: dict[str, torch.Tensor] = {}
+        if budget_bytes is not None and cfg.kind == "adaptive" and self._fit_budget(plans, budget_bytes):
+            payload[BUDGET_KEY] = torch.tensor([budget_bytes], dtype=torch.float64)
         sq_err = sq_norm = 0.0
         for n in self.names:
             st, plan = self.state[n], plans[n]
@@ -362,8 +419,9 @@ class Compressor:
         st.warm = Q.clone()
         return P, Q
 
-    def _fit_budget(self, plans: dict[str, dict], budget: float) -> None:
-        """Step 5: lower ranks, largest tensor first, until the payload fits `budget`."""
+    def _fit_budget(self, plans: dict[str, dict], budget: float) -> bool:
+        """Step 5: lower ranks, largest tensor first, until the payload fits `budget`.
+        Returns whether the cap bit (the payload then records the budget)."""
 
         def size() -> int:
             total = 0
@@ -376,7 +434,7 @@ class Compressor:
             return total
 
         if size() <= budget:
-            return
+            return False
         for p in plans.values():  # whole-quantised matrices go back to their factors
             if "P" in p and p["codec"] != CODEC_LOWRANK:
                 p.update(codec=CODEC_LOWRANK, bits=4)
@@ -391,6 +449,7 @@ class Compressor:
                     )
                     lowered = True
                     if size() <= budget:
-                        return
+                        return True
             if not lowered:
-                return
+                return True
+        return True

@@ -21,6 +21,7 @@ Pieces here are small and swappable:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,6 +184,8 @@ class DiLoCo:
         self.shapes = {n: p.shape for n, p in self.outer.params.items()}
         self._pending: tuple[Pending, int, bytes, Any] | None = None
         self.decode_s = 0.0  # time spent decoding received contributions
+        # Test-only (trainer/cheat.py): (round, honest delta) -> the delta published and sent.
+        self.tamper: Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
     def extra_memory_bytes(self) -> int:
         """Bytes DiLoCo holds beyond the model: outer weights, momentum, compressor state."""
@@ -203,7 +206,9 @@ class DiLoCo:
     ) -> AppliedStep | None:
         """The round-end protocol; returns the outer step it applied, if any (delay 1
         applies round t-1's exchange, so round 1 returns None)."""
-        payload = self.compressor.compress(self.pseudo_gradient(), round_t, loss, budget_bytes)
+        delta = self.pseudo_gradient()
+        delta = delta if self.tamper is None else self.tamper(round_t, delta)
+        payload = self.compressor.compress(delta, round_t, loss, budget_bytes)
         if self.cfg.delay == 0:
             self._apply(self.transport.all_gather(payload))
             return AppliedStep(round_t, payload, tag)

@@ -12,6 +12,12 @@ through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer ste
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
 processes sharing an `init_method` (the Celery workers do).
+
+For replay verification every DiLoCo rank serialises its round-start state once per round
+(`round_state`: local weights, which are theta_outer at that moment, the inner AdamW state
+and the compressor state) and publishes it with its contribution; `inner_round` is the
+one inner loop that training and `trainer.replay` both run, so a replay from that state
+is bit-identical on the same machine.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from trainer import cheat
 from trainer.artifacts import (
     Contribution,
     GenesisArtifacts,
     Progress,
     StageShard,
     StepArtifacts,
+    bytes_to_tensors,
     tensors_to_bytes,
 )
 from trainer.compress import Compressor
@@ -45,7 +53,17 @@ from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
 from trainer.model import build_stage
 from trainer.transport import Transport
 
-__all__ = ["Cancelled", "Emit", "RankControl", "ResumePoint", "Topology", "run_rank"]
+__all__ = [
+    "Cancelled",
+    "Emit",
+    "RankControl",
+    "ResumePoint",
+    "Topology",
+    "inner_round",
+    "load_round_state",
+    "round_state",
+    "run_rank",
+]
 
 Emit = Callable[[str, Any], None]
 
@@ -222,6 +240,124 @@ def _broadcast_scalar(value: float | None, src: int, group: dist.ProcessGroup | 
     return t.item()
 
 
+def inner_round(
+    pipeline: Pipeline,
+    inner: torch.optim.Optimizer,
+    params: list[nn.Parameter],
+    job: JobConfig,
+    replica: int,
+    round_t: int,
+    tokens: torch.Tensor,
+    first_step: int,
+    *,
+    before_step: Callable[[int], None] | None = None,
+    sync_grads: Callable[[list[torch.Tensor]], None] | None = None,
+    after_step: Callable[[int, float | None], None] | None = None,
+) -> float:
+    """Replica `replica`'s inner steps of round `round_t` on this rank's stage, from the
+    module's and `inner`'s current state: one step per row of `tokens` (H, B, T + 1),
+    warmup counted from inner step `first_step` of the run. Returns the round's mean loss
+    on every stage of the pipeline (a broadcast from the last stage).
+
+    Training and replay both run exactly this, so the same start state gives the same bits.
+    Hooks: `before_step(h)` (cancellation), `sync_grads(grads)` (the AllReduce baseline),
+    `after_step(h, loss)` (progress; loss is None off the last stage).
+    """
+    topo = pipeline.topo
+    torch.manual_seed(derive_seed("round", job.seed, replica, round_t))  # dropout, if any
+    H = tokens.size(0)
+    losses: list[float] = []
+    for h in range(H):
+        if before_step is not None:
+            before_step(h)
+        lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + h)
+        for g in inner.param_groups:
+            g["lr"] = lr
+        inner.zero_grad(set_to_none=True)
+        x, y = tokens[h, :, :-1], tokens[h, :, 1:]  # (B, T) each
+        loss = pipeline.train_step(x, y)
+        if sync_grads is not None:
+            sync_grads([p.grad for p in params])
+        clip_pipeline_grad_norm(params, job.inner.clip, pipeline.group, topo.S)
+        inner.step()
+        if loss is not None:
+            losses.append(loss)
+        if after_step is not None:
+            after_step(h, loss)
+    # The round's loss lives on the last stage; every stage's Contribution carries it.
+    round_loss = sum(losses) / H if topo.is_last else None
+    if topo.S > 1:
+        round_loss = _broadcast_scalar(round_loss, topo.global_rank(topo.replica, topo.S - 1), pipeline.group)
+    assert round_loss is not None
+    return round_loss
+
+
+def round_state(
+    module: nn.Module,
+    inner: torch.optim.Optimizer,
+    compressor: Compressor,
+    round_t: int,
+    first_step: int,
+    *,
+    weights: bool = True,
+) -> bytes:
+    """This rank's state at the start of round `round_t`, as safetensors (sorted keys, so
+    the same state gives the same bytes): ``param/<name>`` the local weights (theta_outer
+    at round start, also the pseudo-gradient's reference), ``inner/<key>/<name>`` the inner
+    optimizer's per-parameter state (absent before its first step), ``compress/...`` the
+    compressor's state, ``round/outer_step`` and ``round/inner_step`` (the warmup counter).
+    `weights=False` leaves the weights out (the state a round leaves for the next one)."""
+    tensors: dict[str, torch.Tensor] = {
+        "round/outer_step": torch.tensor([round_t], dtype=torch.int64),
+        "round/inner_step": torch.tensor([first_step], dtype=torch.int64),
+    }
+    named = dict(module.named_parameters())
+    by_param = {id(p): n for n, p in named.items()}
+    for p, state in inner.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"inner/{key}/{by_param[id(p)]}"] = value
+    if weights:
+        tensors.update({f"param/{n}": p.detach() for n, p in named.items()})
+    tensors.update(compressor.state_tensors())
+    return tensors_to_bytes(tensors)
+
+
+@torch.no_grad()
+def load_round_state(
+    data: bytes, module: nn.Module, inner: torch.optim.Optimizer, compressor: Compressor
+) -> tuple[int, int]:
+    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor;
+    returns (outer step, first inner step). ValueError if it does not fit them."""
+    try:
+        tensors = bytes_to_tensors(data)
+    except Exception as exc:  # safetensors raises its own error type for bad bytes
+        raise ValueError(f"start state is not safetensors: {exc}") from None
+    named = dict(module.named_parameters())
+    for n, p in named.items():
+        w = tensors.get(f"param/{n}")
+        if w is None or w.shape != p.shape or w.dtype != p.dtype:
+            raise ValueError(f"start state: param/{n} is missing or has the wrong shape or type")
+        p.copy_(w)
+    extra = {k.removeprefix("param/") for k in tensors if k.startswith("param/")} - set(named)
+    if extra:
+        raise ValueError(f"start state: unknown parameter {sorted(extra)[0]}")
+    per_param: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in tensors.items():
+        if k.startswith("inner/"):
+            key, _, name = k.removeprefix("inner/").partition("/")
+            if name not in named:
+                raise ValueError(f"start state: {k} names no parameter of this stage")
+            per_param.setdefault(name, {})[key] = v.clone()
+    for name, state in per_param.items():
+        inner.state[named[name]] = state
+    compressor.load_state_tensors(tensors)
+    try:
+        return int(tensors["round/outer_step"][0]), int(tensors["round/inner_step"][0])
+    except KeyError as exc:
+        raise ValueError(f"start state: missing {exc.args[0]}") from None
+
+
 def run_rank(
     rank: int,
     world_size: int,
@@ -262,7 +398,6 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
     H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
     allreduce = job.parallel.sync == "allreduce"
     pipe_group, dp_group = topo.create_groups()
-    last_of_replica = topo.global_rank(topo.replica, S - 1)
     last_of_replica0 = topo.global_rank(0, S - 1)
 
     corpus = load_corpus(job.data)
@@ -277,6 +412,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
         job.outer.compression, shapes, derive_seed("compress", job.seed, topo.replica, topo.stage)
     )
     diloco = DiLoCo(module, job.outer, transport, compressor)
+    diloco.tamper = cheat.poison_hook(job, topo.replica, topo.stage)  # None unless testing
+    skips_work = cheat.skips_work(job, topo.replica)
 
     def gather(payload: Any) -> list[Any] | None:
         out = [None] * (R * S) if topo.rank == 0 else None
@@ -319,13 +456,14 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
     def report(applied: AppliedStep) -> None:
         """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
         t = applied.round
-        digest, round_loss = applied.tag
+        digest, round_loss, start_state = applied.tag
         contribution = Contribution(
             replica=topo.replica,
             stage=topo.stage,
             data=applied.payload,
             data_shard=digest,
             loss=round_loss,
+            start_state=start_state,
         )
         if control.emit_contributions:  # so this rank's node can check what it attests
             emit("contribution", (t, contribution))
@@ -373,54 +511,52 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
                 StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics),
             )
 
-    step_in_run = (first_round - 1) * H  # warmup is not repeated on resume
+    def check_stop(h: int) -> None:
+        if stop_now():
+            raise Cancelled(f"stopped at outer step {t}, inner step {h + 1}")
+
+    def progress(h: int, loss: float | None) -> None:
+        if topo.replica == 0 and (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
+            # Replica 0's pipeline only; its stages are in lock step here anyway.
+            value = _broadcast_scalar(loss, last_of_replica0, pipe_group) if S > 1 else loss
+            if topo.rank == 0:
+                assert value is not None
+                emit("progress", Progress(t, h + 1, value, T, H))
+
+    def sync_grads(grads: list[torch.Tensor]) -> None:
+        transport.all_reduce_mean_(grads)
+
     lr = job.inner.lr
     for t in range(first_round, T + 1):
+        first_step = (t - 1) * H  # warmup is not repeated on resume
+        state_start = time.perf_counter()
+        # Serialised once per round, before any inner step: what a replay starts from.
+        start_state = b"" if allreduce else round_state(module, inner, compressor, t, first_step)
         round_start = time.perf_counter()
-        torch.manual_seed(derive_seed("round", job.seed, topo.replica, t))  # dropout, if any
         data = corpus.shard(job.seed, topo.replica, t, H, B, L)
-        losses: list[float] = []
         wait_before = transport.wait_s
-        for h in range(H):
-            if control.cancellable and stop_now():
-                raise Cancelled(f"stopped at outer step {t}, inner step {h + 1}")
-            lr = warmup_lr(job.inner.lr, job.inner.warmup, step_in_run)
-            for g in inner.param_groups:
-                g["lr"] = lr
-            inner.zero_grad(set_to_none=True)
-            x, y = data.tokens[h, :, :-1], data.tokens[h, :, 1:]  # (B, T) each
-            loss = pipeline.train_step(x, y)
-            if allreduce:
-                transport.all_reduce_mean_([p.grad for p in params])
-            clip_pipeline_grad_norm(params, job.inner.clip, pipe_group, S)
-            inner.step()
-            step_in_run += 1
-            if loss is not None:
-                losses.append(loss)
-            if topo.replica == 0 and (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
-                # Replica 0's pipeline only; its stages are in lock step here anyway.
-                value = _broadcast_scalar(loss, last_of_replica0, pipe_group) if S > 1 else loss
-                if topo.rank == 0:
-                    assert value is not None
-                    emit("progress", Progress(t, h + 1, value, T, H))
+        if skips_work(t):  # test-only cheat (trainer/cheat.py): claim the round, skip the work
+            round_loss = 0.0
+        else:
+            round_loss = inner_round(
+                pipeline, inner, params, job, topo.replica, t, data.tokens, first_step,
+                before_step=check_stop if control.cancellable else None,
+                sync_grads=sync_grads if allreduce else None,
+                after_step=progress,
+            )
+        lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + H - 1)
         compute = time.perf_counter() - round_start - (transport.wait_s - wait_before)
         clock["compute_s"] += compute
 
-        # The round's loss lives on the last stage; every stage's Contribution carries it.
-        round_loss = sum(losses) / H if topo.is_last else None
-        round_loss = (
-            _broadcast_scalar(round_loss, last_of_replica, pipe_group) if S > 1 else round_loss
-        )
-        assert round_loss is not None
-
+        tag = (data.digest, round_loss, start_state)
         if allreduce:
-            applied: AppliedStep | None = AppliedStep(t, tensors_to_bytes({}), (data.digest, round_loss))
+            applied: AppliedStep | None = AppliedStep(t, tensors_to_bytes({}), tag)
         else:
             # The exchange must fit the overlap window: the link moves this many bytes in
             # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
             budget = transport.link.bandwidth * compute / max(1, R - 1)
-            applied = diloco.end_round(t, (data.digest, round_loss), round_loss, budget)
-        clock["rounds_wall_s"] += time.perf_counter() - round_start
+            applied = diloco.end_round(t, tag, round_loss, budget)
+        clock["rounds_wall_s"] += time.perf_counter() - state_start
         clock["compress_s"] = compressor.total_s + diloco.decode_s
         if applied is not None:
             report(applied)

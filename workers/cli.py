@@ -113,71 +113,44 @@ def train(
 
 @app.command()
 @user_errors
-def lineage(
-    run_dir: RunDirOption,
-    as_json: JsonOption = False,
-    html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
-    rpc: ReadRpcOption = None,
-) -> None:
-    """The run's checkpoint chain as recorded on the ledger, checked against the blockstore."""
-    from lineage.query import run_lineage
-
-    result = run_lineage(run_dir, rpc)
-    doc = result.as_json()
-    if html is not None:
-        from lineage.report import render_html
-
-        tmp = html.with_name(f".{html.name}.tmp")
-        tmp.write_text(render_html(doc))
-        tmp.replace(html)
-    if as_json:
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    record = result.record
-    table = Table(title=f"run {record.run_id} ({record.name}) on chain {record.chain_id}, ledger {record.ledger}")
-    for col in ("step", "checkpoint", "parent", "eval loss", "nodes", "tx"):
-        table.add_column(col, overflow="fold")
-    for s in result.steps:
-        table.add_row(str(s.step), s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
-                      "\n".join(s.nodes), s.tx)
-    console = Console()
-    console.print(table)
-    if html is not None:
-        console.print(f"report written to {html}")
-
-
-@app.command()
-@user_errors
 def verify(
     run_dir: RunDirOption,
     as_json: JsonOption = False,
     rpc: ReadRpcOption = None,
+    replay: Annotated[float, typer.Option("--replay", metavar="FRACTION", help="Also replay this fraction (0..1) of the (step, replica) pairs from their start states (at least one when > 0).")] = 0.0,
+    tolerance: Annotated[float, typer.Option("--tolerance", help="Relative L2 a replayed contribution may differ by (default 0: bit for bit, as on the machine class that trained).")] = 0.0,
+    queue: Annotated[bool, typer.Option("--queue", help="Fan the replays out to the workers' `verify` queue (Redis from --stack or DLX_REDIS_URL) instead of replaying here.")] = False,
+    stack_dir: Annotated[Path, typer.Option("--stack", help="The local stack's directory (`dlx up`), for --queue.")] = Path(".dlx"),
 ) -> None:
     """Audit every committed step: chain (links, signatures, stakes), content (every block
-    present and matching its CID), aggregate (outer step recomputed bit for bit).
-    Exits 1 if any step fails."""
-    from lineage.verify import LEVELS, verify_run
+    present and matching its CID), aggregate (outer step recomputed bit for bit), and with
+    --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
+    from lineage.verify import LEVELS, REPLAY, verify_run
 
-    report = verify_run(run_dir, rpc)
+    replayer = _queue_replayer(run_dir, stack_dir) if queue and replay > 0 else None
+    report = verify_run(run_dir, rpc, replay=replay, tolerance=tolerance, replayer=replayer)
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:
         from rich.console import Console
         from rich.table import Table
 
+        levels = (*LEVELS, REPLAY) if replay > 0 else LEVELS
         table = Table(title=f"verify run {report.run_id}")
         table.add_column("step")
-        for level in LEVELS:
+        for level in levels:
             table.add_column(level)
         table.add_column("reason", overflow="fold")
         for s in report.steps:
-            marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" for lv in LEVELS]
+            marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" if lv in s.failures else "-"
+                     for lv in levels]
             table.add_row(str(s.step), *marks, "; ".join(f"{k}: {v}" for k, v in s.failures.items()))
         console = Console()
         console.print(table)
+        if report.replay:
+            exact = sum(all(st.exact for st in r.stages) and r.ok for r in report.replay)
+            console.print(f"replayed {len(report.replay)} (step, replica) rounds in {report.replay_seconds:.1f} s: "
+                          f"{sum(r.ok for r in report.replay)} ok, {exact} bit for bit")
         for failure in report.run_failures:
             console.print(f"[red]run:[/] {failure}")
         console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
@@ -185,10 +158,33 @@ def verify(
         raise typer.Exit(1)
 
 
+def _queue_replayer(run_dir: Path, stack_dir: Path):
+    """Replays through the workers: they read the run's blocks from its blockstore directory
+    (a path every worker can reach) or from its IPFS daemon."""
+    from lineage.replay import ReplicaReplay
+    from lineage.runrecord import RunRecord
+    from workers.verifyq import replay_via_queue
+
+    broker = os.environ.get("DLX_REDIS_URL")
+    if not broker:
+        from workers.stack import Stack
+
+        broker = Stack.load(stack_dir).redis_url
+    record = RunRecord.load(run_dir)
+    spec = record.ipfs_api or str(record.blocks_dir(run_dir).resolve())
+
+    def replayer(store, items, tolerance):
+        return [ReplicaReplay.from_json(d) for d in replay_via_queue(broker, spec, items, tolerance)]
+
+    return replayer
+
+
 app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  # dlx cas ...
 
 
 __import__("workers.cli_jobs", fromlist=["register"]).register(app, user_errors)  # worker, submit, status, ...
+__import__("workers.cli_node", fromlist=["register"]).register(app, user_errors)  # node register|stake|...
+__import__("workers.cli_audit", fromlist=["register"]).register(app, user_errors)  # lineage, challenge, arbiter, ...
 
 
 def main() -> None:

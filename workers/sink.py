@@ -1,9 +1,11 @@
 """The StepSink that turns each outer step into blocks, a manifest and a ledger commit.
 
-For every step it stores the stage shards and contributions as UnixFS files (the CIDs
+For every step it stores the stage shards, the contributions and the ranks' round-start
+states (what replay verification starts from) as UnixFS files (the CIDs
 `ipfs add --cid-version=1` gives the same bytes: a raw block up to 256 KiB, a dag-pb root
-above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each (replica, stage)
-slot's node key sign an EIP-712 `Contribution`, and commits the step on the ledger.
+above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each
+(replica, stage) slot's node key sign an EIP-712 `Contribution`, and commits the step on
+the ledger.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 """
@@ -27,6 +29,7 @@ from lineage.cid import digest_of, parse_cid
 from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
 from lineage.runrecord import RunRecord
 from lineage.unixfs import file_cid, import_bytes
+from trainer import cheat
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
@@ -67,6 +70,8 @@ class LedgerSink:
         run_dir: Path,
         challenge_window: int,
         min_stake: int,
+        arbiters: list[str] | None = None,
+        quorum: int = 0,
         slot_keys: list[LocalAccount] | None = None,
         slot_nodes: list[str] | None = None,
         signer: Signer | None = None,
@@ -93,6 +98,7 @@ class LedgerSink:
         self.run_dir = run_dir
         self.challenge_window = challenge_window
         self.min_stake = min_stake
+        self.arbiters, self.quorum = list(arbiters or []), quorum
         self.code = code_hash()
         self._progress = on_progress
         self._committed = on_committed
@@ -124,6 +130,8 @@ class LedgerSink:
             stages=self.job.parallel.stages,
             challenge_window=self.challenge_window,
             min_stake=self.min_stake,
+            arbiters=self.arbiters,
+            quorum=self.quorum,
         )
         self._head = head
         r = self.record
@@ -140,15 +148,21 @@ class LedgerSink:
         R = self.job.parallel.replicas
         if len(step.contributions) != R * S:
             raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
-        stages = [self._put_file(s.data) for s in step.stages]
+        stages = [self._put_file(cheat.coordinator_shard(self.job, step.step, s)) for s in step.stages]
+        parent_cid = self._head
+        if cheat.stale_parent(self.job, step.step):  # test-only cheat: fork from an older step
+            parent_cid = get_manifest(self.store, self._head).parent or self._head
         contribs = [self._put_file(c.data) for c in step.contributions]
+        # Each rank's round-start state, for replay verification (none for the baseline).
+        starts = [self._put_file(c.start_state) for c in step.contributions] if all(
+            c.start_state for c in step.contributions) else []
         # Timings differ between two runs of the same job; they go to a local log, not into
         # the manifest, so the same job and seed give the same checkpoint CIDs.
         metrics = {k: v for k, v in step.metrics.items() if k not in TIMING_METRICS}
         timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         manifest = Manifest(
             step=step.step,
-            parent=self._head,
+            parent=parent_cid,
             config=self._config_cid,
             stages=stages,
             code=self.code,
@@ -156,9 +170,10 @@ class LedgerSink:
             contributions=[contribs[r * S:(r + 1) * S] for r in range(R)],
             data=[step.contributions[r * S].data_shard for r in range(R)],
             metrics=metrics,
+            replay=[starts[r * S:(r + 1) * S] for r in range(R)] if starts else [],
         )
         checkpoint = put_manifest(self.store, manifest)
-        parent = digest_of(self._head)
+        parent = digest_of(parent_cid)
         claims = []
         for slot, (contrib, cid) in enumerate(zip(step.contributions, contribs, strict=True)):
             if (contrib.replica, contrib.stage) != divmod(slot, S):

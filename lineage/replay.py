@@ -1,0 +1,307 @@
+"""Replay verification (DESIGN.md section 7, level 4): re-run a replica's inner steps of a
+committed round from its published start state and compare what comes out with what it
+claimed.
+
+    results = replay_checkpoint(store, checkpoint)              # every replica of one step
+    results = replay_many(store, [(cp2, 0), (cp3, 1)])          # one process launch for all
+    all(r.ok for r in results)
+
+For step t, replica r, stage s the manifest links the claimed contribution
+(`contributions[r][s]`) and the round's start state (`replay[r][s]`, written by the
+trainer: local weights, inner optimizer state, compressor state). Before replaying, the
+start state's weights must be a committed checkpoint's outer weights: the shard of step
+t-1 (t-2 with the one-step-delay overlap, or t-1 for the first round after a resume).
+`trainer.replay.replay_rounds` then re-runs the round on S local processes with the job
+configuration from the manifest's config block, the data shard the ledger attests and the
+trainer's own code; the adaptive rule re-uses the byte budget the claim recorded. On the
+machine class that trained, an honest replay is bit-identical (`exact`); elsewhere
+`rel_l2` = ||decoded(replayed) - decoded(claimed)|| / ||decoded(claimed)|| over the stage's
+tensors is what a `tolerance` judges.
+
+`check_continuity` closes the chain between rounds: the state a replayed round leaves
+(inner optimizer, compressor) must be the next round's published start state, or a fresh
+one (a resumed run restarts both).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import dag_cbor
+from multiformats import CID
+
+from .errors import DlxError
+from .manifest import Manifest, get_manifest
+from .unixfs import file_cid, read_bytes
+
+__all__ = ["ReplicaReplay", "StageReplay", "check_continuity", "job_of", "replay_checkpoint", "replay_many"]
+
+
+@dataclass
+class StageReplay:
+    stage: int
+    claimed: str  # CID of the claimed contribution file
+    replayed: str  # CID the replayed payload would have as a file
+    exact: bool  # replayed bytes == claimed bytes
+    rel_l2: float  # ||decoded(replayed) - decoded(claimed)|| / ||decoded(claimed)||
+    replayed_bytes: bytes
+    reason: str = ""  # a failed state check (start weights, data shard, continuity); "" if none
+
+    def as_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "claimed": self.claimed, "replayed": self.replayed, "exact": self.exact,
+                "rel_l2": self.rel_l2 if math.isfinite(self.rel_l2) else None, "reason": self.reason}
+
+
+@dataclass
+class ReplicaReplay:
+    step: int
+    replica: int
+    stages: list[StageReplay]
+    seconds: float  # replay wall time of this round (slowest stage); process start-up excluded
+    checkpoint: str = ""
+    tolerance: float = 0.0
+    error: str = ""  # the round could not be replayed at all (no start states, unreadable block)
+    end_states: list[bytes] = field(default_factory=list, repr=False)  # per stage, for continuity
+
+    @property
+    def ok(self) -> bool:
+        """Every stage exact, or within `tolerance`, and every state check passed."""
+        return not self.error and bool(self.stages) and all(
+            not s.reason and (s.exact or s.rel_l2 <= self.tolerance) for s in self.stages)
+
+    def failure(self) -> str:
+        """One line saying why the replay failed ("" when it passed)."""
+        where = f"step {self.step} replica {self.replica}"
+        if self.error:
+            return f"{where}: {self.error}"
+        for s in self.stages:
+            if s.reason:
+                return f"{where} stage {s.stage}: {s.reason}"
+            if not (s.exact or s.rel_l2 <= self.tolerance):
+                return (f"{where} stage {s.stage}: replayed contribution {s.replayed} differs from the claimed "
+                        f"{s.claimed} (rel_l2 {s.rel_l2:.3g}, tolerance {self.tolerance:g})")
+        return "" if self.stages else f"{where}: nothing replayed"
+
+    def as_json(self) -> dict[str, Any]:
+        return {"step": self.step, "replica": self.replica, "checkpoint": self.checkpoint, "ok": self.ok,
+                "seconds": self.seconds, "error": self.error, "tolerance": self.tolerance,
+                "stages": [s.as_json() for s in self.stages]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ReplicaReplay:
+        """Back from `as_json()` (a replay done elsewhere, e.g. on the verify queue), without
+        the replayed bytes and end states, so `check_continuity` has nothing to compare."""
+        stages = [StageReplay(stage=s["stage"], claimed=s["claimed"], replayed=s["replayed"], exact=s["exact"],
+                              rel_l2=math.inf if s["rel_l2"] is None else float(s["rel_l2"]), replayed_bytes=b"",
+                              reason=s.get("reason", "")) for s in doc["stages"]]
+        return cls(step=doc["step"], replica=doc["replica"], stages=stages, seconds=doc["seconds"],
+                   checkpoint=doc.get("checkpoint", ""), tolerance=doc.get("tolerance", 0.0),
+                   error=doc.get("error", ""))
+
+
+class _Skip(Exception):
+    """This item cannot be replayed; the message says why."""
+
+
+def job_of(store: Any, config: CID | str) -> Any:
+    """The trainer's JobConfig from a run's config block (chain and storage sections dropped)."""
+    from trainer.config import JobConfig
+
+    job = dict(dag_cbor.decode(store.get(config))["job"])
+    job.pop("chain", None)
+    job.pop("storage", None)
+    return JobConfig.model_validate(job)
+
+
+def replay_checkpoint(store: Any, checkpoint: CID | str, replicas: list[int] | None = None,
+                      tolerance: float = 0.0) -> list[ReplicaReplay]:
+    """Replay every replica (or `replicas`) of one committed step."""
+    m = get_manifest(store, checkpoint)
+    R = len(m.contributions)
+    return replay_many(store, [(checkpoint, r) for r in (range(R) if replicas is None else replicas)], tolerance)
+
+
+@dataclass
+class _Prepared:
+    result: ReplicaReplay
+    job: Any = None
+    manifest: Manifest | None = None
+    claimed: list[bytes] = field(default_factory=list)
+    starts: list[bytes] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+
+def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float = 0.0) -> list[ReplicaReplay]:
+    """Replay each (checkpoint, replica) item; one process launch per distinct job, so the
+    start-up cost is paid once. Results in item order; nothing raises for a bad item (its
+    `error` says why), only for a replay process that dies."""
+    from trainer.replay import ReplayItem, replay_rounds
+
+    manifests: dict[str, Manifest] = {}
+    jobs: dict[str, Any] = {}
+    prepared = [_prepare(store, str(cp), replica, tolerance, manifests, jobs) for cp, replica in items]
+    groups: dict[bytes, list[_Prepared]] = {}
+    for p in prepared:
+        if not p.result.error:
+            groups.setdefault(p.job.canonical_json(), []).append(p)
+    for group in groups.values():
+        job = group[0].job
+        outs = replay_rounds(job, [ReplayItem(p.result.step, p.result.replica, p.starts, p.claimed) for p in group])
+        for p, out in zip(group, outs, strict=True):
+            _judge(p, out)
+    return [p.result for p in prepared]
+
+
+def _prepare(store: Any, checkpoint: str, replica: int, tolerance: float, manifests: dict[str, Manifest],
+             jobs: dict[str, Any]) -> _Prepared:
+    p = _Prepared(ReplicaReplay(step=0, replica=replica, stages=[], seconds=0.0, checkpoint=checkpoint,
+                                tolerance=tolerance))
+    try:
+        m = _manifest(store, checkpoint, manifests)
+        p.result.step = m.step
+        if m.step == 0:
+            raise _Skip("the genesis has no round to replay")
+        key = str(m.config)
+        if key not in jobs:
+            jobs[key] = job_of(store, m.config)
+        p.job = job = jobs[key]
+        R, S = job.parallel.replicas, job.parallel.stages
+        if not 0 <= replica < R:
+            raise _Skip(f"no replica {replica} (the run has {R})")
+        if not m.replay:
+            raise _Skip("the manifest links no start states (an AllReduce baseline or an older run)")
+        if len(m.replay) != R or any(len(row) != S for row in m.replay):
+            raise _Skip("the start-state table is not replicas x stages")
+        p.claimed = [read_bytes(store, m.contributions[replica][s]) for s in range(S)]
+        p.starts = [read_bytes(store, m.replay[replica][s]) for s in range(S)]
+        p.manifest = m
+        p.reasons = _check_start_weights(store, m, p.starts, job.outer.delay, manifests)
+    except _Skip as exc:
+        p.result.error = str(exc)
+    except (DlxError, ValueError, KeyError, TypeError) as exc:
+        p.result.error = " ".join(str(exc).split()) or type(exc).__name__
+    return p
+
+
+def _manifest(store: Any, cid: CID | str, cache: dict[str, Manifest]) -> Manifest:
+    key = str(cid)
+    if key not in cache:
+        cache[key] = get_manifest(store, cid)
+    return cache[key]
+
+
+def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], delay: int,
+                         cache: dict[str, Manifest]) -> list[str]:
+    """Per stage, "" when the start state's weights are a committed checkpoint's outer weights
+    (step t-1-delay, or t-1 after a resume), else why not."""
+    from trainer.artifacts import bytes_to_tensors
+
+    assert m.parent is not None
+    ancestors = [_manifest(store, m.parent, cache)]  # step t-1, then t-2
+    if delay and ancestors[0].parent is not None:
+        ancestors.append(_manifest(store, ancestors[0].parent, cache))
+    reasons = []
+    for s, start in enumerate(starts):
+        try:
+            weights = {k: v for k, v in bytes_to_tensors(start).items() if k.startswith("param/")}
+        except Exception as exc:  # safetensors raises its own error type for bad bytes
+            reasons.append(f"start state is not safetensors: {exc}")
+            continue
+        found = False
+        for a in ancestors:
+            shard = {k: v for k, v in bytes_to_tensors(read_bytes(store, a.stages[s])).items()
+                     if k.startswith("param/")}
+            if shard.keys() == weights.keys() and all(
+                    shard[k].dtype == weights[k].dtype and shard[k].shape == weights[k].shape
+                    and bool((shard[k] == weights[k]).all()) for k in shard):
+                found = True
+                break
+        steps = " or ".join(str(a.step) for a in ancestors)
+        reasons.append("" if found else f"start weights are not the outer weights of step {steps}")
+    return reasons
+
+
+def _rel_l2(replayed: bytes, claimed: bytes, shapes: dict[str, Any]) -> float:
+
+    from trainer.compress import decode_contribution
+
+    try:
+        a = decode_contribution(replayed, shapes)
+        b = decode_contribution(claimed, shapes)
+    except Exception:  # an undecodable claim is as far off as it gets
+        return math.inf
+    diff = sum(float((a[n].double() - b[n].double()).pow(2).sum()) for n in shapes)
+    norm = sum(float(b[n].double().pow(2).sum()) for n in shapes)
+    if diff == 0.0:
+        return 0.0
+    return math.sqrt(diff / norm) if norm > 0 else math.inf
+
+
+def _judge(p: _Prepared, out: Any) -> None:
+    from trainer.artifacts import bytes_to_tensors
+
+    r, m = p.result, p.manifest
+    assert m is not None
+    r.seconds = out.seconds
+    if out.error:
+        r.error = out.error
+        return
+    r.end_states = list(out.end_states)
+    shard_reason = "" if out.data_shard == m.data[r.replica] else "replayed data shard differs from the attested one"
+    for s, (payload, claimed) in enumerate(zip(out.payloads, p.claimed, strict=True)):
+        shapes = {k.removeprefix("param/"): v.shape for k, v in bytes_to_tensors(p.starts[s]).items()
+                  if k.startswith("param/")}
+        exact = payload == claimed
+        r.stages.append(StageReplay(
+            stage=s, claimed=str(m.contributions[r.replica][s]), replayed=str(file_cid(payload)), exact=exact,
+            rel_l2=0.0 if exact else _rel_l2(payload, claimed, shapes), replayed_bytes=payload,
+            reason=p.reasons[s] or shard_reason))
+
+
+def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | str) -> None:
+    """Compare the state `result`'s round left (inner optimizer, compressor) with the start
+    states the next step published for the same replica; a mismatch becomes the stage's
+    `reason`. A fresh state (a resumed run restarts both) also passes. With a tolerance the
+    float tensors may differ by that relative L2."""
+    from trainer.replay import fresh_state_core, state_core
+
+    if not result.end_states or not result.stages:
+        return
+    nxt = get_manifest(store, next_checkpoint)
+    if not nxt.replay:
+        return
+    job = job_of(store, nxt.config)
+    for s, stage in enumerate(result.stages):
+        if stage.reason:
+            continue
+        published = state_core(read_bytes(store, nxt.replay[result.replica][s]))
+        if _same_state(published, result.end_states[s], result.tolerance):
+            continue
+        if published == fresh_state_core(job, result.replica, s, nxt.step):
+            continue
+        stage.reason = (f"the start state step {nxt.step} published ({nxt.replay[result.replica][s]}) is not "
+                        f"the state this round leaves")
+
+
+def _same_state(a: bytes, b: bytes, tolerance: float) -> bool:
+    if a == b:
+        return True
+    if tolerance <= 0:
+        return False
+    from trainer.artifacts import bytes_to_tensors
+
+    x, y = bytes_to_tensors(a), bytes_to_tensors(b)
+    if x.keys() != y.keys():
+        return False
+    diff = norm = 0.0
+    for k in x:
+        if x[k].shape != y[k].shape or x[k].dtype != y[k].dtype:
+            return False
+        if x[k].is_floating_point():
+            diff += float((x[k].double() - y[k].double()).pow(2).sum())
+            norm += float(y[k].double().pow(2).sum())
+        elif not bool((x[k] == y[k]).all()):
+            return False
+    return diff == 0 or (norm > 0 and math.sqrt(diff / norm) <= tolerance)

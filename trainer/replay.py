@@ -1,0 +1,251 @@
+"""Replay a replica's round from its published start state (verification level 4).
+
+    payloads = replay_round(job, step=2, replica=1, start_states=[s0, s1])   # one per stage
+
+A round's start state (`trainer.engine.round_state`, stored with every contribution) holds
+a rank's local weights, inner optimizer state and compressor state at the start of the
+round. Replaying starts S local processes (spawn, gloo; stage s = rank s), loads those
+states and runs the same `inner_round` training runs, on the same data shard
+`corpus.shard(seed, replica, t, H, B, L)`, with one thread and deterministic algorithms;
+then it compresses theta_start - theta_local exactly as `DiLoCo.end_round` does. On the
+machine class that trained, the payloads are bit-identical to the published ones.
+
+The adaptive rule's bandwidth cap depends on a wall-clock budget nobody can re-measure:
+pass the claimed payloads (`claimed`) and the replay re-runs the rule with the budget the
+claim recorded (`trainer.compress.payload_budget`), so the decisions are the same.
+
+`replay_rounds` replays many (step, replica) items in one launch, so the start-up cost
+(spawning, importing torch, loading the corpus, building the pipeline) is paid once. Each
+item also returns the state the round leaves behind (`end_states`: `round_state` without
+the weights), which a verifier compares with the next round's published start state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from trainer.config import JobConfig
+from trainer.errors import TrainingError
+
+__all__ = ["ReplayItem", "ReplayResult", "fresh_state_core", "replay_round", "replay_rounds", "state_core"]
+
+POLL_S = 0.2
+COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+
+
+@dataclass(frozen=True)
+class ReplayItem:
+    """Replica `replica`'s round `step`: every stage's start state, and optionally the
+    claimed payloads (their recorded adaptive budgets are re-used)."""
+
+    step: int
+    replica: int
+    start_states: list[bytes]
+    claimed: list[bytes] | None = None
+
+
+@dataclass
+class ReplayResult:
+    """Per stage: the re-encoded payload and the state the round left (no weights)."""
+
+    payloads: list[bytes] = field(default_factory=list)
+    end_states: list[bytes] = field(default_factory=list)
+    data_shard: bytes = b""  # sha256 of the tokens replayed
+    loss: float = 0.0  # the replayed round's mean loss
+    seconds: float = 0.0  # replay wall time of this item (slowest stage), start-up excluded
+    error: str = ""  # set when a start state could not be loaded; payloads are then empty
+
+
+def replay_round(
+    job: JobConfig,
+    step: int,
+    replica: int,
+    start_states: list[bytes],
+    claimed: list[bytes] | None = None,
+) -> list[bytes]:
+    """Re-run replica `replica`'s inner steps of round `step` from `start_states` (one per
+    stage) and return the S re-encoded contribution payloads. ValueError if a start state
+    does not fit the job."""
+    (result,) = replay_rounds(job, [ReplayItem(step, replica, start_states, claimed)])
+    if result.error:
+        raise ValueError(result.error)
+    return result.payloads
+
+
+def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float | None = None) -> list[ReplayResult]:
+    """Replay every item in one launch of S processes; results in item order. An item
+    whose start state does not load gets `error` set (the others still run); a process
+    that dies raises TrainingError."""
+    from trainer.launch import free_port
+
+    S = job.parallel.stages
+    if job.parallel.sync == "allreduce":
+        raise ValueError("the allreduce baseline publishes no start states: nothing to replay")
+    for item in items:
+        if len(item.start_states) != S or (item.claimed is not None and len(item.claimed) != S):
+            raise ValueError(f"step {item.step} replica {item.replica}: need one start state per stage ({S})")
+    if not items:
+        return []
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    per_rank = [
+        [(it.step, it.replica, it.start_states[s], None if it.claimed is None else it.claimed[s]) for it in items]
+        for s in range(S)
+    ]
+    procs = [
+        ctx.Process(target=_replay_main, args=(s, S, init_method, job, per_rank[s], events),
+                    name=f"dlx-replay-{s}", daemon=True)
+        for s in range(S)
+    ]
+    results = [ReplayResult(payloads=[b""] * S, end_states=[b""] * S) for _ in items]
+    done: set[int] = set()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.start()
+        while len(done) < S:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TrainingError(f"replay timed out after {timeout_s:g} s")
+            try:
+                kind, rank, payload = events.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                kind, rank, payload = ("died",) + dead[0] if dead else ("wait", -1, None)
+            if kind == "wait":
+                continue
+            if kind == "died":
+                raise TrainingError(f"replay rank {rank} died: process exited with code {payload}")
+            if kind == "error":
+                raise TrainingError(f"replay rank {rank} failed: {payload}")
+            if kind == "done":
+                done.add(rank)
+                continue
+            i, out, end, digest, loss, secs, error = payload
+            r = results[i]
+            r.payloads[rank], r.end_states[rank] = out, end
+            r.seconds = max(r.seconds, secs)
+            r.error = r.error or error
+            if rank == 0:
+                r.data_shard, r.loss = digest, loss
+        for p in procs:
+            p.join()
+    finally:
+        _stop_all(procs)
+        events.close()
+        events.cancel_join_thread()
+    for r in results:
+        if r.error:
+            r.payloads, r.end_states = [], []
+    return results
+
+
+def _stop_all(procs: list[Any]) -> None:
+    from trainer.launch import _stop
+
+    _stop(procs)
+
+
+def _replay_main(rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple], events: Any) -> None:
+    from trainer.launch import _die_with_parent, _exit_quietly
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    _die_with_parent()
+    try:
+        _replay_rank(rank, S, init_method, job, items, events)
+    except BaseException as exc:  # every failure must reach the parent
+        events.put(("error", rank, " ".join(f"{type(exc).__name__}: {exc}".split())))
+        _exit_quietly(events, 1)
+    events.put(("done", rank, None))
+    _exit_quietly(events, 0)
+
+
+def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple], events: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer.compress import Compressor, payload_budget
+    from trainer.data import derive_seed, load_corpus
+    from trainer.engine import (
+        Pipeline,
+        Topology,
+        build_inner_optimizer,
+        inner_round,
+        load_round_state,
+        round_state,
+    )
+    from trainer.model import build_stage
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=S, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+        topo = Topology(rank, 1, S)  # one pipeline; the replica's own seeds are passed explicitly
+        group = dist.new_group(list(range(S)))  # the pipeline group, as in training
+        corpus = load_corpus(job.data)
+        module = build_stage(job.model, rank, S, job.seed)
+        pipeline = Pipeline(module, topo, group, job)
+        params = [p for p in module.parameters() if p.requires_grad]
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        for i, (step, replica, state, claimed) in enumerate(items):
+            start = time.perf_counter()
+            inner = build_inner_optimizer(module, job)
+            compressor = Compressor(job.outer.compression, shapes,
+                                    derive_seed("compress", job.seed, replica, rank))
+            error = ""
+            try:
+                outer_step, first_step = load_round_state(state, module, inner, compressor)
+                if outer_step != step:
+                    raise ValueError(f"start state is for round {outer_step}, not {step}")
+                budget = None if claimed is None else payload_budget(claimed)
+            except Exception as exc:  # safetensors and torch raise their own types too
+                error = f"step {step} replica {replica} stage {rank}: {' '.join(str(exc).split())}"
+            bad = torch.tensor([1 if error else 0], dtype=torch.int32)
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)  # every stage skips, or none
+            if bad.item():
+                events.put(("result", rank, (i, b"", b"", b"", 0.0, 0.0,
+                                             error or f"step {step} replica {replica}: another stage's start state is invalid")))
+                continue
+            reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer
+            data = corpus.shard(job.seed, replica, step, H, B, L)
+            loss = inner_round(pipeline, inner, params, job, replica, step, data.tokens, first_step)
+            with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
+                delta = {n: reference[n] - p.detach() for n, p in module.named_parameters()}
+                payload = compressor.compress({n: delta[n] for n in sorted(delta)}, step, loss, budget)
+            end = round_state(module, inner, compressor, step + 1, first_step + H, weights=False)
+            events.put(("result", rank, (i, payload, end, data.digest, loss, time.perf_counter() - start, "")))
+    finally:
+        dist.destroy_process_group()
+
+
+def state_core(state: bytes) -> bytes:
+    """A round state without its weights (the part one round hands to the next), as bytes
+    comparable with a replay's `end_states`."""
+    from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
+
+    return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items() if not k.startswith("param/")})
+
+
+def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> bytes:
+    """The state core a rank starts round `round_t` with after a restart (`dlx resume`):
+    a new inner optimizer and a new compressor."""
+    import torch
+
+    from trainer.compress import Compressor
+    from trainer.data import derive_seed
+    from trainer.engine import build_inner_optimizer, round_state
+    from trainer.model import build_stage
+
+    module = build_stage(job.model, stage, job.parallel.stages, job.seed)
+    shapes = {n: p.shape for n, p in module.named_parameters()}
+    compressor = Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage))
+    inner = build_inner_optimizer(module, job)
+    with torch.no_grad():
+        return round_state(module, inner, compressor, round_t, (round_t - 1) * job.outer.inner_steps, weights=False)
