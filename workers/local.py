@@ -9,29 +9,36 @@ comma-separated private key per rank, in rank order), never from the command lin
 
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import os
 import shutil
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from urllib.parse import urlparse
 
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
 from lineage.anvil import ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
+from lineage.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain import Chain, Ledger, artifact
 from lineage.runrecord import RunRecord
+from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
+from trainer.config import JobConfig
 from trainer.data import corpus_digest
 from trainer.errors import ConfigError
 from trainer.launch import train_local
 
 from .jobfile import JobFile
-from .sink import LedgerSink
+from .sink import LedgerSink, Signer, local_signer
 
 CHAIN_STATE = "chain/state.json"
+EQUIVOCATION_DIR = "equivocation"
 
 
 @dataclass
@@ -72,9 +79,57 @@ def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str],
     return accounts[0], accounts[1:]
 
 
+def refuse_cheat_off_local_chain(job: JobConfig, rpc: str | None, chain_id: int | None = None,
+                                 *, queue: bool = False) -> None:
+    """A job with a `[cheat]` section (test-only misbehaviour) runs only on a local chain:
+    the embedded anvil (no RPC URL), or chain id 31337 on a loopback host. `chain_id` is
+    asked of the chain when not given. The job queue (`queue`) has no equivocate mode:
+    there each node signs in its own worker, and only `dlx train` holds every slot's key."""
+    if not job.cheat:
+        return
+    if queue and any(c.mode == "equivocate" for c in job.cheat):
+        raise ConfigError("cheat: mode 'equivocate' runs only under `dlx train`, not the job queue")
+    if rpc is None:
+        return
+    refusal = f"cheat: refused on {rpc}: cheating nodes run only on a local chain " \
+              f"(the embedded anvil, or chain id {ANVIL_CHAIN_ID} on a loopback host)"
+    host = urlparse(rpc).hostname or ""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ConfigError(refusal)
+    if (chain_id if chain_id is not None else Chain(rpc).chain_id) != ANVIL_CHAIN_ID:
+        raise ConfigError(refusal)
+
+
+def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, job: JobConfig,
+                        run_dir: Path) -> Signer:
+    """Test-only cheat: sign as `sign` does, and for each equivocating slot also sign a
+    second claim that differs only in its contribution digest; both signed claims go to
+    <run dir>/equivocation/step-N-a.json (the one committed) and step-N-b.json."""
+    S = job.parallel.stages
+
+    def signer(step: int, claims: list[ContributionClaim]) -> list[bytes]:
+        signatures = sign(step, claims)
+        for replica, stage in cheat.equivocating_slots(job, step):
+            slot = replica * S + stage
+            honest = claims[slot]
+            other = replace(honest, contribution=hashlib.sha256(honest.contribution).digest())
+            out = run_dir / EQUIVOCATION_DIR
+            out.mkdir(exist_ok=True)
+            SignedClaim(domain, honest, signatures[slot]).save(out / f"step-{step}-a.json")
+            SignedClaim.sign(other, domain, keys[slot].key).save(out / f"step-{step}-b.json")
+        return signatures
+
+    return signer
+
+
 def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> None:
     """Check everything that can fail cheaply, before anything is created or started."""
     check_run_dir(run_dir)
+    refuse_cheat_off_local_chain(job, rpc or job.chain.rpc, job.chain.chain_id)
     if (rpc or job.chain.rpc) is None:
         tool_path("anvil")
     artifact("TrainingLedger")
@@ -118,15 +173,21 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
             )
             training = job.training_config()
             config = {
-                "job": job.model_dump(mode="json", exclude={"storage"}),
+                # A cheat stays out of the record: a cheating node does not announce itself.
+                "job": job.model_dump(mode="json", exclude={"storage", "cheat"}),
                 "corpus": corpus_digest(training.data),
                 "code": code_hash(),
             }
+            domain = Domain(chain.chain_id, ledger.ledger.address)
+            signer = local_signer(slot_keys, domain)
+            if training.cheat:
+                signer = equivocating_signer(signer, slot_keys, domain, training, run_dir)
             sink = LedgerSink(
-                job=training, config=config, store=record.open_store(run_dir),
-                ledger=ledger, submitter=submitter, slot_keys=slot_keys, record=record,
+                job=training, config=config, store=record.open_store(run_dir), ledger=ledger,
+                submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
                 run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
-                min_stake=job.chain.min_stake_wei, on_progress=cb.progress,
+                min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
+                on_progress=cb.progress,
                 on_committed=cb.committed,
             )
             train_local(training, sink)

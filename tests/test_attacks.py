@@ -1,0 +1,519 @@
+"""The attack catalogue (issue 6; README "Attack catalogue"): each attack on a real anvil
+with real training processes, caught by the layer named, ending in a slash where the
+contracts allow it.
+
+Runs trained for it: the session's honest 2x2 run (`trained_run`; tampering happens on
+copies), one 2x2 run whose nodes cheat where the ledger cannot see it (a poisoned
+contribution, skipped work, an equivocating signature) and one 2x1 run whose coordinator
+cheats (a checkpoint that is not the aggregate, then a stale parent). The cheats come from
+the test-only `[cheat]` job section (trainer/cheat.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dag_cbor
+import pytest
+from eth_utils import to_checksum_address
+
+from lineage.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
+from lineage.attest import ContributionClaim, Domain, SignedClaim
+from lineage.blockstore import Blockstore
+from lineage.chain import Attestation, Ledger
+from lineage.cid import DAG_CBOR, digest_of, parse_cid
+from lineage.errors import ChainRevertError
+from lineage.manifest import get_manifest
+from lineage.query import open_ledger
+from lineage.runrecord import RunRecord
+from trainer.config import load_job
+from trainer.errors import ConfigError
+from workers.jobfile import JobFile
+from workers.local import refuse_cheat_off_local_chain
+
+DLX = str(Path(sys.executable).parent / "dlx")
+ETHER = 10**18
+
+# Node cheats, 2x2: replica 1 stage 1 poisons from step 2; replica 0 skips its work at
+# step 3; the node of slot (0, 1) signs two claims for steps 2 and 3.
+NODE_CHEATS = """
+[[cheat]]
+mode = "poison"
+replica = 1
+stage = 1
+from_step = 2
+
+[[cheat]]
+mode = "skip_work"
+replica = 0
+from_step = 3
+
+[[cheat]]
+mode = "equivocate"
+replica = 0
+stage = 1
+from_step = 2
+"""
+
+# Coordinator cheats, 2x1: step 2's shard is not the aggregate; step 3 forks from step 1.
+COORDINATOR_CHEATS = """
+[[cheat]]
+mode = "bad_aggregate"
+from_step = 2
+
+[[cheat]]
+mode = "stale_parent"
+from_step = 3
+"""
+
+needs_replay = pytest.mark.skipif(not hasattr(importlib.import_module("lineage.verify"), "REPLAY"),
+                                  reason="level 4 (dlx verify --replay) is not in this checkout yet")
+
+
+def dlx(*args: Any, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DLX, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def verify(run_dir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    res = dlx("verify", "--run-dir", run_dir, "--json", *extra)
+    assert res.returncode in (0, 1), res.stderr[-2000:]
+    return res.returncode, json.loads(res.stdout)
+
+
+def by_step(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {s["step"]: s for s in report["steps"]}
+
+
+def train(root: Path, toml: str) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    job = root / "job.toml"
+    job.write_text(toml)
+    run_dir = root / "run"
+    return run_dir, dlx("train", job, "--run-dir", run_dir)
+
+
+def copy_run(run_dir: Path, dest: Path) -> Path:
+    shutil.copytree(run_dir, dest)
+    return dest
+
+
+def store_of(run_dir: Path) -> Blockstore:
+    return Blockstore(RunRecord.load(run_dir).blocks_dir(run_dir))
+
+
+def manifest_cid(run_dir: Path, step: int) -> Any:
+    """The checkpoint CID of `step`, walking parents back from run.json's head."""
+    store = store_of(run_dir)
+    cid = parse_cid(RunRecord.load(run_dir).head)
+    while (m := get_manifest(store, cid)).step != step:
+        cid = m.parent
+    return cid
+
+
+def flip_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def node_keys(world: int) -> list[Any]:
+    """`dlx train` on its embedded anvil: the submitter is dev account 0, slot i's node dev
+    account i + 1."""
+    return dev_accounts(world + 1)[1:]
+
+
+def fund(ledger: Ledger, address: str) -> None:
+    rpc_call(ledger.chain.rpc_url, "anvil_setBalance", [address, hex(100 * ETHER)])
+
+
+def commit_args(ledger: Ledger, tx: str) -> dict[str, Any]:
+    """The arguments of a `commitStep` transaction, signatures included."""
+    _, args = ledger.ledger.decode_function_input(ledger.chain.w3.eth.get_transaction(tx)["input"])
+    return args
+
+
+def as_attestation(a: dict[str, Any]) -> Attestation:
+    return Attestation(a["replica"], a["stage"], bytes(a["contribution"]), bytes(a["dataShard"]),
+                       bytes(a["codeHash"]), int(a["lossMicros"]), bytes(a["signature"]))
+
+
+def signed(claim: ContributionClaim, domain: Domain, account: Any) -> Attestation:
+    return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
+                       claim.code_hash, claim.loss_micros, claim.sign(domain, account.key))
+
+
+# -- the runs ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def node_cheats(tmp_path_factory, small_job) -> Path:
+    run_dir, res = train(tmp_path_factory.mktemp("node-cheats"), small_job("cheats", extra=NODE_CHEATS))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def coordinator_cheats(tmp_path_factory, small_job) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    return train(tmp_path_factory.mktemp("coordinator-cheats"),
+                 small_job("forks", stages=1, extra=COORDINATOR_CHEATS))
+
+
+@pytest.fixture(scope="module")
+def honest_chain(trained_run, tmp_path_factory) -> Iterator[tuple[Ledger, RunRecord]]:
+    """A live anvil on a copy of the honest run's chain state."""
+    run_dir = copy_run(trained_run[0], tmp_path_factory.mktemp("honest-chain") / "run")
+    record = RunRecord.load(run_dir)
+    with open_ledger(run_dir, record) as ledger:
+        yield ledger, record
+
+
+@pytest.fixture()
+def chain(honest_chain) -> Iterator[tuple[Ledger, RunRecord]]:
+    """The honest run's live chain, reverted to its snapshot after each test."""
+    ledger, record = honest_chain
+    snapshot = rpc_call(ledger.chain.rpc_url, "evm_snapshot")
+    try:
+        yield ledger, record
+    finally:
+        assert rpc_call(ledger.chain.rpc_url, "evm_revert", [snapshot]) is True
+
+
+def next_step(ledger: Ledger, run_id: int) -> tuple[int, bytes, list[ContributionClaim]]:
+    """Claims for the step after the head, re-using the head step's attested fields."""
+    head, n = ledger.head(run_id)
+    last = ledger.steps(run_id)[-1]
+    claims = [
+        ContributionClaim(run_id, n + 1, a["replica"], a["stage"], head, bytes(a["contribution"]),
+                          bytes(a["dataShard"]), bytes(a["codeHash"]), int(a["lossMicros"]))
+        for a in commit_args(ledger, last.tx)["attestations"]
+    ]
+    return n + 1, head, claims
+
+
+def commit(ledger: Ledger, run_id: int, step: int, parent: bytes, atts: list[Attestation]) -> str:
+    return ledger.commit_step(dev_accounts(1)[0], run_id=run_id, step=step, parent=parent,
+                              checkpoint=hashlib.sha256(b"next checkpoint").digest(),
+                              metrics_digest=hashlib.sha256(b"metrics").digest(), attestations=atts)
+
+
+# -- an honest run --------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@needs_replay
+def test_an_honest_run_passes_every_layer_replay_included(trained_run):
+    code, report = verify(trained_run[0], "--replay", "1.0")
+    assert code == 0 and report["ok"], report
+    for step in report["steps"]:
+        assert step["passed"] == ["chain", "content", "aggregate", "replay"], step
+
+
+# -- the ledger: signatures, stakes, parents ------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_forged_signature_is_refused_by_the_ledger(chain):
+    ledger, record = chain
+    run_id, keys = record.run_id, node_keys(4)
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+    assert [a["node"] for a in ledger.steps(run_id)[-1].attestations] == [k.address for k in keys]
+    step, parent, claims = next_step(ledger, run_id)
+    honest = [signed(c, domain, k) for c, k in zip(claims, keys, strict=True)]
+    # A staked, registered key that is not slot 2's node (nor a member of the run) signs for it.
+    forger = dev_accounts(12)[11]
+    fund(ledger, forger.address)
+    ledger.ensure_staked(forger, ETHER)
+    forged = [*honest[:2], signed(claims[2], domain, forger), *honest[3:]]
+    with pytest.raises(ChainRevertError) as err:
+        commit(ledger, run_id, step, parent, forged)
+    assert err.value.name == "LedgerNotMember"
+    assert err.value.error_args["runId"] == run_id
+    assert to_checksum_address(err.value.error_args["node"]) == forger.address
+    assert ledger.head(run_id) == (parent, step - 1)
+    commit(ledger, run_id, step, parent, honest)  # the control: the same step, every slot its own node
+    assert ledger.head(run_id)[1] == step
+
+
+@pytest.mark.slow
+def test_an_unstaked_node_cannot_attest(chain):
+    ledger, record = chain
+    run_id, keys = record.run_id, node_keys(4)
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+    step, parent, claims = next_step(ledger, run_id)
+    atts = [signed(c, domain, k) for c, k in zip(claims, keys, strict=True)]
+    quitter = keys[1]
+    ledger.unbond(quitter, quitter.address)  # `dlx train` nodes are their own operators
+    assert ledger.stake_of(quitter.address) == 0
+    with pytest.raises(ChainRevertError) as err:
+        commit(ledger, run_id, step, parent, atts)
+    assert err.value.name == "LedgerInsufficientStake"
+    assert to_checksum_address(err.value.error_args["node"]) == quitter.address
+    assert err.value.error_args["stake"] == 0
+    assert ledger.head(run_id) == (parent, step - 1)
+
+
+@pytest.mark.slow
+def test_signatures_replayed_from_another_run_ledger_or_chain_are_refused(chain):
+    ledger, record = chain
+    run_id, keys = record.run_id, node_keys(4)
+    submitter = dev_accounts(1)[0]
+    created = ledger.run_created(run_id)
+    members = set(created["nodes"])
+    step1 = ledger.steps(run_id)[0]
+    real = [as_attestation(a) for a in commit_args(ledger, step1.tx)["attestations"]]
+    shape = dict(config_digest=bytes(created["configDigest"]), genesis_digest=bytes(created["genesisDigest"]),
+                 nodes=list(created["nodes"]), replicas=2, stages=2, challenge_window=3600, min_stake=ETHER)
+
+    def refused(lg: Ledger, rid: int, step: int, parent: bytes, atts: list[Attestation]) -> None:
+        with pytest.raises(ChainRevertError) as err:
+            commit(lg, rid, step, parent, atts)
+        # Signed for another domain or run, a signature recovers to some unrelated address.
+        assert err.value.name == "LedgerNotMember"
+        assert to_checksum_address(err.value.error_args["node"]) not in members
+        assert lg.head(rid)[1] == step - 1
+
+    # Another run on the same ledger, same nodes and genesis: only runId differs.
+    other_run = ledger.create_run(submitter, **shape)
+    refused(ledger, other_run, 1, step1.parent, real)
+    # Another deployment of the ledger on the same chain (same run id 1): the verifying contract differs.
+    other_ledger = Ledger.deploy(ledger.chain, submitter)
+    for k in keys:
+        other_ledger.ensure_staked(k, ETHER)
+    assert other_ledger.create_run(submitter, **shape) == run_id
+    refused(other_ledger, run_id, 1, step1.parent, real)
+    # The run's own nodes sign the next step, but for another chain id.
+    step, parent, claims = next_step(ledger, run_id)
+    elsewhere = Domain(1, ledger.ledger.address)
+    refused(ledger, run_id, step, parent, [signed(c, elsewhere, k) for c, k in zip(claims, keys, strict=True)])
+
+
+@pytest.mark.slow
+def test_a_stale_parent_reverts_the_commit_and_nothing_is_half_written(coordinator_cheats):
+    run_dir, res = coordinator_cheats
+    assert res.returncode == 2, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("dlx: error: commitStep(run 1, step 3): reverted with LedgerStaleParent(")
+    assert "Traceback" not in res.stderr
+    record = RunRecord.load(run_dir)
+    assert (record.steps, record.status) == (2, "failed")
+    store = store_of(run_dir)
+    step2 = get_manifest(store, record.head)
+    assert step2.step == 2
+    with open_ledger(run_dir, record) as ledger:
+        assert ledger.head(record.run_id) == (digest_of(parse_cid(record.head)), 2)
+        assert [s.step for s in ledger.steps(record.run_id)] == [1, 2]
+    # The ledger expected step 2's checkpoint and was offered step 1's.
+    assert f"expected=0x{digest_of(parse_cid(record.head)).hex()}" in last
+    assert f"got=0x{digest_of(step2.parent).hex()}" in last
+
+
+# -- storage: blocks and manifests ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_tampered_checkpoint_block_fails_content_naming_the_cid(trained_run, tmp_path):
+    run_dir = copy_run(trained_run[0], tmp_path / "run")
+    store = store_of(run_dir)
+    shard = get_manifest(store, manifest_cid(run_dir, 2)).stages[1]
+    flip_byte(store._path(shard))  # a single-block file: the shard is under 256 KiB
+    code, report = verify(run_dir)
+    steps = by_step(report)
+    assert code == 1 and steps[1]["ok"]
+    assert "content" in steps[2]["failures"] and str(shard) in steps[2]["failures"]["content"]
+    assert "chain" in steps[2]["passed"]
+    assert "content" in steps[3]["passed"]  # step 3's own blocks are intact
+
+
+@pytest.mark.slow
+def test_a_tampered_manifest_fails_content_and_a_substituted_head_is_not_the_chains(trained_run, tmp_path):
+    run_dir = copy_run(trained_run[0], tmp_path / "run")
+    record = RunRecord.load(run_dir)
+    store = store_of(run_dir)
+    # Step 2's manifest rewritten in place, claiming a better loss than was reached.
+    cid = manifest_cid(run_dir, 2)
+    node = dag_cbor.decode(store.get(cid))
+    node["metrics"]["eval_loss"] = node["metrics"]["eval_loss"] / 2
+    store._path(cid).write_bytes(dag_cbor.encode(node))
+    # The head's manifest rewritten and stored under its own (new) CID, named in run.json.
+    head = dag_cbor.decode(store.get(record.head))
+    head["metrics"]["eval_loss"] = head["metrics"]["eval_loss"] / 2
+    record.head = str(store.put(dag_cbor.encode(head), DAG_CBOR))
+    record.save(run_dir)
+    code, report = verify(run_dir)
+    steps = by_step(report)
+    assert code == 1 and steps[1]["ok"]
+    failure = steps[2]["failures"]["content"]
+    assert failure == f"corrupt block {cid}: content does not match its CID"
+    assert "chain" in steps[2]["passed"]
+    assert "content" in steps[3]["passed"]  # the chain names the true head, which is intact
+    assert report["run_failures"] == [f"run.json head {record.head} is not the chain's head at step 3"]
+
+
+# -- the coordinator: a checkpoint that is not the aggregate --------------------------------
+
+
+@pytest.mark.slow
+def test_a_checkpoint_that_is_not_the_aggregate_fails_the_aggregate_level(coordinator_cheats):
+    run_dir, _ = coordinator_cheats
+    code, report = verify(run_dir)
+    steps = by_step(report)
+    assert code == 1 and sorted(steps) == [1, 2]
+    assert steps[1]["ok"]
+    assert steps[2]["passed"] == ["chain", "content"]  # every node signed what it sent
+    shard = get_manifest(store_of(run_dir), manifest_cid(run_dir, 2)).stages[0]
+    assert steps[2]["failures"]["aggregate"] == f"stage 0: recomputed shard differs from {shard}"
+
+
+# -- nodes: poisoned contributions and skipped work, caught by replay only ------------------
+
+
+@pytest.mark.slow
+@needs_replay
+def test_a_poisoned_contribution_and_skipped_work_pass_levels_1_to_3_and_fail_replay(node_cheats):
+    # The cheat is not in the run's recorded configuration: a replay runs the honest code.
+    record = RunRecord.load(node_cheats)
+    assert "cheat" not in dag_cbor.decode(store_of(node_cheats).get(record.config))["job"]
+    code, report = verify(node_cheats, "--replay", "1.0")
+    steps = by_step(report)
+    assert code == 1 and sorted(steps) == [1, 2, 3]
+    for n in (1, 2, 3):  # every node signed what it sent, and the aggregate is what they sent
+        assert steps[n]["passed"][:3] == ["chain", "content", "aggregate"], steps[n]
+    assert steps[1]["ok"]
+
+    def stages(step: int, replica: int) -> list[tuple[bool, float | None]]:
+        (rr,) = [r for r in report["replay"] if (r["step"], r["replica"]) == (step, replica)]
+        return [(st["exact"], st["rel_l2"]) for st in rr["stages"]]
+
+    assert stages(1, 0) == stages(1, 1) == [(True, 0.0), (True, 0.0)]
+    # Step 2: only replica 1 stage 1 (poisoned) differs; noise of the delta's own size.
+    assert stages(2, 0) == [(True, 0.0), (True, 0.0)]
+    assert stages(2, 1)[0] == (True, 0.0)
+    exact, rel = stages(2, 1)[1]
+    assert not exact and rel is not None and 0.3 < rel < 1.5
+    assert steps[2]["failures"]["replay"].startswith("step 2 replica 1 stage 1: replayed contribution ")
+    # Step 3: replica 0 claimed a round it never trained (a zero delta: rel_l2 has no finite value).
+    assert all(not exact and (rel is None or rel > 0.9) for exact, rel in stages(3, 0))
+    assert not stages(3, 1)[1][0]
+    assert steps[3]["failures"]["replay"].startswith("step 3 replica 0 stage 0: ")
+    assert "step 3 replica 1 stage 1: " in steps[3]["failures"]["replay"]
+
+
+# -- nodes: equivocation, slashed at once ---------------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_equivocating_node_is_slashed_from_its_two_signed_claims(node_cheats, tmp_path):
+    record = RunRecord.load(node_cheats)
+    paths = [node_cheats / "equivocation" / f"step-2-{x}.json" for x in "ab"]
+    a, b = (SignedClaim.load(p) for p in paths)
+    node = node_keys(4)[0 * 2 + 1]  # slot (0, 1)
+    assert a.recover() == b.recover() == node.address
+    assert (a.claim.run_id, a.claim.step, a.claim.replica, a.claim.stage) == (record.run_id, 2, 0, 1)
+    assert a.claim.contribution != b.claim.contribution and a.claim.parent == b.claim.parent
+    assert a.domain == b.domain and a.domain.chain_id == ANVIL_CHAIN_ID
+    reporter = dev_accounts(10)[9]
+    env = {**os.environ, "DLX_REPORTER_KEY": "0x" + bytes(reporter.key).hex()}
+    with open_ledger(node_cheats, record) as ledger:  # a live copy of the run's chain
+        (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
+        (event,) = [x for x in rec.attestations if (x["replica"], x["stage"]) == (0, 1)]
+        assert bytes(event["contribution"]) == a.claim.contribution  # claim a is the committed one
+        stake = ledger.stake_of(node.address)
+        assert stake >= ETHER
+        fund(ledger, reporter.address)
+        url = ledger.chain.rpc_url
+        res = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith(f"slashed {node.address}: ")
+        assert ledger.stake_of(node.address) == 0
+        (log,) = ledger.ledger.events.EquivocationSlashed().get_logs(
+            from_block=0, argument_filters={"runId": record.run_id})
+        assert {k: log["args"][k] for k in ("step", "node", "replica", "stage", "reporter")} == {
+            "step": 2, "node": node.address, "replica": 0, "stage": 1, "reporter": reporter.address}
+        assert bytes(log["args"]["contributionA"]) == a.claim.contribution
+        assert bytes(log["args"]["contributionB"]) == b.claim.contribution
+        (slash,) = ledger.registry.events.Slashed().get_logs(from_block=0, argument_filters={"node": node.address})
+        assert slash["args"]["amount"] == stake
+        again = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
+        assert again.returncode == 2 and "LedgerAlreadySlashed" in again.stderr.strip().splitlines()[-1]
+
+
+# -- the cheat option itself: off by default, local chains only ----------------------------
+
+
+def _job(small_job, extra: str = "", **kw: Any) -> JobFile:
+    return load_job(tomllib.loads(small_job("job", **kw, extra=extra)), JobFile)
+
+
+def test_an_honest_job_dumps_as_before_and_cheats_are_validated(small_job):
+    honest = _job(small_job)
+    assert honest.cheat == [] and "cheat" not in honest.model_dump() and b"cheat" not in honest.canonical_json()
+    one = _job(small_job, '[cheat]\nmode = "poison"\nreplica = 1\n')
+    assert [(c.mode, c.replica, c.stage, c.from_step) for c in one.training_config().cheat] == [("poison", 1, 0, 1)]
+    for extra, message in [
+        ('[cheat]\nmode = "poison"\nstrength = 3\n', "cheat.0.strength: Extra inputs are not permitted"),
+        ('[cheat]\nmode = "lie"\n', "cheat.0.mode: Input should be"),
+        ('[cheat]\nmode = "poison"\nreplica = 2\n', "cheat: slot (2, 0) is outside the 2 x 2 world"),
+        ('[cheat]\nmode = "stale_parent"\n', "cheat: stale_parent needs from_step >= 2"),
+        ('[cheat]\nmode = "poison"\nfrom_step = 4\n', "cheat: from_step (4) is past outer.steps (3)"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            _job(small_job, extra)
+        assert str(err.value).startswith(message)
+
+
+@pytest.fixture(scope="module")
+def other_anvil() -> Iterator[str]:
+    """An anvil on loopback whose chain id is not anvil's default 31337."""
+    port = free_port()
+    proc = subprocess.Popen([str(tool_path("anvil")), "--host", "127.0.0.1", "--port", str(port),
+                             "--chain-id", "1337", "--silent"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            try:
+                rpc_call(url, "eth_chainId", timeout=0.5)
+                break
+            except Exception:
+                assert proc.poll() is None, "anvil exited at start"
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_cheat_is_refused_off_a_local_chain_before_anything_starts(small_job, other_anvil, anvil, tmp_path):
+    cheat = '[cheat]\nmode = "poison"\n'
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(small_job("job", extra=cheat))
+    run_dir = tmp_path / "run"
+    res = dlx("train", job_file, "--run-dir", run_dir, "--rpc", other_anvil, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        f"dlx: error: cheat: refused on {other_anvil}: cheating nodes run only on a local chain "
+        f"(the embedded anvil, or chain id {ANVIL_CHAIN_ID} on a loopback host)")
+    assert not run_dir.exists()
+    job = _job(small_job, cheat)
+    for rpc in ("http://10.11.12.13:8545", "https://rpc.example.org", "http://[::2]:8545"):
+        with pytest.raises(ConfigError, match=f"^cheat: refused on {re.escape(rpc)}:"):
+            refuse_cheat_off_local_chain(job, rpc, ANVIL_CHAIN_ID)  # even claiming anvil's chain id
+    refuse_cheat_off_local_chain(job, None)  # the embedded anvil
+    refuse_cheat_off_local_chain(job, anvil.url)  # chain id 31337 on 127.0.0.1
+    refuse_cheat_off_local_chain(_job(small_job), "http://10.11.12.13:8545")  # an honest job anywhere
+    # The job queue: the same rule, and no equivocation (each node signs in its own worker).
+    with pytest.raises(ConfigError, match="refused on http://10.11.12.13"):
+        refuse_cheat_off_local_chain(job, "http://10.11.12.13:8545", ANVIL_CHAIN_ID, queue=True)
+    with pytest.raises(ConfigError, match="'equivocate' runs only under `dlx train`"):
+        refuse_cheat_off_local_chain(_job(small_job, '[cheat]\nmode = "equivocate"\n'), anvil.url, queue=True)
+
