@@ -12,12 +12,16 @@ is bound to one chain, one ledger deployment, one run and one step.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from eth_account import Account
 from eth_account.messages import SignableMessage, encode_typed_data
-from eth_utils import keccak
+from eth_utils import is_address, keccak, to_checksum_address
+
+from trainer.errors import DlxError
 
 DOMAIN_NAME = "DiLoCoXLedger"
 DOMAIN_VERSION = "1"
@@ -107,3 +111,131 @@ class ContributionClaim:
 def loss_micros(loss: float) -> int:
     """A loss as the int64 millionths carried in attestations."""
     return int(round(loss * 1_000_000))
+
+
+class ClaimError(DlxError, ValueError):
+    """A signed-claim document is malformed or does not prove what it is used for."""
+
+
+#: The claim's JSON keys and whether each is a bytes32 (0x-hex) or an integer.
+_CLAIM_FIELDS = {
+    "runId": ("run_id", int), "step": ("step", int), "replica": ("replica", int),
+    "stage": ("stage", int), "parent": ("parent", bytes), "contribution": ("contribution", bytes),
+    "dataShard": ("data_shard", bytes), "codeHash": ("code_hash", bytes), "lossMicros": ("loss_micros", int),
+}
+
+
+@dataclass(frozen=True)
+class SignedClaim:
+    """A node's signed `Contribution` as a portable document, so tools can exchange evidence
+    (`dlx slash-equivocation A.json B.json`) without a chain at hand:
+
+        {"domain": {"name", "version", "chainId", "verifyingContract"},
+         "claim": {"runId", "step", "replica", "stage", "parent", "contribution",
+                   "dataShard", "codeHash", "lossMicros"},
+         "signature": "0x..."}
+
+    bytes32 fields and the signature are 0x-hex; the domain's name and version must be the
+    ledger's, since a signature under any other domain proves nothing to it.
+    """
+
+    domain: Domain
+    claim: ContributionClaim
+    signature: bytes
+
+    @classmethod
+    def sign(cls, claim: ContributionClaim, domain: Domain, key: Any) -> SignedClaim:
+        return cls(domain, claim, claim.sign(domain, key))
+
+    def recover(self) -> str:
+        """The checksummed address of the key that signed the claim."""
+        try:
+            return self.claim.recover(self.domain, self.signature)
+        except Exception:  # eth_keys raises several types for a malformed signature
+            raise ClaimError("the signature is malformed: it recovers to no key") from None
+
+    def as_dict(self) -> dict[str, Any]:
+        claim = {}
+        for key, (attr, kind) in _CLAIM_FIELDS.items():
+            value = getattr(self.claim, attr)
+            claim[key] = "0x" + value.hex() if kind is bytes else int(value)
+        return {
+            "domain": {"name": DOMAIN_NAME, "version": DOMAIN_VERSION, "chainId": self.domain.chain_id,
+                       "verifyingContract": to_checksum_address(self.domain.verifying_contract)},
+            "claim": claim,
+            "signature": "0x" + self.signature.hex(),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, doc: str | bytes | dict[str, Any]) -> SignedClaim:
+        """Parse and check a document (JSON text or an already decoded dict)."""
+        if not isinstance(doc, dict):
+            try:
+                doc = json.loads(doc)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ClaimError(f"not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ClaimError("a signed claim is a JSON object with domain, claim and signature")
+        domain, claim, sig = doc.get("domain"), doc.get("claim"), doc.get("signature")
+        if not isinstance(domain, dict) or not isinstance(claim, dict) or not isinstance(sig, str):
+            raise ClaimError("a signed claim is a JSON object with domain, claim and signature")
+        if (domain.get("name"), domain.get("version")) != (DOMAIN_NAME, DOMAIN_VERSION):
+            raise ClaimError(f"domain is {domain.get('name')!r} version {domain.get('version')!r}, "
+                             f"not {DOMAIN_NAME!r} version {DOMAIN_VERSION!r}")
+        contract = domain.get("verifyingContract")
+        if not isinstance(contract, str) or not is_address(contract):
+            raise ClaimError(f"domain.verifyingContract is not an address: {contract!r}")
+        values: dict[str, Any] = {}
+        for key, (attr, kind) in _CLAIM_FIELDS.items():
+            values[attr] = _field(claim, key, kind)
+        unknown = set(claim) - set(_CLAIM_FIELDS)
+        if unknown:
+            raise ClaimError(f"unknown claim field(s): {', '.join(sorted(unknown))}")
+        return cls(
+            Domain(_int(domain.get("chainId"), "domain.chainId"), to_checksum_address(contract)),
+            ContributionClaim(**values),
+            _hex(sig, "signature", 65),
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> SignedClaim:
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise ClaimError(f"claim file not found: {path}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ClaimError(f"cannot read claim file {path}: {exc}") from None
+        try:
+            return cls.from_json(text)
+        except ClaimError as exc:
+            raise ClaimError(f"{path}: {exc}") from None
+
+
+def _field(claim: dict[str, Any], key: str, kind: type) -> Any:
+    if key not in claim:
+        raise ClaimError(f"claim.{key} is missing")
+    return _hex(claim[key], f"claim.{key}", 32) if kind is bytes else _int(claim[key], f"claim.{key}")
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClaimError(f"{name} is not an integer: {value!r}")
+    return value
+
+
+def _hex(value: Any, name: str, size: int) -> bytes:
+    if not isinstance(value, str) or not value.startswith("0x"):
+        raise ClaimError(f"{name} is not 0x-hex: {value!r}")
+    try:
+        raw = bytes.fromhex(value[2:])
+    except ValueError:
+        raise ClaimError(f"{name} is not 0x-hex: {value!r}") from None
+    if len(raw) != size:
+        raise ClaimError(f"{name} has {len(raw)} bytes, not {size}")
+    return raw

@@ -7,9 +7,13 @@ its arguments (`LedgerStaleParent(expected=0x.., got=0x..)`) instead of a bare s
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -83,6 +87,16 @@ def decode_revert(data: str | bytes | None, context: str = "") -> ChainError:
     return ChainRevertError(item["name"], {i["name"]: v for i, v in zip(item["inputs"], values, strict=True)}, context)
 
 
+def _view(fn: Any, context: str) -> Any:
+    """Call a view function; a revert becomes the contract's custom error by name."""
+    try:
+        return fn.call()
+    except ContractLogicError as exc:
+        raise decode_revert(exc.data, context) from None
+    except (OSError, Web3Exception) as exc:
+        raise ChainError(f"{context}: {exc}") from None
+
+
 @dataclass(frozen=True)
 class Attestation:
     """One slot's signed claim, as `commitStep` takes it."""
@@ -100,12 +114,31 @@ class Attestation:
                 self.code_hash, self.loss_micros, self.signature)
 
 
+_NONCE_RETRIES = 8
+_SENDER_LOCKS: dict[str, threading.Lock] = {}
+_SENDER_LOCKS_GUARD = threading.Lock()
+
+
+def _sender_lock(address: str) -> threading.Lock:
+    with _SENDER_LOCKS_GUARD:
+        return _SENDER_LOCKS.setdefault(address.lower(), threading.Lock())
+
+
+def _nonce_taken(exc: Exception) -> bool:
+    """Whether a send failed because another transaction took its nonce first."""
+    text = str(exc).lower()
+    return any(m in text for m in ("nonce too low", "already known", "replacement transaction underpriced",
+                                   "transaction already imported"))
+
+
 class Chain:
     """A web3 connection plus a signer-side transaction helper."""
 
     def __init__(self, rpc_url: str, expected_chain_id: int | None = None) -> None:
         self.rpc_url = rpc_url
-        self.w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 30}))
+        # eth_chainId is cached: web3 asks for it before every call and transaction.
+        self.w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 30}, cache_allowed_requests=True,
+                                         cacheable_requests={"eth_chainId"}))
         try:
             self.chain_id = self.w3.eth.chain_id
         except (OSError, Web3Exception) as exc:
@@ -114,26 +147,41 @@ class Chain:
             raise ChainError(f"wrong chain id at {rpc_url}: expected {expected_chain_id}, got {self.chain_id}")
 
     def transact(self, fn: Any, sender: LocalAccount, *, value: int = 0, context: str) -> Any:
-        """Sign and send a contract call (or constructor) from `sender`; return the receipt."""
-        try:
-            tx = fn.build_transaction({
-                "from": sender.address,
-                "value": value,
-                "nonce": self.w3.eth.get_transaction_count(sender.address, "pending"),
-                "chainId": self.chain_id,
-            })
-        except ContractLogicError as exc:
-            raise decode_revert(exc.data, context) from None
-        except (OSError, Web3Exception) as exc:
-            raise ChainError(f"{context}: {exc}") from None
-        signed = sender.sign_transaction(tx)
-        try:
-            tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
-            receipt = self.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=120)
-        except TimeExhausted:
-            raise ChainError(f"{context}: no receipt within 120 s") from None
-        except (OSError, Web3Exception) as exc:
-            raise ChainError(f"{context}: {exc}") from None
+        """Sign and send a contract call (or constructor) from `sender`; return the receipt.
+
+        Nonces: one sender's transactions from this process go out one at a time (a lock per
+        address), and a nonce another process took first ("nonce too low") is retried with
+        the chain's next pending nonce, so several senders, or several tools sharing one
+        key, can transact at once.
+        """
+        with _sender_lock(sender.address):
+            for attempt in range(_NONCE_RETRIES):
+                try:
+                    tx = fn.build_transaction({
+                        "from": sender.address,
+                        "value": value,
+                        "nonce": self.w3.eth.get_transaction_count(sender.address, "pending"),
+                        "chainId": self.chain_id,
+                    })
+                except ContractLogicError as exc:
+                    raise decode_revert(exc.data, context) from None
+                except (OSError, Web3Exception) as exc:
+                    raise ChainError(f"{context}: {exc}") from None
+                signed = sender.sign_transaction(tx)
+                try:
+                    tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
+                except (OSError, Web3Exception) as exc:
+                    if _nonce_taken(exc) and attempt + 1 < _NONCE_RETRIES:
+                        time.sleep(0.05 * (attempt + 1))
+                        continue
+                    raise ChainError(f"{context}: {exc}") from None
+                break
+            try:
+                receipt = self.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=120)
+            except TimeExhausted:
+                raise ChainError(f"{context}: no receipt within 120 s") from None
+            except (OSError, Web3Exception) as exc:
+                raise ChainError(f"{context}: {exc}") from None
         if receipt["status"] != 1:
             raise ChainError(f"{context}: transaction {tx_hash.to_0x_hex()} failed")
         return receipt
@@ -162,6 +210,34 @@ class StepRecord:
     tx: str
     block: int
     attestations: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One commit of a step and what became of it (`Ledger.commits`)."""
+
+    record: StepRecord
+    status: str  # finalized | pending | rejected
+    rejected_by: int | None = None  # the upheld challenge that rejected it
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What `resolveChallenge` did, read from its receipt's events."""
+
+    challenge_id: int
+    run_id: int
+    step: int
+    node: str
+    upheld: bool
+    slashed: int  # wei taken from the node (0: dismissed, or already slashed for this offence)
+    reward: int  # wei of the slash credited to the challenger
+    bond: int
+    bond_to: str
+    rejected_steps: list[int] = field(default_factory=list)
+    head_step: int | None = None  # the new head after a rollback
+    head: bytes | None = None
+    tx: str = ""
 
 
 class Ledger:
@@ -216,6 +292,56 @@ class Ledger:
     def stake_of(self, node: str) -> int:
         return self.registry.functions.stakeOf(to_checksum_address(node)).call()
 
+    def stakes_at(self, pairs: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The active stake of each (node, block) pair once that block was applied, from
+        the registry's events: three log queries for any number of pairs, and right on a
+        chain that keeps no state history (anvil reloaded from a state file). A stake only
+        rises through `Staked` (whose `total` is the new stake) and only falls, to zero,
+        through `UnbondingStarted` or `Slashed`; the last of them by the block decides."""
+        pairs = list(pairs)
+        nodes = sorted({to_checksum_address(n) for n, _ in pairs})
+        history: dict[str, list[tuple[int, int, int]]] = {n: [] for n in nodes}  # (block, index, stake)
+        events = self.registry.events
+        for event in (events.Staked, events.UnbondingStarted, events.Slashed):
+            if not nodes:
+                break
+            try:
+                logs = event().get_logs(from_block=0, argument_filters={"node": nodes})
+            except (OSError, Web3Exception) as exc:
+                raise ChainError(f"reading the registry's {event.event_name} events: {exc}") from None
+            for log in logs:
+                stake = int(log["args"]["total"]) if event is events.Staked else 0
+                history[log["args"]["node"]].append((int(log["blockNumber"]), int(log["logIndex"]), stake))
+        for changes in history.values():
+            changes.sort()
+        out = {}
+        for node, block in pairs:
+            changes = history[to_checksum_address(node)]
+            i = bisect.bisect_right(changes, (block, float("inf"), 0))
+            out[(node, block)] = changes[i - 1][2] if i else 0
+        return out
+
+    def register(self, node: LocalAccount, operator: str) -> Any:
+        """Register `node`'s key (it sends the transaction, proving possession) for
+        `operator`; returns the receipt."""
+        fn = self.registry.functions.register(to_checksum_address(operator))
+        return self.chain.transact(fn, node, context=f"register {node.address}")
+
+    def stake(self, payer: LocalAccount, node: str, amount: int) -> Any:
+        """Add `amount` wei from `payer` to `node`'s active stake; returns the receipt."""
+        fn = self.registry.functions.stake(to_checksum_address(node))
+        return self.chain.transact(fn, payer, value=amount, context=f"stake {node}")
+
+    def is_registered(self, node: str) -> bool:
+        return bool(self.registry.functions.isRegistered(to_checksum_address(node)).call())
+
+    def operator_of(self, node: str) -> str:
+        """The operator of `node` (the zero address for an unknown node)."""
+        return str(self.registry.functions.operatorOf(to_checksum_address(node)).call())
+
+    def open_challenges_of(self, node: str) -> int:
+        return int(self.registry.functions.openChallengesOf(to_checksum_address(node)).call())
+
     # -- runs -----------------------------------------------------------------------------
 
     def create_run(
@@ -260,7 +386,7 @@ class Ledger:
         return receipt["transactionHash"].to_0x_hex()
 
     def head(self, run_id: int) -> tuple[bytes, int]:
-        head, step = self.ledger.functions.runHead(run_id).call()
+        head, step = _view(self.ledger.functions.runHead(run_id), f"runHead({run_id})")
         return bytes(head), int(step)
 
     def run_created(self, run_id: int) -> dict[str, Any]:
@@ -274,6 +400,35 @@ class Ledger:
     def steps(self, run_id: int) -> list[StepRecord]:
         """The committed steps of `run_id` on its current chain, in order, read from the
         ledger's events (commits rejected by a challenge are left out; see `rejections`)."""
+        # A rollback leaves rejected commits in the logs and the same step number committed
+        # again: the lineage is the latest commit of each step up to the head.
+        _, head_step = self.head(run_id)
+        latest: dict[int, StepRecord] = {}
+        for record in self._commit_records(run_id):
+            latest[record.step] = record
+        return [latest[n] for n in sorted(latest) if n <= head_step]
+
+    def commits(self, run_id: int) -> list[Commit]:
+        """Every commit of `run_id`, in chain order, rejected ones included, each with its
+        status: `finalized`, `pending` (on the current chain, still challengeable) or
+        `rejected` (by an upheld challenge against it or an ancestor)."""
+        _, head_step = self.head(run_id)
+        final = self.finalized_step(run_id)
+        rejected_by = {(int(r["step"]), bytes(r["checkpoint"])): int(r["challengeId"])
+                       for r in self.rejections(run_id)}
+        records = self._commit_records(run_id)
+        latest = {r.step: i for i, r in enumerate(records)}
+        out = []
+        for i, r in enumerate(records):
+            # A step number is committed again only after a rollback rejected it, so every
+            # commit but the latest of its step is rejected, and so is a latest one above the head.
+            current = latest[r.step] == i and r.step <= head_step
+            status = ("finalized" if r.step <= final else "pending") if current else "rejected"
+            out.append(Commit(r, status, None if current else rejected_by.get((r.step, r.checkpoint))))
+        return out
+
+    def _commit_records(self, run_id: int) -> list[StepRecord]:
+        """Every `StepCommitted` event of `run_id` with its attestations, oldest first."""
         committed = self.ledger.events.StepCommitted().get_logs(
             from_block=0, argument_filters={"runId": run_id}
         )
@@ -293,13 +448,26 @@ class Ledger:
                 metrics_digest=bytes(a["metricsDigest"]), submitter=a["submitter"],
                 tx=tx, block=int(log["blockNumber"]), attestations=by_tx.get(tx, []),
             ))
-        # A rollback leaves rejected commits in the logs and the same step number committed
-        # again: the lineage is the latest commit of each step up to the head.
-        _, head_step = self.head(run_id)
-        latest: dict[int, StepRecord] = {}
-        for record in sorted(records, key=lambda r: r.block):
-            latest[record.step] = record
-        return [latest[n] for n in sorted(latest) if n <= head_step]
+        return sorted(records, key=lambda r: r.block)
+
+    def commit_calls(self, records: Iterable[StepRecord], batch: int = 100) -> dict[str, dict[str, Any]]:
+        """The decoded `commitStep` arguments (attestations with their signatures, which no
+        event carries) of each record's transaction, keyed by transaction hash; fetched in
+        JSON-RPC batches of `batch`, not one round trip per step."""
+        hashes = list(dict.fromkeys(r.tx for r in records))
+        w3, out = self.chain.w3, {}
+        for i in range(0, len(hashes), batch):
+            chunk = hashes[i:i + batch]
+            try:
+                with w3.batch_requests() as requests:
+                    for tx in chunk:
+                        requests.add(w3.eth.get_transaction(tx))
+                    txs = requests.execute()
+            except (OSError, Web3Exception) as exc:
+                raise ChainError(f"reading {len(chunk)} commit transactions: {exc}") from None
+            for tx_hash, tx in zip(chunk, txs, strict=True):
+                _, out[tx_hash] = self.ledger.decode_function_input(tx["input"])
+        return out
 
     # -- stakes, slashing, challenges, finality (issue 5) ---------------------------------
 
@@ -330,10 +498,16 @@ class Ledger:
         self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
     ) -> int:
         """Prove that one node signed two contributions for one slot; returns wei slashed."""
+        return self.report_equivocation_tx(sender, run_id=run_id, step=step, parent=parent, a=a, b=b)[0]
+
+    def report_equivocation_tx(
+        self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
+    ) -> tuple[int, str]:
+        """`report_equivocation`, also returning the transaction hash."""
         fn = self.ledger.functions.reportEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
         receipt = self.chain.transact(fn, sender, context=f"reportEquivocation(run {run_id}, step {step})")
         (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
-        return int(event["args"]["amount"])
+        return int(event["args"]["amount"]), receipt["transactionHash"].to_0x_hex()
 
     def signers(self, run_id: int, step: int) -> list[str]:
         """The node keys that attested `step` on the run's current chain, in slot order."""
@@ -355,13 +529,101 @@ class Ledger:
     ) -> int:
         """Open a replay challenge against slot (`replica`, `stage`) of `step`, posting
         `bond` wei; returns the challenge id."""
+        return self.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica, stage=stage,
+                                      bond=bond, evidence=evidence)[0]
+
+    def open_challenge_tx(
+        self, challenger: LocalAccount, *, run_id: int, step: int, replica: int, stage: int, bond: int,
+        evidence: bytes = bytes(32),
+    ) -> tuple[int, str]:
+        """`open_challenge`, also returning the transaction hash."""
         fn = self.ledger.functions.openChallenge(
             run_id, step, replica, stage, self.signers(run_id, step), evidence
         )
         receipt = self.chain.transact(fn, challenger, value=bond,
                                       context=f"openChallenge(run {run_id}, step {step})")
         (event,) = self.ledger.events.ChallengeOpened().process_receipt(receipt, errors=DISCARD)
-        return int(event["args"]["challengeId"])
+        return int(event["args"]["challengeId"]), receipt["transactionHash"].to_0x_hex()
+
+    def challenge(self, challenge_id: int) -> dict[str, Any]:
+        """Challenge `challenge_id` as stored, plus the evidence digest of its opening event."""
+        c = _view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
+        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "node", "challenger", "bond")
+        out = dict(zip(keys, c, strict=True))
+        logs = self.ledger.events.ChallengeOpened().get_logs(
+            from_block=0, argument_filters={"challengeId": challenge_id})
+        out["evidence"] = bytes(logs[0]["args"]["evidence"]) if logs else bytes(32)
+        return out
+
+    def challenges(self, *, run_id: int | None = None, node: str | None = None) -> list[dict[str, Any]]:
+        """Opened challenges (of one run, against one node, or all), oldest first, each with
+        `resolved` and, once resolved, `upheld`."""
+        filters = {"runId": run_id} if run_id is not None else {}
+        opened = self.ledger.events.ChallengeOpened().get_logs(from_block=0, argument_filters=filters)
+        resolved = {int(log["args"]["challengeId"]): bool(log["args"]["upheld"])
+                    for log in self.ledger.events.ChallengeResolved().get_logs(from_block=0, argument_filters=filters)}
+        out = []
+        for log in opened:
+            a = dict(log["args"])
+            if node is not None and a["node"].lower() != node.lower():
+                continue
+            cid = int(a["challengeId"])
+            a.update(resolved=cid in resolved, upheld=resolved.get(cid), tx=log["transactionHash"].to_0x_hex())
+            out.append(a)
+        return out
+
+    def arbiters_of(self, run_id: int) -> tuple[list[str], int]:
+        """The run's arbiter keys and the quorum of them a verdict needs."""
+        arbiters, quorum = _view(self.ledger.functions.arbitersOf(run_id), f"arbitersOf({run_id})")
+        return [str(a) for a in arbiters], int(quorum)
+
+    def run_params(self, run_id: int) -> dict[str, Any]:
+        """The arguments `createRun` was called with (the ledger keeps `minStake` private;
+        the creating transaction shows it)."""
+        logs = self.ledger.events.RunCreated().get_logs(from_block=0, argument_filters={"runId": run_id})
+        if not logs:
+            raise ChainError(f"run {run_id} not found on ledger {self.ledger.address}")
+        tx = self.chain.w3.eth.get_transaction(logs[0]["transactionHash"])
+        fn, args = self.ledger.decode_function_input(tx["input"])
+        if fn.fn_name != "createRun":  # created through another contract: fall back to views
+            arbiters, quorum = self.arbiters_of(run_id)
+            return {"arbiters": arbiters, "quorum": quorum, "minStake": None,
+                    "challengeWindow": int(self.ledger.functions.challengeWindowOf(run_id).call())}
+        return dict(args)
+
+    def verdict_signer(self, challenge_id: int, upheld: bool, signature: bytes) -> str:
+        """The key that signed `signature` over `Verdict(challenge_id, upheld)`."""
+        msg = _verdict_message(self.chain.chain_id, self.ledger.address, challenge_id, upheld)
+        try:
+            return str(Account.recover_message(msg, signature=signature))
+        except Exception:  # eth_keys raises several types for a malformed signature
+            raise ChainError(f"malformed verdict signature 0x{signature.hex()[:16]}...") from None
+
+    def resolve_with(
+        self, sender: LocalAccount, *, challenge_id: int, upheld: bool, signatures: list[bytes]
+    ) -> Resolution:
+        """Submit arbiters' verdict signatures (already in the contract's order, ascending by
+        signer) and report what happened."""
+        fn = self.ledger.functions.resolveChallenge(challenge_id, upheld, signatures)
+        receipt = self.chain.transact(fn, sender, context=f"resolveChallenge({challenge_id})")
+        (done,) = self.ledger.events.ChallengeResolved().process_receipt(receipt, errors=DISCARD)
+        slashed = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        released = self.registry.events.BondReleased().process_receipt(receipt, errors=DISCARD)
+        rejected = self.ledger.events.StepRejected().process_receipt(receipt, errors=DISCARD)
+        rolled = self.ledger.events.HeadRolledBack().process_receipt(receipt, errors=DISCARD)
+        a = done["args"]
+        return Resolution(
+            challenge_id=challenge_id, run_id=int(a["runId"]), step=int(a["step"]), node=a["node"],
+            upheld=bool(a["upheld"]),
+            slashed=sum(int(e["args"]["amount"]) for e in slashed),
+            reward=sum(int(e["args"]["reward"]) for e in slashed),
+            bond=sum(int(e["args"]["amount"]) for e in released),
+            bond_to=released[0]["args"]["to"] if released else "",
+            rejected_steps=[int(e["args"]["step"]) for e in rejected],
+            head_step=int(rolled[0]["args"]["toStep"]) if rolled else None,
+            head=bytes(rolled[0]["args"]["head"]) if rolled else None,
+            tx=receipt["transactionHash"].to_0x_hex(),
+        )
 
     def verdict_digest(self, challenge_id: int, upheld: bool) -> bytes:
         """The EIP-712 digest an arbiter signs (checked against the contract in tests)."""
@@ -386,14 +648,13 @@ class Ledger:
                                    context=f"finalize(run {run_id}, step {step})")
 
     def finalized_step(self, run_id: int) -> int:
-        return int(self.ledger.functions.finalizedStep(run_id).call())
+        return int(_view(self.ledger.functions.finalizedStep(run_id), f"finalizedStep({run_id})"))
 
     def step_info(self, run_id: int, step: int) -> dict[str, Any]:
         """The stored record of `step`: checkpoint, signersHash, committedAt, epoch,
         openChallenges, rejected."""
-        (checkpoint, signers_hash, committed_at, epoch, open_challenges, rejected) = (
-            self.ledger.functions.stepInfo(run_id, step).call()
-        )
+        (checkpoint, signers_hash, committed_at, epoch, open_challenges, rejected) = _view(
+            self.ledger.functions.stepInfo(run_id, step), f"stepInfo({run_id}, {step})")
         return {"checkpoint": bytes(checkpoint), "signersHash": bytes(signers_hash),
                 "committedAt": int(committed_at), "epoch": int(epoch),
                 "openChallenges": int(open_challenges), "rejected": bool(rejected)}

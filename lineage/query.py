@@ -1,8 +1,14 @@
 """Lineage queries: a run's checkpoint chain, read from the ledger and checked against
 the content-addressed store.
 
-The chain is the source of truth for order and signatures; every checkpoint it names is
-fetched from the blockstore (which re-hashes it against its CID) for its metrics.
+    run_lineage(run_dir)                    # the run `dlx train` left in a directory
+    ledger_lineage(ledger, store, run_id)   # any run on any ledger, blocks from any store
+    checkpoint_lineage(ledger, store, cid)  # the ancestors of one checkpoint
+
+The chain is the source of truth for order, signatures and status (pending, finalized,
+rejected); every checkpoint it names is fetched from the blockstore (which re-hashes it
+against its CID) for its metrics. A checkpoint's ancestry is walked through the manifests'
+parent links in the store and each ancestor matched to its on-chain commit.
 """
 
 from __future__ import annotations
@@ -19,22 +25,33 @@ import dag_cbor
 from multiformats import CID
 
 from .anvil import Anvil
-from .chain import Chain, Ledger
-from .cid import DAG_CBOR, cid_from_digest
-from .errors import ChainError
-from .manifest import get_manifest
+from .chain import Chain, Commit, Ledger
+from .cid import DAG_CBOR, cid_from_digest, digest_of, parse_cid
+from .errors import BlockNotFoundError, ChainError, StorageError
+from .manifest import Manifest, get_manifest
 from .runrecord import RunRecord
+
+#: A step's status: on the current chain and final, on it and still challengeable,
+#: rejected by an upheld challenge, or (a checkpoint in the store) never committed.
+STATUSES = ("finalized", "pending", "rejected", "uncommitted")
 
 
 @contextmanager
-def open_ledger(run_dir: Path, record: RunRecord, rpc: str | None = None) -> Iterator[Ledger]:
-    """Connect to the run's chain; for an embedded chain, start anvil on a copy of its state."""
+def open_ledger(run_dir: Path, record: RunRecord, rpc: str | None = None, *,
+                writable: bool = False) -> Iterator[Ledger]:
+    """Connect to the run's chain; for an embedded chain, start anvil on its state file:
+    on a copy to read, or on the file itself (`writable`), which anvil rewrites at exit so
+    transactions sent meanwhile stay in the run's chain."""
     if rpc or record.rpc:
         yield Ledger(Chain(rpc or record.rpc, record.chain_id), record.registry, record.ledger)
         return
     state = run_dir / (record.chain_state or "")
     if not record.chain_state or not state.exists():
         raise ChainError(f"the run's chain state file is missing: {state}")
+    if writable:
+        with Anvil(state_path=state) as anvil:
+            yield Ledger(Chain(anvil.url, record.chain_id), record.registry, record.ledger)
+        return
     with tempfile.TemporaryDirectory(prefix="dlx-chain-") as tmp:
         copy = Path(tmp) / "state.json"
         shutil.copyfile(state, copy)  # read from a copy: anvil rewrites its state at exit
@@ -53,27 +70,40 @@ class LineageStep:
     block: int
     metrics: dict[str, float] = field(default_factory=dict)
     contributions: list[dict[str, Any]] = field(default_factory=list)
+    status: str = "pending"
+    rejected_by: int | None = None  # the upheld challenge that rejected the step
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "checkpoint": self.checkpoint, "parent": self.parent,
+                "status": self.status, "rejected_by": self.rejected_by,
                 "loss": self.loss, "nodes": self.nodes, "tx": self.tx, "block": self.block,
                 "metrics": self.metrics, "contributions": self.contributions}
 
 
 @dataclass(frozen=True)
 class Lineage:
-    """A run's history: where it lives, what it was configured with, and its steps."""
+    """A run's history: where it lives, what it was configured with, and its steps (every
+    commit in chain order, rejected ones included; or one checkpoint's ancestors)."""
 
-    record: RunRecord
+    run_id: int
+    name: str
+    chain_id: int
+    ledger: str
+    registry: str
+    genesis: str
+    config_cid: str
     config: dict[str, Any]
     stakes: dict[str, int]
     steps: list[LineageStep]
+    head: str = ""
+    finalized_step: int = 0
+    target: str | None = None  # set: the lineage of this one checkpoint
 
     def as_json(self) -> dict[str, Any]:
-        r = self.record
-        return {"run": r.run_id, "name": r.name, "chain_id": r.chain_id, "ledger": r.ledger,
-                "registry": r.registry, "genesis": r.genesis, "config_cid": r.config,
-                "config": self.config, "stakes": {k: str(v) for k, v in self.stakes.items()},
+        return {"run": self.run_id, "name": self.name, "chain_id": self.chain_id, "ledger": self.ledger,
+                "registry": self.registry, "genesis": self.genesis, "config_cid": self.config_cid,
+                "config": self.config, "head": self.head, "finalized_step": self.finalized_step,
+                "target": self.target, "stakes": {k: str(v) for k, v in self.stakes.items()},
                 "steps": [s.as_json() for s in self.steps]}
 
 
@@ -91,35 +121,119 @@ def _plain(value: Any) -> Any:
 
 
 def run_lineage(run_dir: Path, rpc: str | None = None) -> Lineage:
-    """The committed step chain of the run in `run_dir`, oldest first."""
+    """The commits of the run in `run_dir`, oldest first."""
     record = RunRecord.load(run_dir)
     store = record.open_store(run_dir)
     with open_ledger(run_dir, record, rpc) as ledger:
-        records = ledger.steps(record.run_id)
-        created = ledger.run_created(record.run_id)
-        stakes = {node: ledger.stake_of(node) for node in created["nodes"]}
+        return ledger_lineage(ledger, store, record.run_id, name=record.name)
+
+
+def ledger_lineage(ledger: Ledger, store: Any, run_id: int, *, name: str | None = None) -> Lineage:
+    """Every commit of run `run_id` on `ledger`, in chain order, with its status; blocks
+    come from `store`."""
+    commits = ledger.commits(run_id)
+    base = _run_base(ledger, store, run_id, name)
+    steps = []
+    for c in commits:
+        checkpoint = cid_from_digest(c.record.checkpoint, DAG_CBOR)
+        try:
+            steps.append(_step(store, c.record.step, checkpoint, c))
+        except BlockNotFoundError:
+            if c.status != "rejected":
+                raise
+            # A rejected commit's blocks may be gone (never published, or collected):
+            # the chain still says what was signed.
+            steps.append(_step(store, c.record.step, checkpoint, c, manifest=False))
+    return Lineage(**base, steps=steps)
+
+
+def checkpoint_lineage(ledger: Ledger, store: Any, checkpoint: str | CID) -> Lineage:
+    """The ancestors of `checkpoint` (genesis excluded, the checkpoint included), oldest
+    first: walked through the manifests' parent links in `store`, each matched to its
+    commit on `ledger` for its status, signers and transaction."""
+    target = parse_cid(checkpoint) if not isinstance(checkpoint, CID) else checkpoint
+    chain: list[tuple[CID, Manifest]] = []
+    cid: CID | None = target
+    while cid is not None:
+        manifest = get_manifest(store, cid)
+        chain.append((cid, manifest))
+        if len(chain) > 1 and manifest.step != chain[-2][1].step - 1:
+            raise StorageError(f"manifest {chain[-2][0]} (step {chain[-2][1].step}) links parent {cid} "
+                               f"at step {manifest.step}")
+        cid = manifest.parent
+    chain.reverse()
+    genesis_cid = chain[0][0]
+    run_id = next((m.run for _, m in reversed(chain) if m.run is not None), None)
+    if run_id is None:
+        run_id = _run_of_genesis(ledger, genesis_cid)
+    by_key = {(c.record.step, c.record.checkpoint): c for c in ledger.commits(run_id)}
+    base = _run_base(ledger, store, run_id, None)
+    if base["genesis"] != str(genesis_cid):
+        raise ChainError(f"checkpoint {target} descends from genesis {genesis_cid}, not run {run_id}'s "
+                         f"{base['genesis']}")
+    steps = [_step(store, m.step, c, by_key.get((m.step, digest_of(c))), manifest=m) for c, m in chain[1:]]
+    return Lineage(**base, steps=steps, target=str(target))
+
+
+def _run_of_genesis(ledger: Ledger, genesis: CID) -> int:
+    logs = ledger.ledger.events.RunCreated().get_logs(from_block=0)
+    runs = [int(log["args"]["runId"]) for log in logs if bytes(log["args"]["genesisDigest"]) == digest_of(genesis)]
+    if len(runs) != 1:
+        where = f"runs {', '.join(map(str, runs))}" if runs else "no run"
+        raise ChainError(f"genesis {genesis} starts {where} on ledger {ledger.ledger.address}: give the run id")
+    return runs[0]
+
+
+def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> dict[str, Any]:
+    """The run-level fields of a `Lineage`, from the chain and the configuration block."""
+    created = ledger.run_created(run_id)
+    stakes = {node: ledger.stake_of(node) for node in created["nodes"]}
+    head, _ = ledger.head(run_id)
     config_cid = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
     config = _plain(dag_cbor.decode(store.get(config_cid)))
-    steps = []
-    for rec in records:
-        checkpoint = cid_from_digest(rec.checkpoint, DAG_CBOR)
-        manifest = get_manifest(store, checkpoint)  # re-hashes against the on-chain digest
-        ordered = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
-        contributions = [
-            {"replica": a["replica"], "stage": a["stage"], "node": a["node"],
-             "cid": str(manifest.contributions[a["replica"]][a["stage"]]),
-             "loss": a["lossMicros"] / 1e6, "data_shard": "0x" + bytes(a["dataShard"]).hex()}
-            for a in ordered
-        ]
-        steps.append(LineageStep(
-            step=rec.step,
-            checkpoint=str(checkpoint),
-            parent=str(cid_from_digest(rec.parent, DAG_CBOR)),
-            loss=manifest.metrics.get("eval_loss"),
-            nodes=[a["node"] for a in ordered],
-            tx=rec.tx,
-            block=rec.block,
-            metrics=dict(manifest.metrics),
-            contributions=contributions,
-        ))
-    return Lineage(record, config, stakes, steps)
+    if name is None:
+        job = config.get("job") if isinstance(config, dict) else None
+        name = str(job.get("name", "")) if isinstance(job, dict) else ""
+    return {"run_id": run_id, "name": name, "chain_id": ledger.chain.chain_id,
+            "ledger": ledger.ledger.address, "registry": ledger.registry.address,
+            "genesis": str(cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)),
+            "config_cid": str(config_cid), "config": config, "stakes": stakes,
+            "head": str(cid_from_digest(head, DAG_CBOR)), "finalized_step": ledger.finalized_step(run_id)}
+
+
+def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None,
+          manifest: Manifest | None | bool = None) -> LineageStep:
+    """One step: its manifest (re-hashed against the checkpoint CID; `False`: not in the
+    store, so no metrics or contribution CIDs) and, if it was committed, the chain's record."""
+    if manifest is None:
+        manifest = get_manifest(store, checkpoint)
+    if commit is None:
+        contributions = [{"replica": r, "stage": s, "node": None, "cid": str(cid), "loss": None,
+                          "data_shard": "0x" + manifest.data[r].hex() if r < len(manifest.data) else None}
+                         for r, row in enumerate(manifest.contributions) for s, cid in enumerate(row)]
+        return LineageStep(step=step, checkpoint=str(checkpoint),
+                           parent=str(manifest.parent) if manifest.parent else "",
+                           loss=manifest.metrics.get("eval_loss"), nodes=[], tx="", block=0,
+                           metrics=dict(manifest.metrics), contributions=contributions, status="uncommitted")
+    rec = commit.record
+    ordered = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
+    metrics = dict(manifest.metrics) if manifest else {}
+    contributions = [
+        {"replica": a["replica"], "stage": a["stage"], "node": a["node"],
+         "cid": str(manifest.contributions[a["replica"]][a["stage"]]) if manifest else None,
+         "loss": a["lossMicros"] / 1e6, "data_shard": "0x" + bytes(a["dataShard"]).hex()}
+        for a in ordered
+    ]
+    return LineageStep(
+        step=rec.step,
+        checkpoint=str(checkpoint),
+        parent=str(cid_from_digest(rec.parent, DAG_CBOR)),
+        loss=metrics.get("eval_loss"),
+        nodes=[a["node"] for a in ordered],
+        tx=rec.tx,
+        block=rec.block,
+        metrics=metrics,
+        contributions=contributions,
+        status=commit.status,
+        rejected_by=commit.rejected_by,
+    )

@@ -1,8 +1,9 @@
 """A run's lineage as one self-contained HTML file (`dlx lineage --html FILE`).
 
 No scripts, no external assets: inline CSS and SVG only, so the file can be archived or
-mailed next to the run and opened anywhere. It shows the checkpoint chain as a graph,
-the loss curves, each node's stake and contributions, and every step's transaction.
+mailed next to the run and opened anywhere. It shows the checkpoint chain as a graph
+(branches rejected by an upheld challenge below it, in red), the loss curves, each node's
+stake and contributions, and every step's status and transaction.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ h1{font-size:1.5em;margin-bottom:.2em}h2{font-size:1.15em;margin-top:1.8em;borde
 table{border-collapse:collapse;width:100%;font-size:12.5px}th,td{padding:4px 8px;border-bottom:1px solid #eef;text-align:left;vertical-align:top}
 th{background:#f4f6fb}code{font:12px ui-monospace,monospace}.muted{color:#667}.kv td:first-child{width:14em;color:#556}
 svg text{font:11px system-ui,sans-serif}td code{word-break:break-all}td.c{white-space:nowrap}.ok{color:#17803d}.bad{color:#b42318}
+.scroll{overflow-x:auto}tr.rejected td{background:#fdecea}tr.rejected td:not(.st){text-decoration:line-through;text-decoration-color:#b4231880}
+td.st.rejected{color:#b42318;font-weight:600}td.st.finalized{color:#17803d}td.st.uncommitted{color:#b26b00}
 """
 
 
@@ -28,50 +31,80 @@ def _short(cid: str, n: int = 10) -> str:
     return cid if len(cid) <= 2 * n else f"{cid[:n]}…{cid[-6:]}"
 
 
+def _lanes(steps: list[dict[str, Any]]) -> list[int]:
+    """The lane of each step in the graph: 0 for the current chain, then one lane per
+    branch an upheld challenge cut off (its steps share the challenge id)."""
+    branches: dict[Any, int] = {}
+    lanes = []
+    for s in steps:
+        if s.get("status") == "rejected":
+            lanes.append(branches.setdefault(s.get("rejected_by"), len(branches) + 1))
+        else:
+            lanes.append(0)
+    return lanes
+
+
 def _chain_svg(genesis: str, steps: list[dict[str, Any]]) -> str:
-    nodes = [("genesis", genesis, None)] + [(f"step {s['step']}", s["checkpoint"], s["loss"]) for s in steps]
-    per_row, w, h, gap = 6, 150, 58, 34
-    rows = (len(nodes) + per_row - 1) // per_row
-    width, height = per_row * (w + gap), rows * (h + gap) + 10
+    """Checkpoints as boxes, one column per step, an arrow from each parent to its child;
+    branches rejected by a challenge run below the current chain, in red."""
+    w, h, gx, gy = 140, 62, 34, 26
+    lanes = _lanes(steps)
+    nodes = [("genesis", genesis, None, "genesis", 0, 0)] + [
+        (f"step {s['step']}", s["checkpoint"], s["loss"], s.get("status", "pending"), s["step"], lane)
+        for s, lane in zip(steps, lanes, strict=True)]
+    cols = max(n[4] for n in nodes) + 1
+    width, height = cols * (w + gx) + 8, (max(lanes, default=0) + 1) * (h + gy) + 12
+    fills = {"genesis": ("#f3f4f6", "#7a86a8"), "finalized": ("#e6f4ea", "#17803d"),
+             "pending": ("#eef2ff", "#7a86a8"), "rejected": ("#fdecea", "#b42318"),
+             "uncommitted": ("#fff7e6", "#b26b00")}
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="checkpoint chain">',
              '<defs><marker id="arr" markerWidth="8" markerHeight="8" refX="7" refY="4" orient="auto">'
              '<path d="M0,0 L8,4 L0,8 z" fill="#7a86a8"/></marker></defs>']
-    pos = []
-    for i, (label, cid, loss) in enumerate(nodes):
-        r, c = divmod(i, per_row)
-        x, y = c * (w + gap) + 4, r * (h + gap) + 6
-        pos.append((x, y))
-        fill = "#eef2ff" if i else "#f3f4f6"
-        parts.append(f'<g><title>{_e(cid)}</title><rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="{fill}" stroke="#7a86a8"/>'
-                     f'<text x="{x + 8}" y="{y + 18}" font-weight="600">{_e(label)}</text>'
-                     f'<text x="{x + 8}" y="{y + 34}">{_e(_short(cid, 8))}</text>'
+    pos: dict[str, tuple[float, float]] = {}
+    boxes = []
+    for label, cid, loss, status, col, lane in nodes:
+        x, y = col * (w + gx) + 4, lane * (h + gy) + 6
+        fill, stroke = fills.get(status, fills["pending"])
+        dash = ' stroke-dasharray="5 3"' if status in ("rejected", "uncommitted") else ""
+        boxes.append(f'<g class="ckpt {status}"><title>{_e(cid)} ({_e(status)})</title>'
+                     f'<rect x="{x}" y="{y}" width="{w}" height="{h}" rx="8" fill="{fill}" stroke="{stroke}"{dash}/>'
+                     f'<text x="{x + 8}" y="{y + 16}" font-weight="600">{_e(label)}'
+                     + (f' <tspan fill="{stroke}">{_e(status)}</tspan>' if status != "genesis" else "") + "</text>"
+                     f'<text x="{x + 8}" y="{y + 33}">{_e(_short(cid, 8))}</text>'
                      + (f'<text x="{x + 8}" y="{y + 50}" class="muted">eval loss {loss:.4f}</text>' if loss is not None else "")
                      + "</g>")
-    for i in range(1, len(pos)):
-        (x0, y0), (x1, y1) = pos[i - 1], pos[i]
+        pos[cid] = (x, y)
+    for s in steps:
+        if s["parent"] not in pos:
+            continue
+        (x0, y0), (x1, y1) = pos[s["parent"]], pos[s["checkpoint"]]
         if y0 == y1:
             parts.append(f'<line x1="{x0 + w}" y1="{y0 + h / 2}" x2="{x1 - 2}" y2="{y1 + h / 2}" stroke="#7a86a8" marker-end="url(#arr)"/>')
         else:
-            parts.append(f'<path d="M{x0 + w / 2},{y0 + h} C{x0 + w / 2},{y1 - 10} {x1 + w / 2},{y0 + h + 10} {x1 + w / 2},{y1 - 2}" fill="none" stroke="#7a86a8" marker-end="url(#arr)"/>')
+            parts.append(f'<path d="M{x0 + w},{y0 + h / 2} C{x0 + w + gx},{y0 + h / 2} {x1 - gx},{y1 + h / 2} {x1 - 2},{y1 + h / 2}" '
+                         'fill="none" stroke="#7a86a8" marker-end="url(#arr)"/>')
+    parts += boxes
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _curve_svg(steps: list[dict[str, Any]]) -> str:
+def _curve_svg(all_steps: list[dict[str, Any]]) -> str:
+    steps = [s for s in all_steps if s.get("status") != "rejected"] or all_steps
+    rejected = [s for s in all_steps if s.get("status") == "rejected" and s["metrics"].get("eval_loss") is not None]
     series = {
         "eval loss": ([s["step"] for s in steps if s["metrics"].get("eval_loss") is not None],
                       [s["metrics"]["eval_loss"] for s in steps if s["metrics"].get("eval_loss") is not None], "#3b5bdb"),
         "train loss": ([s["step"] for s in steps if s["metrics"].get("train_loss") is not None],
                        [s["metrics"]["train_loss"] for s in steps if s["metrics"].get("train_loss") is not None], "#e8590c"),
     }
-    ys = [y for _, v, _ in series.values() for y in v]
+    ys = [y for _, v, _ in series.values() for y in v] + [s["metrics"]["eval_loss"] for s in rejected]
     if not ys:
         return '<p class="muted">no metrics recorded</p>'
     W, H, L, B, T, Rm = 640, 260, 52, 30, 12, 110
     lo, hi = min(ys), max(ys)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
-    n = max(s["step"] for s in steps)
+    n = max(s["step"] for s in all_steps)
     sx = lambda x: L + (x - 1) / max(n - 1, 1) * (W - L - Rm)  # noqa: E731
     sy = lambda y: T + (hi - y) / (hi - lo) * (H - T - B)  # noqa: E731
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" aria-label="loss curve">',
@@ -80,7 +113,8 @@ def _curve_svg(steps: list[dict[str, Any]]) -> str:
         y = lo + (hi - lo) * k / 4
         parts.append(f'<text x="{L - 6}" y="{sy(y) + 4}" text-anchor="end">{y:.3f}</text>'
                      f'<line x1="{L}" y1="{sy(y)}" x2="{W - Rm}" y2="{sy(y)}" stroke="#eef"/>')
-    for x in sorted({s["step"] for s in steps}):
+    stride = next(k * 10**e for e in range(12) for k in (1, 2, 5) if k * 10**e * 10 >= n)  # at most 10 labels
+    for x in sorted({s["step"] for s in all_steps if s["step"] == 1 or s["step"] % stride == 0}):
         parts.append(f'<text x="{sx(x)}" y="{H - B + 16}" text-anchor="middle">{x}</text>')
     parts.append(f'<text x="{(L + W - Rm) / 2}" y="{H - 2}" text-anchor="middle" class="muted">outer step</text>')
     for i, (name, (xs, vs, color)) in enumerate(series.items()):
@@ -92,6 +126,14 @@ def _curve_svg(steps: list[dict[str, Any]]) -> str:
                   for x, v in zip(xs, vs, strict=True)]
         parts.append(f'<rect x="{W - Rm + 12}" y="{T + 18 * i}" width="12" height="3" fill="{color}"/>'
                      f'<text x="{W - Rm + 30}" y="{T + 18 * i + 5}">{_e(name)}</text>')
+    for s in rejected:
+        x, v = s["step"], s["metrics"]["eval_loss"]
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="4" fill="none" stroke="#b42318" stroke-width="2">'
+                     f'<title>rejected step {x}: eval loss {v:.4f}</title></circle>')
+    if rejected:
+        k = len(series)
+        parts.append(f'<circle cx="{W - Rm + 18}" cy="{T + 18 * k + 3}" r="4" fill="none" stroke="#b42318" stroke-width="2"/>'
+                     f'<text x="{W - Rm + 30}" y="{T + 18 * k + 7}">rejected</text>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -113,6 +155,8 @@ def render_html(lineage: dict[str, Any]) -> str:
     nodes: dict[str, dict[str, Any]] = {}
     for s in steps:
         for c in s["contributions"]:
+            if c["node"] is None:  # an uncommitted checkpoint: nobody attested it
+                continue
             n = nodes.setdefault(c["node"], {"slots": set(), "losses": [], "count": 0})
             n["slots"].add((c["replica"], c["stage"]))
             n["losses"].append(c["loss"])
@@ -120,12 +164,18 @@ def render_html(lineage: dict[str, Any]) -> str:
     for addr in lineage.get("stakes", {}):
         nodes.setdefault(addr, {"slots": set(), "losses": [], "count": 0})
 
+    counts = {st: sum(1 for s in steps if s.get("status") == st) for st in ("finalized", "pending", "rejected", "uncommitted")}
+    summary = ", ".join(f"{n} {st}" for st, n in counts.items() if n) or "no steps"
+    target = lineage.get("target")
+    scope = (f"The ancestors of checkpoint <code>{_e(target)}</code>" if target
+             else "Every commit of the run, in chain order,")
     out = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>lineage: run {_e(lineage['run'])}</title>"
            f"<style>{_CSS}</style></head><body>",
            f"<h1>Run {_e(lineage['run'])} <span class=muted>{_e(lineage.get('name', ''))}</span></h1>",
-           f'<p class=muted>{len(steps)} committed outer steps on chain {_e(lineage["chain_id"])}; every checkpoint '
-           "below was read from the ledger's events and re-hashed against its stored block.</p>",
-           "<h2>Checkpoint chain</h2>", _chain_svg(lineage["genesis"], steps),
+           f'<p class=muted>{scope} on chain {_e(lineage["chain_id"])} ({_e(summary)}); every checkpoint '
+           "below was read from the ledger's events and re-hashed against its stored block. "
+           "Steps rejected by an upheld challenge are marked in red.</p>",
+           "<h2>Checkpoint chain</h2>", f"<div class=scroll>{_chain_svg(lineage['genesis'], steps)}</div>",
            "<h2>Loss</h2>", _curve_svg(steps),
            "<h2>Nodes</h2><table><tr><th>node</th><th>stake (ETH)</th><th>slots (replica, stage)</th>"
            "<th>attestations</th><th>mean attested loss</th></tr>"]
@@ -136,15 +186,20 @@ def render_html(lineage: dict[str, Any]) -> str:
         out.append(f"<tr><td><code>{_e(addr)}</code></td><td>{stake / ETHER:g}</td>"
                    f"<td>{_e(', '.join(f'({r}, {s})' for r, s in sorted(n['slots'])))}</td><td>{n['count']}</td>"
                    f"<td>{'' if mean is None else f'{mean:.4f}'}</td></tr>")
-    out.append("</table><h2>Steps</h2><table><tr><th>step</th><th>checkpoint / parent</th><th>eval loss</th>"
+    out.append("</table><h2>Steps</h2><table><tr><th>step</th><th>status</th><th>checkpoint / parent</th><th>eval loss</th>"
                "<th>contributions (replica, stage): node, CID, attested loss</th><th>transaction</th></tr>")
     for s in steps:
         contribs = "<br>".join(
-            f"({c['replica']}, {c['stage']}) <code>{_e(c['node'][:10])}…</code> "
-            f"<code title='{_e(c['cid'])}'>{_e(_short(c['cid']))}</code> {c['loss']:.4f}"
+            f"({c['replica']}, {c['stage']}) <code>{_e((c['node'] or 'unattested')[:10])}…</code> "
+            + (f"<code title='{_e(c['cid'])}'>{_e(_short(c['cid']))}</code> " if c["cid"]
+               else "<span class=muted>block not in the store</span> ")
+            + f"{'' if c['loss'] is None else format(c['loss'], '.4f')}"
             for c in s["contributions"])
         loss = "" if s["loss"] is None else f"{s['loss']:.4f}"
-        out.append(f"<tr><td>{s['step']}</td><td><code>{_e(s['checkpoint'])}</code><br>"
+        status = s.get("status", "pending")
+        why = f" by challenge {s['rejected_by']}" if s.get("rejected_by") is not None else ""
+        out.append(f"<tr class='{_e(status)}'><td>{s['step']}</td><td class='st {_e(status)}'>{_e(status)}{_e(why)}</td>"
+                   f"<td><code>{_e(s['checkpoint'])}</code><br>"
                    f"<span class=muted>parent <code>{_e(s['parent'])}</code></span></td><td>{loss}</td>"
                    f"<td class=c>{contribs}</td><td><code title='{_e(s['tx'])}'>{_e(_short(s['tx'], 12))}</code><br><span class=muted>block {s['block']}</span></td></tr>")
     out.append("</table><h2>Configuration</h2><table class=kv>")

@@ -1,0 +1,587 @@
+"""`dlx` commands for auditors and arbiters: lineage, diff, challenges, verdicts, slashing.
+
+    dlx lineage RUN|CID [--json|--html FILE]      # a run's commits, or one checkpoint's ancestors
+    dlx lineage --run-dir runs/tiny-...           # the run a `dlx train` left in a directory
+    dlx lineage diff CID_A CID_B [--json]         # per-tensor change norms, metric deltas
+    dlx challenge RUN STEP --node ADDR            # replay the node's work; challenge a mismatch
+    dlx arbiter vote ID --uphold|--dismiss [--replay] [--out FILE]   # sign a verdict
+    dlx arbiter resolve ID --uphold|--dismiss SIG_OR_FILE...         # submit a quorum
+    dlx slash-equivocation A.json B.json          # two signed claims of one slot: slash at once
+
+The chain is found as for `dlx node` (workers/cli_node.py); blocks come from `--store DIR`,
+`--ipfs-api ADDR`, the run directory or stack given, or $DLX_STORE / $DLX_IPFS_API. Keys come
+from the environment only: the challenger's is the node key (DLX_NODE_KEY or DLX_KEYSTORE; it
+must be staked), an arbiter's DLX_ARBITER_KEY (or DLX_ARBITER_KEYSTORE), a reporter's
+DLX_REPORTER_KEY; each falls back to the node key.
+
+Challenge evidence is content-addressed: the replayed contribution as a UnixFS file and a
+DAG-CBOR node `{version, kind, run, step, node, replica, stage, checkpoint, claimed,
+replayed, rel_l2, tolerance, chainId, ledger}` (CIDs as links) whose digest goes on chain,
+so an arbiter can fetch both contributions and replay the same round.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from trainer.errors import DlxError
+
+from .cli_node import (
+    ChainIdOpt,
+    Endpoint,
+    JsonOpt,
+    LedgerOpt,
+    RegistryOpt,
+    RpcOpt,
+    RunDirOpt,
+    StackOpt,
+    address,
+    fmt_wei,
+    load_key,
+    parse_amount,
+)
+
+EVIDENCE_VERSION = 1
+StoreOpt = Annotated[Path | None, typer.Option("--store", help="Blockstore directory (default: the run's or stack's, $DLX_STORE).")]
+ApiOpt = Annotated[str | None, typer.Option("--ipfs-api", help="Read blocks from an IPFS daemon's RPC API (default $DLX_IPFS_API).")]
+UpholdOpt = Annotated[bool | None, typer.Option("--uphold/--dismiss", help="The verdict: uphold the challenge (slash) or dismiss it.", show_default=False)]
+ToleranceOpt = Annotated[float, typer.Option("--tolerance", min=0.0, help="Relative L2 difference a replay may show and still match (0: bit for bit).")]
+
+
+class AuditError(DlxError, ValueError):
+    """An audit command was asked for something the chain or the store contradicts."""
+
+
+def open_blocks(store: Path | None, ipfs_api: str | None, *, run_dir: Path | None = None,
+                record: Any = None, stack: Path | Any = None) -> Any:
+    """The block store: --ipfs-api, --store, the run's (`record` is its loaded run.json) or
+    the stack's (a directory or a loaded Stack), else $DLX_IPFS_API or $DLX_STORE."""
+    from lineage.ipfs import open_store
+
+    if ipfs_api or store:
+        return open_store(store, ipfs_api)
+    if run_dir is not None:
+        from lineage.runrecord import RunRecord
+
+        return (record or RunRecord.load(run_dir)).open_store(run_dir)
+    if stack is not None:
+        from workers.stack import Stack
+
+        return open_store((Stack.load(stack) if isinstance(stack, Path) else stack).blocks)
+    if os.environ.get("DLX_IPFS_API") or os.environ.get("DLX_STORE"):
+        return open_store(os.environ.get("DLX_STORE"), os.environ.get("DLX_IPFS_API"))
+    raise AuditError("no blockstore: pass --store DIR, --ipfs-api ADDR, --run-dir or --stack")
+
+
+def endpoint_blocks(ep: Endpoint, store: Path | None, ipfs_api: str | None) -> Any:
+    """`open_blocks` with the run directory or stack the endpoint came from."""
+    return open_blocks(store, ipfs_api, run_dir=ep.run_dir, record=ep.record, stack=ep.stack)
+
+
+def _verdict(upheld: bool | None) -> bool:
+    if upheld is None:
+        raise AuditError("say --uphold or --dismiss")
+    return upheld
+
+
+def _out(line: str) -> None:
+    sys.stdout.write(line + "\n")
+
+
+def _err(line: str) -> None:
+    sys.stderr.write(line + "\n")
+
+
+# -- replay and evidence -------------------------------------------------------------------
+
+def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: float) -> list[Any]:
+    """`lineage.replay.replay_checkpoint` for `replicas` of `checkpoint`."""
+    try:
+        from lineage.replay import replay_checkpoint
+    except ImportError:
+        raise AuditError("replay is not available in this installation (lineage/replay.py)") from None
+    return list(replay_checkpoint(store, checkpoint, replicas=replicas, tolerance=tolerance))
+
+
+def differs(stage_replay: Any, tolerance: float) -> bool:
+    """Whether a replayed stage contradicts its claim: a failed state check (its start
+    weights are no committed checkpoint's, say), any byte at tolerance 0, otherwise a
+    relative L2 difference above the tolerance."""
+    if getattr(stage_replay, "reason", ""):
+        return True
+    if stage_replay.exact:
+        return False
+    return tolerance == 0 or not stage_replay.rel_l2 <= tolerance  # NaN differs
+
+
+def _replayed(replays: list[Any]) -> list[Any]:
+    """`replays`, refusing any round that could not be replayed at all (nothing to judge)."""
+    for rr in replays:
+        if getattr(rr, "error", ""):
+            raise AuditError(f"cannot replay step {rr.step} replica {rr.replica}: {rr.error}")
+    return replays
+
+
+def store_evidence(store: Any, *, run_id: int, step: int, node: str, replica: int, stage: int,
+                   checkpoint: Any, claimed: Any, stage_replay: Any, tolerance: float,
+                   chain_id: int, ledger: str) -> Any:
+    """Store the replayed contribution and the evidence node; returns the evidence CID."""
+    import dag_cbor
+
+    from lineage.cid import DAG_CBOR, parse_cid
+    from lineage.unixfs import import_bytes
+
+    replayed = import_bytes(stage_replay.replayed_bytes, store.put).cid
+    if stage_replay.replayed and parse_cid(stage_replay.replayed) != replayed:
+        raise AuditError(f"the replay reports contribution {stage_replay.replayed} but its bytes hash to {replayed}")
+    rel = float(stage_replay.rel_l2)
+    node_doc = {
+        "version": EVIDENCE_VERSION, "kind": "replay-mismatch", "run": run_id, "step": step,
+        "node": node, "replica": replica, "stage": stage, "checkpoint": checkpoint,
+        "claimed": claimed, "replayed": replayed, "rel_l2": rel if math.isfinite(rel) else None,
+        "tolerance": float(tolerance), "chainId": chain_id, "ledger": ledger,
+    }
+    if getattr(stage_replay, "reason", ""):
+        node_doc["reason"] = stage_replay.reason
+    return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
+
+
+def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
+    """The evidence node whose digest a challenge carries (re-hashed on read)."""
+    import dag_cbor
+
+    from lineage.cid import DAG_CBOR, cid_from_digest
+
+    if digest == bytes(32):
+        raise AuditError("the challenge carries no evidence")
+    cid = cid_from_digest(digest, DAG_CBOR)
+    doc = dag_cbor.decode(store.get(cid))
+    if not isinstance(doc, dict) or doc.get("kind") != "replay-mismatch":
+        raise AuditError(f"evidence {cid} is not a replay-mismatch record")
+    return doc
+
+
+def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, step: int, node: str,
+                          replays: list[Any], tolerance: float, bond: int | None) -> dict[str, Any]:
+    """Turn `replays` of `node`'s slots at `step` into an on-chain challenge against the
+    first slot whose replay contradicts the claim; returns what was done."""
+    from lineage.cid import DAG_CBOR, cid_from_digest, digest_of
+    from lineage.manifest import get_manifest
+
+    record = _step_record(lg, run_id, step)
+    slots = _slots_of(record, node)
+    checkpoint = cid_from_digest(record.checkpoint, DAG_CBOR)
+    manifest = get_manifest(store, checkpoint)
+    bad = [(rr.replica, st) for rr in _replayed(replays) for st in rr.stages
+           if (rr.replica, st.stage) in slots and differs(st, tolerance)]
+    if not bad:
+        raise AuditError("replay matches the claim; nothing to challenge")
+    replica, st = bad[0]
+    if bond is None:
+        bond = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
+    evidence = store_evidence(
+        store, run_id=run_id, step=step, node=node, replica=replica, stage=st.stage, checkpoint=checkpoint,
+        claimed=manifest.contributions[replica][st.stage], stage_replay=st, tolerance=tolerance,
+        chain_id=lg.chain.chain_id, ledger=lg.ledger.address)
+    challenge_id, tx = lg.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica,
+                                            stage=st.stage, bond=bond, evidence=digest_of(evidence))
+    return {"challenge": challenge_id, "run": run_id, "step": step, "node": node, "replica": replica,
+            "stage": st.stage, "rel_l2": st.rel_l2, "evidence": str(evidence), "bond_wei": str(bond),
+            "challenger": challenger.address, "tx": tx,
+            "mismatched_slots": [[r, s.stage] for r, s in bad]}
+
+
+def _step_record(lg: Any, run_id: int, step: int) -> Any:
+    for rec in lg.steps(run_id):
+        if rec.step == step:
+            return rec
+    raise AuditError(f"run {run_id} has no step {step} on its current chain")
+
+
+def _slots_of(record: Any, node: str) -> set[tuple[int, int]]:
+    slots = {(int(a["replica"]), int(a["stage"])) for a in record.attestations if a["node"].lower() == node.lower()}
+    if not slots:
+        raise AuditError(f"node {node} attested no slot of step {record.step}")
+    return slots
+
+
+def check_vote_by_replay(lg: Any, store: Any, challenge: dict[str, Any], upheld: bool, tolerance: float) -> str:
+    """Replay the challenged slot from the evidence's checkpoint; refuse a verdict the
+    replay contradicts. Returns a one-line account of the replay."""
+    from lineage.cid import digest_of, parse_cid
+
+    ev = load_evidence(store, challenge["evidence"])
+    for key, want in (("run", challenge["runId"]), ("step", challenge["step"]), ("replica", challenge["replica"]),
+                      ("stage", challenge["stage"])):
+        if ev.get(key) != want:
+            raise AuditError(f"the evidence's {key} is {ev.get(key)}, the challenge's {want}")
+    checkpoint = parse_cid(ev["checkpoint"])
+    commits = {(c.record.step, c.record.checkpoint) for c in lg.commits(challenge["runId"])}
+    if (challenge["step"], digest_of(checkpoint)) not in commits:
+        raise AuditError(f"the evidence's checkpoint {checkpoint} is no commit of run {challenge['runId']} "
+                         f"step {challenge['step']}")
+    (rr,) = _replayed(replay_slots(store, checkpoint, [challenge["replica"]], tolerance))
+    (st,) = [s for s in rr.stages if s.stage == challenge["stage"]]
+    bad = differs(st, tolerance)
+    account = (f"replay of replica {rr.replica} stage {st.stage}: "
+               f"{'differs from' if bad else 'matches'} the claim (relative L2 {st.rel_l2:.3g}"
+               + (f"; {st.reason}" if getattr(st, "reason", "") else "") + ")")
+    if upheld and not bad:
+        raise AuditError(f"{account}: refusing to sign an uphold")
+    if not upheld and bad:
+        raise AuditError(f"{account}: refusing to sign a dismissal")
+    return account
+
+
+def _read_signature(text: str, challenge_id: int, upheld: bool, lg: Any) -> bytes:
+    """A verdict signature given as 0x-hex, or the file `dlx arbiter vote --out` wrote."""
+    if text.startswith("0x") and not Path(text).exists():
+        try:
+            sig = bytes.fromhex(text[2:])
+        except ValueError:
+            raise AuditError(f"signature {text[:18]}... is not hex") from None
+    else:
+        try:
+            doc = json.loads(Path(text).read_text())
+            sig = bytes.fromhex(str(doc["signature"]).removeprefix("0x"))
+        except FileNotFoundError:
+            raise AuditError(f"no such verdict file (and not a 0x signature): {text}") from None
+        except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError):
+            raise AuditError(f"{text} is not a verdict file written by `dlx arbiter vote --out`") from None
+        for key, want in (("challenge", challenge_id), ("upheld", upheld), ("chainId", lg.chain.chain_id)):
+            if doc.get(key) != want:
+                raise AuditError(f"{text}: {key} is {doc.get(key)!r}, not {want!r}")
+        if str(doc.get("ledger", "")).lower() != lg.ledger.address.lower():
+            raise AuditError(f"{text}: for ledger {doc.get('ledger')}, not {lg.ledger.address}")
+    if len(sig) != 65:
+        raise AuditError(f"a verdict signature has 65 bytes, got {len(sig)}")
+    return sig
+
+
+# -- commands -----------------------------------------------------------------------------
+
+class _LineageGroup(TyperGroup):
+    """`dlx lineage ARGS` runs `show` unless ARGS start with a subcommand (`diff`), so
+    `dlx lineage 3`, `dlx lineage bafy...` and `dlx lineage --run-dir DIR` all work."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ("--help", "-h")):
+            args = ["show", *args]
+        return super().parse_args(ctx, args)
+
+
+def register(app: typer.Typer, user_errors: Any) -> None:
+    """Add lineage, challenge, arbiter and slash-equivocation to the `dlx` app."""
+    lineage_app = typer.Typer(
+        name="lineage", cls=_LineageGroup,
+        help="A run's checkpoint chain as recorded on the ledger, checked against the blockstore: "
+             "`dlx lineage RUN|CID` or `--run-dir DIR` (the `show` command), and `dlx lineage diff A B`.")
+    app.add_typer(lineage_app, name="lineage")
+
+    @lineage_app.command("show")
+    @user_errors
+    def show(
+        target: Annotated[str | None, typer.Argument(help="A run id, or a checkpoint CID (its ancestors).", show_default=False)] = None,
+        run_dir: RunDirOpt = None,
+        as_json: JsonOpt = False,
+        html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+        stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    ) -> None:
+        """The commits of a run (status pending/finalized/rejected, signers, contributions,
+        metrics, transaction) or the ancestors of one checkpoint, with the run's configuration."""
+        from lineage import query
+
+        if target is None and run_dir is None:
+            raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
+        if target is None:
+            result = query.run_lineage(run_dir, rpc)  # type: ignore[arg-type]
+        else:
+            cid = None
+            if not target.isdigit():
+                from lineage.cid import parse_cid
+
+                try:
+                    cid = parse_cid(target)
+                except ValueError:
+                    raise AuditError(f"{target!r} is neither a run id nor a CID") from None
+            ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
+                                  run_dir=run_dir, stack=stack)
+            blocks = endpoint_blocks(ep, store, ipfs_api)
+            with ep.connect() as lg:
+                if cid is None:
+                    name = ep.record.name if ep.record and ep.record.run_id == int(target) else None
+                    result = query.ledger_lineage(lg, blocks, int(target), name=name)
+                else:
+                    result = query.checkpoint_lineage(lg, blocks, cid)
+        doc = result.as_json()
+        if html is not None:
+            from lineage.report import render_html
+
+            tmp = html.with_name(f".{html.name}.tmp")
+            tmp.write_text(render_html(doc))
+            tmp.replace(html)
+        if as_json:
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        what = f"checkpoint {result.target} of run" if result.target else "run"
+        table = Table(title=f"{what} {result.run_id} ({result.name}) on chain {result.chain_id}, ledger {result.ledger}")
+        for col in ("step", "status", "checkpoint", "parent", "eval loss", "nodes", "tx"):
+            table.add_column(col, overflow="fold")
+        colors = {"finalized": "green", "rejected": "red", "uncommitted": "yellow"}
+        for s in result.steps:
+            status = s.status + (f" (challenge {s.rejected_by})" if s.rejected_by is not None else "")
+            if s.status in colors:
+                status = f"[{colors[s.status]}]{status}[/]"
+            table.add_row(str(s.step), status, s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
+                          "\n".join(s.nodes), s.tx)
+        console = Console()
+        console.print(table)
+        if html is not None:
+            console.print(f"report written to {html}")
+
+    @lineage_app.command("diff")
+    @user_errors
+    def diff(
+        cid_a: Annotated[str, typer.Argument(help="Checkpoint A (the base).")],
+        cid_b: Annotated[str, typer.Argument(help="Checkpoint B, compared as B - A.")],
+        as_json: JsonOpt = False,
+        run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    ) -> None:
+        """Per-tensor change norms (L2 of B - A, relative to A, max abs) and metric deltas."""
+        from lineage.cid import parse_cid
+        from lineage.diff import diff_checkpoints
+
+        for text in (cid_a, cid_b):
+            try:
+                parse_cid(text)
+            except ValueError as exc:
+                raise AuditError(str(exc)) from None
+        result = diff_checkpoints(open_blocks(store, ipfs_api, run_dir=run_dir, stack=stack), cid_a, cid_b)
+        if as_json:
+            sys.stdout.write(json.dumps(result.as_json(), indent=2) + "\n")
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console()
+        console.print(f"A  step {result.step_a}  {result.a}\nB  step {result.step_b}  {result.b}\n{result.relation}; "
+                      f"parameters ||B - A|| = {result.total_l2:.6g}")
+        table = Table(title="tensors (B - A)")
+        for col in ("stage", "tensor", "shape", "||B-A||", "relative", "max |B-A|"):
+            table.add_column(col, justify="right" if col not in ("tensor", "shape") else "left",
+                             overflow="fold", no_wrap=col != "tensor")
+        for t in result.tensors:
+            rel = "new" if t.status == "added" else f"{t.rel:.3e}"
+            table.add_row(str(t.stage), t.name + ("" if t.status in ("changed", "same") else f" ({t.status})"),
+                          "x".join(map(str, t.shape)), f"{t.l2:.4e}", rel, f"{t.max_abs:.4e}")
+        console.print(table)
+        metrics = Table(title="metrics")
+        for col in ("metric", "A", "B", "B - A"):
+            metrics.add_column(col, justify="left" if col == "metric" else "right")
+        for m in result.metrics:
+            metrics.add_row(m.name, _num(m.a), _num(m.b), _num(m.delta, signed=True))
+        console.print(metrics)
+
+    @app.command("challenge")
+    @user_errors
+    def challenge(
+        run: Annotated[int, typer.Argument(min=1, help="The run id.")],
+        step: Annotated[int, typer.Argument(min=1, help="The challenged outer step.")],
+        node: Annotated[str, typer.Option("--node", help="The node whose slot(s) at STEP to replay.")],
+        tolerance: ToleranceOpt = 0.0,
+        bond: Annotated[str | None, typer.Option("--bond", help="The bond, e.g. 1eth (default: the run's minimum stake).")] = None,
+        as_json: JsonOpt = False,
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+        run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    ) -> None:
+        """Replay a node's work at STEP; if the replay contradicts its claim, store the
+        evidence and open an on-chain challenge (the node key, staked, posts the bond)."""
+        from lineage.cid import DAG_CBOR, cid_from_digest
+
+        who = address(node, "--node")
+        wei = parse_amount(bond) if bond else None
+        challenger = load_key("node")
+        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+        blocks = endpoint_blocks(ep, store, ipfs_api)
+        with ep.connect(writable=True) as lg:
+            record = _step_record(lg, run, step)
+            replicas = sorted({r for r, _ in _slots_of(record, who)})
+            _err(f"replaying replica(s) {', '.join(map(str, replicas))} of run {run} step {step} ...")
+            replays = replay_slots(blocks, cid_from_digest(record.checkpoint, DAG_CBOR), replicas, tolerance)
+            done = open_replay_challenge(lg, blocks, challenger, run_id=run, step=step, node=who,
+                                         replays=replays, tolerance=tolerance, bond=wei)
+        if as_json:
+            sys.stdout.write(json.dumps(done, indent=2) + "\n")
+            return
+        _out(f"challenge {done['challenge']} opened against {who}: run {run} step {step} slot "
+             f"({done['replica']}, {done['stage']}), replay differs (relative L2 {done['rel_l2']:.3g})")
+        _out(f"evidence  {done['evidence']}")
+        _out(f"bond      {fmt_wei(int(done['bond_wei']))} from {done['challenger']}")
+        _out(f"tx        {done['tx']}")
+
+    arbiter_app = typer.Typer(name="arbiter", no_args_is_help=True,
+                              help="An arbiter's commands: sign a verdict on a challenge, submit a quorum.")
+    app.add_typer(arbiter_app, name="arbiter")
+
+    @arbiter_app.command("vote")
+    @user_errors
+    def vote(
+        challenge_id: Annotated[int, typer.Argument(min=1, help="The challenge id.")],
+        upheld: UpholdOpt = None,
+        out: Annotated[Path | None, typer.Option("--out", help="Write the verdict (JSON) to this file instead of printing the signature.")] = None,
+        replay: Annotated[bool, typer.Option("--replay", help="Replay the challenged slot first; refuse a verdict it contradicts.")] = False,
+        tolerance: ToleranceOpt = 0.0,
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+        run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    ) -> None:
+        """Sign `Verdict(challengeId, upheld)` with the arbiter key (DLX_ARBITER_KEY, else the
+        node key); prints the signature for `dlx arbiter resolve`."""
+        from lineage.chain import sign_verdict
+
+        verdict = _verdict(upheld)
+        key = load_key("arbiter")
+        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+        with ep.connect() as lg:
+            c = lg.challenge(challenge_id)
+            if c["resolved"]:
+                raise AuditError(f"challenge {challenge_id} is already resolved")
+            arbiters, _ = lg.arbiters_of(c["runId"])
+            if key.address not in arbiters:
+                raise AuditError(f"{key.address} is not an arbiter of run {c['runId']}")
+            _err(f"challenge {challenge_id}: run {c['runId']} step {c['step']} slot ({c['replica']}, {c['stage']}), "
+                 f"node {c['node']}, challenger {c['challenger']}, bond {fmt_wei(int(c['bond']))}")
+            if replay:
+                _err(check_vote_by_replay(lg, endpoint_blocks(ep, store, ipfs_api), c, verdict, tolerance))
+            sig = sign_verdict(lg.chain.chain_id, lg.ledger.address, challenge_id, verdict, key.key)
+            doc = {"challenge": challenge_id, "upheld": verdict, "arbiter": key.address,
+                   "signature": "0x" + sig.hex(), "chainId": lg.chain.chain_id, "ledger": lg.ledger.address}
+        if out is None:
+            _out(doc["signature"])
+            return
+        out.write_text(json.dumps(doc, indent=2) + "\n")
+        _err(f"{'uphold' if verdict else 'dismiss'} verdict by {key.address} written to {out}")
+
+    @arbiter_app.command("resolve")
+    @user_errors
+    def resolve(
+        challenge_id: Annotated[int, typer.Argument(min=1, help="The challenge id.")],
+        signatures: Annotated[list[str], typer.Argument(help="Arbiters' verdict signatures (0x-hex) or files from `vote --out`.")],
+        upheld: UpholdOpt = None,
+        as_json: JsonOpt = False,
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+        run_dir: RunDirOpt = None, stack: StackOpt = None,
+    ) -> None:
+        """Submit a quorum of verdict signatures (sorted by signer, as the ledger requires);
+        prints the slash, the rejected steps and the new head."""
+        verdict = _verdict(upheld)
+        sender = load_key("arbiter")
+        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+        with ep.connect(writable=True) as lg:
+            c = lg.challenge(challenge_id)
+            if c["resolved"]:
+                raise AuditError(f"challenge {challenge_id} is already resolved")
+            arbiters, quorum = lg.arbiters_of(c["runId"])
+            signed: dict[str, bytes] = {}
+            for i, text in enumerate(signatures, start=1):
+                sig = _read_signature(text, challenge_id, verdict, lg)
+                signer = lg.verdict_signer(challenge_id, verdict, sig)
+                if signer not in arbiters:
+                    raise AuditError(f"signature {i} recovers to {signer}, not an arbiter of run {c['runId']} "
+                                     f"(was it signed for challenge {challenge_id}, "
+                                     f"{'--uphold' if verdict else '--dismiss'}?)")
+                if signer in signed:
+                    raise AuditError(f"signatures from {signer} given twice")
+                signed[signer] = sig
+            if len(signed) < quorum:
+                raise AuditError(f"{len(signed)} arbiter signature(s) given; run {c['runId']} needs a quorum of {quorum}")
+            ordered = [signed[a] for a in sorted(signed, key=lambda a: int(a, 16))]
+            res = lg.resolve_with(sender, challenge_id=challenge_id, upheld=verdict, signatures=ordered)
+        from lineage.cid import DAG_CBOR, cid_from_digest
+
+        head = str(cid_from_digest(res.head, DAG_CBOR)) if res.head else None
+        if as_json:
+            sys.stdout.write(json.dumps({
+                "challenge": res.challenge_id, "run": res.run_id, "step": res.step, "node": res.node,
+                "upheld": res.upheld, "slashed_wei": str(res.slashed), "reward_wei": str(res.reward),
+                "bond_wei": str(res.bond), "bond_to": res.bond_to, "rejected_steps": res.rejected_steps,
+                "head_step": res.head_step, "head": head, "tx": res.tx}, indent=2) + "\n")
+            return
+        if res.upheld:
+            _out(f"challenge {challenge_id} upheld: node {res.node} slashed {fmt_wei(res.slashed)} "
+                 f"({fmt_wei(res.reward)} to the challenger)" if res.slashed else
+                 f"challenge {challenge_id} upheld: node {res.node} was already slashed for this offence")
+            if res.rejected_steps:
+                _out(f"rejected  steps {', '.join(map(str, res.rejected_steps))} of run {res.run_id}")
+                _out(f"head      step {res.head_step} {head}")
+        else:
+            _out(f"challenge {challenge_id} dismissed: node {res.node} keeps its stake")
+        _out(f"bond      {fmt_wei(res.bond)} credited to {res.bond_to}")
+        _out(f"tx        {res.tx}")
+
+    @app.command("slash-equivocation")
+    @user_errors
+    def slash_equivocation(
+        claim_a: Annotated[Path, typer.Argument(help="A signed claim (JSON).")],
+        claim_b: Annotated[Path, typer.Argument(help="The conflicting signed claim (JSON).")],
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, stack: StackOpt = None,
+    ) -> None:
+        """Slash a node that signed two different contributions for one slot of one step:
+        the two signed claims are the proof (checked here first, then by the ledger)."""
+        from lineage.attest import SignedClaim
+        from lineage.chain import Attestation
+
+        a, b = SignedClaim.load(claim_a), SignedClaim.load(claim_b)
+        node = check_equivocation(a, b)
+        if chain_id is not None and chain_id != a.domain.chain_id:
+            raise AuditError(f"wrong chain id: the claims are signed for chain {a.domain.chain_id}, not {chain_id}")
+        reporter = load_key("reporter")
+        ep = Endpoint.resolve(rpc=rpc, chain_id=a.domain.chain_id, ledger=a.domain.verifying_contract, stack=stack)
+        ep.registry = None  # the ledger's own registry, whatever a stack names
+        c = a.claim
+        with ep.connect(writable=True) as lg:
+            atts = [Attestation(x.claim.replica, x.claim.stage, x.claim.contribution, x.claim.data_shard,
+                                x.claim.code_hash, x.claim.loss_micros, x.signature) for x in (a, b)]
+            amount, tx = lg.report_equivocation_tx(reporter, run_id=c.run_id, step=c.step, parent=c.parent,
+                                                   a=atts[0], b=atts[1])
+        _out(f"slashed {node}: {fmt_wei(amount)} for equivocating at run {c.run_id} step {c.step} "
+             f"slot ({c.replica}, {c.stage}); reporter {reporter.address}")
+        _out(f"tx      {tx}")
+
+
+def check_equivocation(a: Any, b: Any) -> str:
+    """The node that signed both claims, if they prove an equivocation; else a clear error."""
+    if a.domain != b.domain:
+        raise AuditError(f"the claims are for different ledgers: chain {a.domain.chain_id} "
+                         f"{a.domain.verifying_contract} and chain {b.domain.chain_id} {b.domain.verifying_contract}")
+    ca, cb = a.claim, b.claim
+    for name in ("run_id", "step", "replica", "stage"):
+        if getattr(ca, name) != getattr(cb, name):
+            raise AuditError(f"the claims are for different slots: {name} {getattr(ca, name)} and {getattr(cb, name)}")
+    if ca.parent != cb.parent:
+        raise AuditError("the claims build on different parents: re-attesting after a rollback is no equivocation")
+    if ca.contribution == cb.contribution:
+        raise AuditError(f"both claims carry contribution 0x{ca.contribution.hex()}: no equivocation")
+    signer_a, signer_b = a.recover(), b.recover()
+    if signer_a != signer_b:
+        raise AuditError(f"the claims are signed by different keys: {signer_a} and {signer_b}")
+    return signer_a
+
+
+def _num(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "-"
+    if float(value).is_integer() and abs(value) < 1e15:
+        return f"{int(value):+d}" if signed else str(int(value))
+    return f"{value:+.6g}" if signed else f"{value:.6g}"
