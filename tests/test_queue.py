@@ -4,7 +4,12 @@ processes (`dlx up`), jobs submitted with `dlx submit` and followed with `dlx st
 Covers: a job runs to completion with its lineage on chain and verifies; cancel stops a
 job with its committed steps intact; a job needing more slots than exist fails saying so;
 a worker killed with SIGKILL fails the round naming the lost rank, and `dlx resume` on a
-replacement worker completes the run, which then verifies."""
+replacement worker completes the run, which then verifies; rank leases turn duplicate
+deliveries away (a live owner) and let a redelivery take over a dead owner's rank; sent
+twice, a job's rank tasks still commit each step once; a Redis restart mid-job is
+survived (durable Redis, retrying clients) with every step committed once; a job whose
+ranks all vanished is failed by `dlx status`; the `verify` queue replays steps on the
+workers."""
 
 from __future__ import annotations
 
@@ -137,6 +142,128 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     report = json.loads(res.stdout)
     assert res.returncode == 0, report
     assert [s["step"] for s in report["steps"]] == list(range(1, 9))
+
+
+def _commits(rec: dict) -> list[int]:
+    """The step number of every commit of the job's run on chain (duplicates would show)."""
+    from lineage.chain import Chain, Ledger
+
+    ledger = Ledger(Chain(rec["rpc"]), rec["registry"], rec["ledger"])
+    return [c.record.step for c in ledger.commits(int(rec["run_id"]))]
+
+
+def test_a_rank_lease_turns_a_duplicate_away_and_passes_on_when_its_owner_dies(stack):
+    import threading
+
+    from workers.jobs import JobStore, connect
+    from workers.stack import Stack
+
+    store = JobStore(connect(Stack.load(stack).redis_url))
+    ttl, beat = 2.0, 0.2
+    assert store.take_rank("lease", 1, 0, "owner", ttl, beat)
+    stop = threading.Event()
+
+    def renew() -> None:  # the owner's heartbeat
+        while not stop.wait(beat):
+            store.heartbeat("lease", 1, 0, "owner", ttl)
+
+    t = threading.Thread(target=renew)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        assert not store.take_rank("lease", 1, 0, "duplicate", ttl, beat)  # the owner lives
+        assert time.monotonic() - t0 < ttl
+    finally:
+        stop.set()
+        t.join()
+    t0 = time.monotonic()  # the owner died: its lease lapses and a redelivery takes the rank
+    assert store.take_rank("lease", 1, 0, "redelivered", ttl, beat)
+    assert time.monotonic() - t0 <= ttl + 2 * beat
+    assert not store.heartbeat("lease", 1, 0, "owner", ttl)  # the old owner would stop
+
+
+def test_rank_tasks_delivered_twice_commit_each_step_once(stack, tmp_path, small_job):
+    from workers.celery_app import make_app
+    from workers.cli_jobs import rank_task_id
+    from workers.stack import Stack
+
+    app = make_app(Stack.load(stack).redis_url)
+    job = submit(stack, _job(tmp_path, small_job, "q-dup", steps=3, inner_steps=10, stages=1))
+    dups = {}
+    # Rank 1 again at once (it races the original for the lease), then both ranks again
+    # once the world has formed: every copy carries the original's arguments.
+    dups["early-1"] = app.send_task("workers.tasks.run_rank", args=(job, 1, 1), queue="train")
+    wait_for(stack, job, lambda s: s["state"] != "queued")
+    for rank in (0, 1):
+        dups[f"late-{rank}"] = app.send_task("workers.tasks.run_rank", args=(job, rank, 1), queue="train")
+    st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"))
+    assert st["state"] == "completed", st
+    late = [dups[f"late-{r}"].get(timeout=60) for r in (0, 1)]
+    assert all(r["skipped"] and r.get("duplicate") for r in late), late
+    pair = [dups["early-1"].get(timeout=60), app.AsyncResult(rank_task_id(job, 1, 1)).get(timeout=60)]
+    assert sorted(r.get("state", "skipped") for r in pair) == ["completed", "skipped"], pair
+    assert _commits(st) == [1, 2, 3]
+
+
+def test_a_redis_restart_mid_job_is_survived_and_no_step_is_lost_or_repeated(stack, tmp_path, small_job):
+    from workers.stack import Stack, restart_redis
+
+    workers = [w["pid"] for w in Stack.load(stack).workers]
+    job = submit(stack, _job(tmp_path, small_job, "q-redis", steps=6, inner_steps=20, stages=1))
+    wait_for(stack, job, lambda s: (s["step"] or 0) >= 1)
+    restart_redis(stack, down_s=2.0)  # SIGTERM (the append-only file is flushed), then the same port and dir
+    st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=300)
+    assert st["state"] == "completed", st
+    assert _commits(st) == [1, 2, 3, 4, 5, 6]
+    assert status(stack, job)["state"] == "completed"
+    from workers.stack import alive
+
+    assert all(alive(p) for p in workers)  # the worker nodes outlived the broker restart
+
+
+def test_status_fails_a_running_job_whose_ranks_all_vanished(stack):
+    from workers.jobs import STALL_S, JobStore, connect
+    from workers.stack import Stack
+
+    store = JobStore(connect(Stack.load(stack).redis_url))
+    job = store.create({"world": 2, "outer_steps": 3, "inner_steps": 2})
+    store.r.hset(store.key(job), mapping={"state": json.dumps("running"),
+                                          "updated": json.dumps(time.time() - STALL_S - 1)})
+    st = status(stack, job)
+    assert st["state"] == "failed", st
+    assert "none of its 2 ranks has answered" in st["error"] and "dlx resume" in st["error"], st["error"]
+
+
+def test_the_verify_queue_replays_steps_on_the_workers(stack, tmp_path, small_job):
+    from workers.stack import Stack
+    from workers.verifyq import ReplayQueueError, replay_via_queue
+
+    job = submit(stack, _job(tmp_path, small_job, "q-verify", steps=2, inner_steps=3, stages=1))
+    st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"))
+    assert st["state"] == "completed", st
+    lineage = json.loads(dlx("lineage", "--run-dir", st["run_dir"], "--json").stdout)
+    items = [(s["checkpoint"], r) for s in lineage["steps"] for r in (0, 1)]
+    s = Stack.load(stack)
+    results = replay_via_queue(s.redis_url, s.blocks, items, tolerance=0.0, timeout=300)
+    assert [(r["step"], r["replica"]) for r in results] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["ok"] and all(x["exact"] for x in r["stages"]) for r in results), results
+    res = dlx("verify", "--run-dir", st["run_dir"], "--replay", "1", "--queue", "--stack", str(stack), "--json",
+              timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr
+    report = json.loads(res.stdout)
+    assert sorted((r["step"], r["replica"]) for r in report["replay"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(s["passed"] == ["chain", "content", "aggregate", "replay"] for s in report["steps"]), report
+    bad = replay_via_queue(s.redis_url, s.blocks, [(lineage["steps"][0]["checkpoint"], 5)], timeout=120)
+    assert not bad[0]["ok"] and "no replica 5" in bad[0]["error"]
+    with pytest.raises(ReplayQueueError, match="no worker consumes the verify queue"):
+        replay_via_queue(s.redis_url.rsplit("/", 1)[0] + "/9", s.blocks, items, timeout=5)
+
+
+def test_bad_worker_and_stack_options_are_one_line_errors(tmp_path):
+    for args in (["worker", "--store-ports", "9-3"], ["up", "--host", "nope", "--stack", str(tmp_path / "s")]):
+        res = dlx(*args, timeout=60)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
+    assert not (tmp_path / "s").exists()
 
 
 def _dev_keys(n):

@@ -30,13 +30,32 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     def worker(
         slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks).")] = int(os.environ.get("DLX_WORKER_SLOTS", "1")),
         queues: Annotated[str, typer.Option("--queues", help="Queues to consume.")] = "train,jobs,verify",
+        address: Annotated[str | None, typer.Option("--address", help="The address other ranks reach this node at (rank 0's TCPStore and gloo); default $DLX_WORKER_ADDRESS or 127.0.0.1.")] = None,
+        store_ports: Annotated[str | None, typer.Option("--store-ports", metavar="FIRST[-LAST]", help="Ports rank 0's TCPStore may listen on here (for a firewall); default: any free port.")] = None,
     ) -> None:
         """Run this machine as a training node: a Celery worker whose rank tasks sign with
         this node's key (DLX_NODE_KEY, or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD).
         The node's stake is checked on start (DLX_RPC, DLX_REGISTRY)."""
         from workers.node import NodeIdentity
 
+        if address:
+            os.environ["DLX_WORKER_ADDRESS"] = address
+        if store_ports:
+            import re
+
+            from trainer.errors import ConfigError
+
+            m = re.fullmatch(r"(\d+)(?:-(\d+))?", store_ports.strip())
+            if not m or not 0 < int(m[1]) <= int(m[2] or m[1]) < 65536:
+                raise ConfigError(f"--store-ports: expected PORT or FIRST-LAST, got {store_ports!r}")
+            os.environ["DLX_STORE_PORTS"] = store_ports.strip()
         me = NodeIdentity.from_env()
+        if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo must use the interface holding our address
+            iface = interface_of(me.host)
+            if iface:
+                os.environ["GLOO_SOCKET_IFNAME"] = iface
+            else:
+                sys.stderr.write(f"warning: no interface here holds {me.host}; set GLOO_SOCKET_IFNAME\n")
         rpc, registry = os.environ.get("DLX_RPC"), os.environ.get("DLX_REGISTRY")
         if rpc and registry:
             from lineage.chain import Chain
@@ -66,24 +85,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         collective_timeout_s: Annotated[float, typer.Option("--collective-timeout", min=5, help="Seconds before a lost rank fails the round.")] = 60.0,
     ) -> None:
         """Queue a training job; prints its id at once."""
-        from workers.jobfile import load_job_file
-
-        job = load_job_file(job_file)
-        from workers.jobs import JobStore, connect
-        from workers.stack import Stack
-
-        stack = Stack.load(stack_dir)
-        store = JobStore(connect(stack.redis_url))
-        job_id = store.create({
-            "job_toml": job_file.read_text(), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
-            "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
-            "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
-            "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
-            "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,
-        })
-        store.update(job_id, run_dir=str(stack.runs / job_id))
-        _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)
-        sys.stdout.write(job_id + "\n")
+        sys.stdout.write(submit_job(stack_dir, job_file, rendezvous_s, collective_timeout_s) + "\n")
 
     @app.command()
     @user_errors
@@ -98,7 +100,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         from workers.stack import Stack
 
         store = JobStore(connect(Stack.load(stack_dir).redis_url))
-        rec = store.get(job_id)
+        rec = store.reconcile(job_id)
         if as_json:
             keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
                     "bytes_sent", "error", "attempt", "nodes", "run_dir")
@@ -169,7 +171,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
 
         stack = Stack.load(stack_dir)
         store = JobStore(connect(stack.redis_url))
-        rec = store.get(job_id)
+        rec = store.reconcile(job_id)
         if rec["state"] not in ("failed", "cancelled"):
             raise ConfigError(f"job {job_id} is {rec['state']}: only a failed or cancelled job can resume")
         if not rec.get("run_id"):
@@ -188,16 +190,25 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     @app.command()
     @user_errors
     def up(
-        workers: Annotated[int, typer.Option("--workers", min=1, max=30, help="Worker nodes to start.")] = 2,
+        workers: Annotated[int, typer.Option("--workers", min=0, max=30, help="Worker nodes to start (0: Redis and the chain only, for workers elsewhere).")] = 2,
         slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots per worker.")] = 2,
         stack_dir: Annotated[Path, typer.Option("--stack", help="Directory for the stack's state and logs.")] = Path(".dlx"),
+        host: Annotated[str, typer.Option("--host", help="Address Redis and the chain also listen on, for workers elsewhere.")] = "127.0.0.1",
     ) -> None:
         """Start a local stack: redis-server, anvil (state file) and N staked workers."""
+        import ipaddress
+
+        from trainer.errors import ConfigError
+        from workers.jobs import redact
         from workers.stack import up as stack_up
 
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"--host: not an IP address: {host!r}") from None
         sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
-        stack = stack_up(stack_dir, workers, slots)
-        sys.stdout.write(f"redis {stack.redis_url}\nchain {stack.rpc} (id {stack.chain_id})\n"
+        stack = stack_up(stack_dir, workers, slots, host=host)
+        sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
                          f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
 
     @app.command()
@@ -212,9 +223,56 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         sys.stdout.write(f"stopped {len(pids)} processes\n")
 
 
+def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, collective_timeout_s: float = 60.0) -> str:
+    """Validate `job_file`, record the job in the stack's Redis and send its rank tasks;
+    returns the job id (`dlx submit`)."""
+    from workers.jobfile import load_job_file
+
+    job = load_job_file(job_file)  # before anything is written
+    from workers.jobs import JobStore, connect
+    from workers.stack import Stack
+
+    stack = Stack.load(stack_dir)
+    store = JobStore(connect(stack.redis_url))
+    job_id = store.create({
+        "job_toml": job_file.read_text(), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
+        "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
+        "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
+        "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
+        "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,
+    })
+    store.update(job_id, run_dir=str(stack.runs / job_id))
+    _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)
+    return job_id
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface holding IPv4 `address` here (Linux), for GLOO_SOCKET_IFNAME."""
+    import fcntl
+    import socket
+    import struct
+
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(sock.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None
+
+
+def rank_task_id(job_id: str, attempt: int, rank: int) -> str:
+    """Each rank task's id is its idempotency key: a redelivery carries the same id."""
+    return f"{job_id}-a{attempt}-r{rank}"
+
+
 def _send_ranks(redis_url: str, job_id: str, world: int, attempt: int) -> None:
     from workers.celery_app import make_app
 
     app = make_app(redis_url)
     for rank in range(world):
-        app.send_task("workers.tasks.run_rank", args=(job_id, rank, attempt), queue="train")
+        app.send_task("workers.tasks.run_rank", args=(job_id, rank, attempt), queue="train",
+                      task_id=rank_task_id(job_id, attempt, rank))

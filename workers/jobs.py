@@ -6,11 +6,17 @@ Keys (all under `dlx:job:<id>`):
     dlx:job:<id>:cancel           set when the user cancels; rank 0 polls it
     dlx:job:<id>:a<k>:joined      hash rank -> node address, for attempt k
     dlx:job:<id>:a<k>:rdzv        rank 0's TCPStore address "host:port" for attempt k
+    dlx:job:<id>:a<k>:hb:<rank>   the rank's owner token, kept alive by its heartbeat
     dlx:job:<id>:a<k>:claims:<t>  hash slot -> claim JSON published by rank 0 for step t
     dlx:job:<id>:a<k>:sigs:<t>    hash slot -> signature hex, written by each slot's node
 
 An attempt is one try at running the job (the first, then one per `dlx resume`); rank
 tasks of an older attempt find the attempt moved on and exit without doing anything.
+
+A rank belongs to the first task that takes its heartbeat key (SET NX with a TTL); a
+redelivered or duplicated task finds it taken by a live owner and exits, so one rank never
+runs twice. Clients retry for a while when Redis goes away (a restart of a durable Redis:
+appendonly), so a job survives a short outage; a longer one fails it.
 """
 
 from __future__ import annotations
@@ -22,19 +28,60 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
 from trainer.errors import DlxError
 
 TERMINAL = ("completed", "failed", "cancelled")
 KEY_TTL_S = 7 * 24 * 3600
+#: How long workers keep retrying a Redis that went away (a restart) before giving up.
+WORKER_PATIENCE_S = 30.0
+#: A running job whose ranks all lost their leases and whose record has been still this
+#: long has no task left to finish it (they died, or gave up on Redis): it is failed.
+STALL_S = 2 * WORKER_PATIENCE_S
+_BACKOFF_CAP_S = 0.5
 
 
 class JobError(DlxError, RuntimeError):
     """A queued job could not run, or the job store refused an operation."""
 
 
-def connect(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5)
+class PatientRetry(Retry):
+    """redis-py's Retry that also remembers when Redis last failed a command (`trouble_at`),
+    so liveness checks can tell a lost peer from a Redis outage. One object serves every
+    connection of a client (redis-py deep-copies the retry into each connection)."""
+
+    def __init__(self, patience_s: float) -> None:
+        super().__init__(ExponentialBackoff(cap=_BACKOFF_CAP_S, base=0.05),
+                         retries=max(1, int(patience_s / _BACKOFF_CAP_S) + 3))
+        self.trouble_at = float("-inf")
+
+    def __deepcopy__(self, memo: dict) -> PatientRetry:
+        return self
+
+    def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        failed = False
+
+        def on_fail(*a: Any) -> Any:
+            nonlocal failed
+            failed = True
+            self.trouble_at = time.monotonic()
+            return fail(*a)
+
+        try:
+            return super().call_with_retry(do, on_fail, *args, **kwargs)
+        finally:
+            if failed:
+                self.trouble_at = time.monotonic()  # when it came back (or we gave up)
+
+
+def connect(url: str, patience_s: float = 2.0) -> redis.Redis:
+    """A client that retries each command for about `patience_s` while Redis is unreachable:
+    long in workers (a restart must not fail a running job), short in the CLI (a user should
+    not wait half a minute to hear that Redis is down)."""
+    client = redis.Redis.from_url(url, socket_timeout=30, socket_connect_timeout=5, retry=PatientRetry(patience_s),
+                                  retry_on_error=[redis.ConnectionError, redis.TimeoutError])
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -54,6 +101,11 @@ def redact(url: str) -> str:
 class JobStore:
     r: redis.Redis
 
+    def calm_s(self) -> float:
+        """Seconds since Redis last failed one of this client's commands (inf: never)."""
+        retry = self.r.get_retry()
+        return time.monotonic() - retry.trouble_at if isinstance(retry, PatientRetry) else float("inf")
+
     # -- the record ------------------------------------------------------------------------
 
     def create(self, fields: dict[str, Any]) -> str:
@@ -69,6 +121,27 @@ class JobStore:
         if not raw:
             raise JobError(f"no such job: {job_id}")
         return {k.decode(): json.loads(v) for k, v in raw.items()}
+
+    def reconcile(self, job_id: str) -> dict[str, Any]:
+        """The job's record, after failing a running job that no live task can finish any
+        more (every rank's lease lapsed and nothing was written for STALL_S)."""
+        rec = self.get(job_id)
+        if rec["state"] != "running" or time.time() - float(rec["updated"]) < STALL_S:
+            return rec
+        attempt, world = int(rec["attempt"]), int(rec["world"])
+        if len(self.lost_ranks(job_id, attempt, world)) == world:
+            self.finish(job_id, "failed", f"attempt {attempt} stopped: none of its {world} ranks has answered "
+                        f"for {time.time() - float(rec['updated']):.0f} s (their workers, or Redis, were lost); "
+                        "`dlx resume` continues from the last step committed on chain")
+            rec = self.get(job_id)
+        return rec
+
+    def state(self, job_id: str) -> str:
+        """The job's state alone (what polling loops need), without reading the whole record."""
+        raw = self.r.hget(self.key(job_id), "state")
+        if raw is None:
+            raise JobError(f"no such job: {job_id}")
+        return str(json.loads(raw))
 
     def update(self, job_id: str, **fields: Any) -> None:
         self.r.hset(self.key(job_id), mapping=_enc({**fields, "updated": time.time()}))
@@ -117,8 +190,41 @@ class JobStore:
 
     # -- liveness --------------------------------------------------------------------------
 
-    def heartbeat(self, job_id: str, attempt: int, rank: int, ttl_s: float) -> None:
-        self.r.set(self.key(job_id, f"a{attempt}", "hb", rank), 1, px=int(ttl_s * 1000))
+    def take_rank(self, job_id: str, attempt: int, rank: int, token: str, ttl_s: float, beat_s: float) -> bool:
+        """Become the owner of `rank` (its lease, renewed every `beat_s` by the owner's
+        heartbeat). A lease whose owner renews it means a live task runs the rank: False
+        within about two beats. A lease left by a dead owner (a worker that crashed after
+        taking the rank, whose message was then redelivered) is taken once it lapses."""
+        key = self.key(job_id, f"a{attempt}", "hb", rank)
+        deadline = time.monotonic() + ttl_s + 2 * beat_s
+        while True:
+            self.r.set(key, token, nx=True, px=int(ttl_s * 1000))
+            owner = self.r.get(key)  # a retried SET NX may say "not set" for our own first try
+            if owner is None:  # lapsed just now: try again
+                continue
+            if owner.decode() == token:
+                return True
+            left = self.r.pttl(key)
+            time.sleep(1.5 * beat_s)
+            if self.r.pttl(key) > left or time.monotonic() > deadline:  # renewed: its owner lives
+                return False
+
+    def release_rank(self, job_id: str, attempt: int, rank: int, token: str) -> None:
+        """Give the lease up if `token` still holds it."""
+        script = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end return 0"
+        self.r.eval(script, 1, self.key(job_id, f"a{attempt}", "hb", rank), token)
+
+    def heartbeat(self, job_id: str, attempt: int, rank: int, token: str, ttl_s: float) -> bool:
+        """Extend the owner's lease; False if another task owns the rank now. A lease lost
+        with a Redis restart (data not yet on disk) is taken again."""
+        script = """
+        local v = redis.call('GET', KEYS[1])
+        if v and v ~= ARGV[1] then return 0 end
+        redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+        return 1
+        """
+        key = self.key(job_id, f"a{attempt}", "hb", rank)
+        return bool(self.r.eval(script, 1, key, token, int(ttl_s * 1000)))
 
     def lost_ranks(self, job_id: str, attempt: int, world: int) -> list[int]:
         """Ranks whose heartbeat expired (their worker stopped answering)."""

@@ -5,12 +5,20 @@
 each with its own funded, registered and staked node key (anvil's development keys:
 local chain only). `stack.json` records every PID it started; `dlx down` stops exactly
 those processes and nothing else.
+
+Redis is durable: an append-only file in `<stack>/redis/`, fsynced on every write (the
+job store and broker write little), so a restarted redis-server (`restart_redis`) comes
+back with every job record, lease and queued task. It asks for a password, generated
+here and kept out of every command line: it is in `<stack>/redis/redis.conf` and in the
+Redis URL of `stack.json` (both readable by the owner only). With `host` set, Redis and
+anvil also listen on that address, for workers on other hosts (or network namespaces).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -37,6 +45,7 @@ class Stack:
     registry: str
     ledger: str
     workers: list[dict] = field(default_factory=list)
+    host: str = "127.0.0.1"
 
     @property
     def blocks(self) -> str:
@@ -47,9 +56,12 @@ class Stack:
         return Path(self.dir).resolve() / "runs"
 
     def save(self) -> None:
+        """Write stack.json, readable by its owner only (the Redis URL holds the password)."""
         path = Path(self.dir) / STACK_FILE
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(asdict(self), indent=2) + "\n")
         tmp.replace(path)
 
     @classmethod
@@ -87,8 +99,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
     return proc.pid
 
 
-def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER) -> Stack:
-    from lineage.anvil import Anvil, dev_accounts, free_port
+def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: str = "127.0.0.1") -> Stack:
+    """Start the stack; `host`: the address Redis and the chain also listen on."""
+    from lineage.anvil import dev_accounts, free_port
     from lineage.chain import Chain, Ledger
 
     directory = Path(directory)
@@ -97,35 +110,100 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER) -> Sta
         if any(alive(p) for p in [old.redis_pid, old.anvil_pid, *[w["pid"] for w in old.workers]]):
             raise ConfigError(f"a stack is already up in {directory}: `dlx down` first")
     directory.mkdir(parents=True, exist_ok=True)
-    logs = directory / "logs"
-    port = free_port()
-    redis_pid = _spawn(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                        "--appendonly", "no", "--dir", str(directory.resolve())], logs / "redis.log")
-    url = f"redis://127.0.0.1:{port}/0"
+    port = free_port(host)
+    password = secrets.token_hex(16)
+    redis_pid = start_redis(directory, host, port, password)
+    url = f"redis://:{password}@{host}:{port}/0"
     started: list[int] = [redis_pid]
     try:
         _wait_redis(url)
-        anvil = Anvil(state_path=directory.resolve() / "chain" / "state.json", accounts=max(10, workers + 2),
-                      detach_log=logs / "anvil.log").start()
-        started.append(anvil.proc.pid)  # type: ignore[union-attr]
+        anvil_pid, rpc = _start_anvil(directory, host, accounts=max(10, workers + 2))
+        started.append(anvil_pid)
         accounts = dev_accounts(workers + 1)
-        chain = Chain(anvil.url)
+        chain = Chain(rpc)
         ledger = Ledger.deploy(chain, accounts[0])
-        stack = Stack(dir=str(directory), redis_url=url, redis_pid=redis_pid, rpc=anvil.url,
-                      anvil_pid=anvil.proc.pid, chain_id=chain.chain_id,  # type: ignore[union-attr]
-                      registry=ledger.addresses["registry"], ledger=ledger.addresses["ledger"])
+        stack = Stack(dir=str(directory), redis_url=url, redis_pid=redis_pid, rpc=rpc, anvil_pid=anvil_pid,
+                      chain_id=chain.chain_id, registry=ledger.addresses["registry"],
+                      ledger=ledger.addresses["ledger"], host=host)
         for i, acct in enumerate(accounts[1:], start=1):
             ledger.ensure_staked(acct, stake_wei)
-            env = stack.worker_env(acct.key.hex(), slots)
-            pid = _spawn([sys.executable, "-m", "workers.cli", "worker", "--slots", str(slots)],
-                         logs / f"worker-{i}.log", env)
-            started.append(pid)
-            stack.workers.append({"pid": pid, "node": acct.address, "slots": slots, "log": str(logs / f"worker-{i}.log")})
+            started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
         stack.save()
         return stack
     except BaseException:
         _stop_pids(list(reversed(started)))
         raise
+
+
+def start_worker(stack: Stack, key_hex: str, slots: int, name: str, address: str | None = None,
+                 prefix: tuple[str, ...] = (), args: tuple[str, ...] = ()) -> int:
+    """Start one worker node with `key_hex` (passed in its environment, never its argv),
+    record it in the stack (`save()` to keep it) and return its PID. `prefix` runs it
+    inside something, e.g. `("ip", "netns", "exec", NS)` (which execs: the PID is the
+    worker's); `args` are more `dlx worker` options."""
+    from eth_account import Account
+
+    log = Path(stack.dir) / "logs" / f"{name}.log"
+    cmd = [*prefix, sys.executable, "-m", "workers.cli", "worker", "--slots", str(slots)]
+    if address:
+        cmd += ["--address", address]
+    cmd += args
+    pid = _spawn(cmd, log, stack.worker_env(key_hex, slots))
+    stack.workers.append({"pid": pid, "node": Account.from_key(key_hex).address, "slots": slots, "log": str(log)})
+    return pid
+
+
+def start_redis(directory: Path, host: str, port: int, password: str) -> int:
+    """redis-server for the stack: append-only, fsync on every write, in `<stack>/redis`,
+    with a password (in its config file, never on its command line)."""
+    data = Path(directory).resolve() / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    bind = "127.0.0.1" if host == "127.0.0.1" else f"127.0.0.1 {host}"
+    conf = data / "redis.conf"
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f'port {port}\nbind {bind}\nsave ""\nappendonly yes\nappendfsync always\n'
+                 f'dir "{data}"\nrequirepass "{password}"\n')
+    return _spawn(["redis-server", str(conf)], Path(directory) / "logs" / "redis.log")
+
+
+def restart_redis(directory: Path, down_s: float = 0.0) -> int:
+    """Stop the stack's redis-server (SIGTERM: it flushes its append-only file), wait
+    `down_s`, start it again on the same port and directory; returns the new PID."""
+    from urllib.parse import urlparse
+
+    stack = Stack.load(directory)
+    _stop_pids([stack.redis_pid])
+    time.sleep(down_s)
+    url = urlparse(stack.redis_url)
+    stack.redis_pid = start_redis(Path(stack.dir), stack.host, int(url.port or 6379), url.password or "")
+    stack.save()
+    _wait_redis(stack.redis_url)
+    return stack.redis_pid
+
+
+def _start_anvil(directory: Path, host: str, accounts: int, timeout: float = 30.0) -> tuple[int, str]:
+    """anvil on `host` with its state file in `<stack>/chain/state.json`; (PID, RPC URL)."""
+    from lineage.anvil import free_port, rpc_call, tool_path
+    from lineage.errors import ChainError
+
+    state = Path(directory).resolve() / "chain" / "state.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    port = free_port(host)
+    pid = _spawn([str(tool_path("anvil")), "--host", host, "--port", str(port), "--accounts", str(accounts),
+                  "--silent", "--state", str(state)], Path(directory) / "logs" / "anvil.log")
+    rpc = f"http://{host}:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            rpc_call(rpc, "eth_chainId", timeout=0.5)
+            return pid, rpc
+        except (OSError, ChainError):
+            if not alive(pid) or time.monotonic() > deadline:
+                _stop_pids([pid])
+                raise ChainError(f"anvil did not answer on {rpc}: see {Path(directory) / 'logs' / 'anvil.log'}") from None
+            _reap(pid)
+            time.sleep(0.05)
 
 
 def _wait_redis(url: str, timeout: float = 10.0) -> None:

@@ -22,10 +22,12 @@ from the last checkpoint committed on chain.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
 import tomllib
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from lineage.anvil import free_port
 from lineage.attest import ContributionClaim, Domain, loss_micros
 
 from .celery_app import app, redis_url
-from .jobs import TERMINAL, JobError, JobStore, connect
+from .jobs import TERMINAL, WORKER_PATIENCE_S, JobError, JobStore, connect
 from .node import NodeIdentity
 
 log = get_task_logger(__name__)
@@ -46,7 +48,7 @@ HEARTBEAT_TTL_S = 6.0  # ... and is declared lost when it has not for this long
 
 
 def _store() -> JobStore:
-    return JobStore(connect(redis_url()))
+    return JobStore(connect(redis_url(), patience_s=WORKER_PATIENCE_S))
 
 
 class StopFlag:
@@ -81,7 +83,7 @@ class RedisSigner:
             sigs = self.store.signatures(self.job_id, self.attempt, step)
             if len(sigs) == len(claims):
                 return [sigs[i] for i in range(len(claims))]
-            if self.store.get(self.job_id)["state"] in TERMINAL:
+            if self.store.state(self.job_id) in TERMINAL:
                 raise JobError(f"job ended while step {step} waited for attestations")
             if time.monotonic() > deadline:
                 missing = sorted(set(range(len(claims))) - set(sigs))
@@ -109,8 +111,19 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     rec = store.get(job_id)
     if rec["state"] in TERMINAL or rec["attempt"] != attempt:
         return {"rank": rank, "skipped": True}
+    # Idempotence under redelivery (acks_late): the first task to take the rank's lease runs
+    # it; a duplicate finds a live owner, or a world formed without it, and leaves.
+    if rec["state"] != "queued":  # the world formed before this delivery
+        return {"rank": rank, "skipped": True, "duplicate": True}
+    token = f"{self.request.hostname}/{uuid.uuid4().hex[:8]}"
+    if not store.take_rank(job_id, attempt, rank, token, HEARTBEAT_TTL_S, HEARTBEAT_S):
+        log.info("job %s rank %s already runs in another task: duplicate delivery skipped", job_id, rank)
+        return {"rank": rank, "skipped": True, "duplicate": True}
+    if store.state(job_id) != "queued":
+        store.release_rank(job_id, attempt, rank, token)
+        return {"rank": rank, "skipped": True, "duplicate": True}
     me = NodeIdentity.from_env()
-    beat = Heartbeat(job_id, attempt, rank)
+    beat = Heartbeat(store, job_id, attempt, rank, token)
     try:
         return _run(store, job_id, rank, attempt, rec, me, beat)
     except BaseException as exc:
@@ -123,50 +136,64 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
 
 
 class Heartbeat:
-    """Says this rank's worker is alive, from its own thread: the task's thread may block
+    """Keeps this rank's lease alive, from its own thread: the task's thread may block
     for long (importing torch, rank 0's sink waiting for attestations), which is not a
-    sign of a lost worker; a dead worker process is."""
+    sign of a lost worker; a dead worker process is.
 
-    def __init__(self, job_id: str, attempt: int, rank: int) -> None:
-        self.job_id, self.attempt, self.rank = job_id, attempt, rank
-        self.store = _store()
-        self.store.heartbeat(job_id, attempt, rank, HEARTBEAT_TTL_S)
+    After Redis was unreachable (a restart), peers' leases may have lapsed although their
+    workers live: they renew them within a beat or two, so a rank judges its peers only
+    once Redis has answered without trouble for a whole TTL (`trusted`)."""
+
+    def __init__(self, store: JobStore, job_id: str, attempt: int, rank: int, token: str) -> None:
+        self.store, self.job_id, self.attempt, self.rank, self.token = store, job_id, attempt, rank, token
+        self.usurped = False  # another task holds this rank's lease: we must stop
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _beat(self, ttl_s: float) -> None:
+        if not self.store.heartbeat(self.job_id, self.attempt, self.rank, self.token, ttl_s):
+            self.usurped = True
+
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                self.store.heartbeat(self.job_id, self.attempt, self.rank, HEARTBEAT_TTL_S)
-            except Exception:  # a Redis hiccup: the TTL tolerates a few missed beats
+                self._beat(HEARTBEAT_TTL_S)
+            except Exception:  # Redis away longer than the client's patience: keep trying
                 log.warning("heartbeat for job %s rank %s failed", self.job_id, self.rank)
+
+    @property
+    def trusted(self) -> bool:
+        """Whether a missing peer lease means a lost peer (and not a recent Redis outage)."""
+        return self.store.calm_s() >= HEARTBEAT_TTL_S
 
     def stop(self, final_ttl_s: float | None = None) -> None:
         """Stop beating; `final_ttl_s` leaves one long beat (a finished rank is never lost)."""
         self._stop.set()
         self._thread.join(5)
         if final_ttl_s is not None:
-            self.store.heartbeat(self.job_id, self.attempt, self.rank, final_ttl_s)
+            self._beat(final_ttl_s)
 
 
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
          beat: Heartbeat) -> dict[str, Any]:
     from trainer.config import load_job
     from workers.jobfile import JobFile
+    from workers.local import refuse_cheat_off_local_chain
 
     job = load_job(tomllib.loads(rec["job_toml"]), JobFile)
+    refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
     store.join(job_id, attempt, rank, me.address)
     if rank == 0:
-        store.publish_store_address(job_id, attempt, f"{me.host}:{free_port(me.host)}")
+        store.publish_store_address(job_id, attempt, f"{me.host}:{_store_port(me.host)}")
     deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
     while True:
         joined = store.joined(job_id, attempt)
         address = store.store_address(job_id, attempt)
         if len(joined) >= world and address:
             break
-        if store.get(job_id)["state"] in TERMINAL:
+        if store.state(job_id) in TERMINAL:
             return {"rank": rank, "skipped": True}
         if time.monotonic() > deadline:
             raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
@@ -190,13 +217,15 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                        daemon=False)
     proc.start()
     pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
-    last_check = 0.0
+    last_check = last_state = 0.0
     try:
         while True:
             if time.monotonic() - last_check > HEARTBEAT_S:
                 last_check = time.monotonic()
+                if beat.usurped:
+                    raise JobError(f"rank {rank} ({me.address}): another task took over this rank's lease")
                 lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
-                if lost:
+                if lost and beat.trusted:  # asked after the read: it may have waited out an outage
                     who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
                     raise JobError(f"lost {who}: its worker stopped answering; the round failed")
             try:
@@ -206,9 +235,11 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 if not proc.is_alive():
                     raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me,
                                           f"training process exited with code {proc.exitcode}")) from None
-                state = store.get(job_id)["state"]
-                if state in TERMINAL:
-                    return {"rank": rank, "state": state}
+                if time.monotonic() - last_state > HEARTBEAT_S:
+                    last_state = time.monotonic()
+                    state = store.state(job_id)
+                    if state in TERMINAL:
+                        return {"rank": rank, "state": state}
                 continue
             if kind == "contribution":
                 step, contribution = payload
@@ -246,6 +277,25 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
         proc.join(10)
 
 
+def _store_port(host: str) -> int:
+    """A free port for rank 0's TCPStore: the first free one of DLX_STORE_PORTS ("29500-29509",
+    for firewalls; `dlx worker --store-ports`), else any free port."""
+    import socket
+
+    spec = os.environ.get("DLX_STORE_PORTS", "").strip()
+    if not spec:
+        return free_port(host)
+    first, _, last = spec.partition("-")
+    for port in range(int(first), int(last or first) + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise JobError(f"rank 0: no free TCPStore port in DLX_STORE_PORTS={spec} on {host}")
+
+
 def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[str], rank: int,
            me: NodeIdentity, error: str) -> str:
     """Name the lost rank when a peer vanished (its heartbeat expires), else this rank's error."""
@@ -255,7 +305,7 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
         if lost:
             who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
             return f"lost {who}: its worker stopped answering; the round failed"
-        if store.get(job_id)["state"] in TERMINAL:
+        if store.state(job_id) in TERMINAL:
             break
         time.sleep(0.5)
     return f"rank {rank} ({me.address}) failed: {error}"
@@ -309,14 +359,14 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"])
     training = job.training_config()
-    config = {"job": job.model_dump(mode="json", exclude={"storage"}),
+    config = {"job": job.model_dump(mode="json", exclude={"storage", "cheat"}),  # a cheat stays unrecorded
               "corpus": corpus_digest(training.data), "code": code_hash()}
     domain = Domain(chain.chain_id, ledger.ledger.address)
     sink = LedgerSink(
         job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,
         submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain),
         record=record, run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
-        min_stake=job.chain.min_stake_wei,
+        min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
     )
     if rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])
@@ -335,4 +385,13 @@ def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
     return ResumePoint(step=manifest.step, shard=read_bytes(store, manifest.stages[stage]))
 
 
-__all__ = ["RedisSigner", "StopFlag", "run_rank"]
+@app.task(name="workers.tasks.replay", acks_late=True)
+def replay(store_spec: str, items: list[list[Any]], tolerance: float) -> list[dict[str, Any]]:
+    """Replay (checkpoint, replica) items on this worker (the `verify` queue); read-only, so
+    a redelivery only replays again. See workers.verifyq."""
+    from .verifyq import replay_chunk
+
+    return replay_chunk(store_spec, [(c, r) for c, r in items], tolerance)
+
+
+__all__ = ["RedisSigner", "StopFlag", "replay", "run_rank"]
