@@ -11,28 +11,100 @@ own name. `gc` deletes every block not reachable from a pin, except blocks young
 `grace_s` (so a writer that stored blocks but has not pinned them yet keeps them).
 `batch()` stages blocks in a private directory and moves them in only when the whole
 batch succeeded (CAR import uses it: a broken CAR leaves the store unchanged).
+
+Speed: multiformats validates every argument of every CID it builds or prints (about a
+millisecond a call), which dwarfs hashing a 256 KiB block. The CIDs of our own blocks
+(v1, sha2-256, raw/dag-pb/dag-cbor) are therefore built and named here from their bytes
+(`cid_from_binary`, `block_name`); any other CID takes multiformats' way. `CachedReader`
+keeps recently read (already re-hashed) blocks, so a verifier that reads a shard at two
+levels hashes it once.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
 import secrets
 import shutil
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from multiformats import CID
+from multiformats import CID, multibase, multicodec, multihash
 
-from .cid import RAW, as_v1, cid_for, parse_cid
+from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, cid_for, parse_cid
 from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 PIN_DIR = ".pins"
 _PIN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+# -- fast CIDs for our own blocks ---------------------------------------------------------------
+
+_CODECS = {c.code: c for c in map(multicodec.get, (RAW, DAG_PB, DAG_CBOR))}
+_CODE_OF = {c.name: code for code, c in _CODECS.items()}
+_SHA2_256, _BASE32 = multihash.get("sha2-256"), multibase.get("base32")
+_MH_PREFIX = b"\x12\x20"  # multihash sha2-256, 32 bytes
+# multiformats' unvalidated constructor (0.3.x); without it every CID takes the slow way.
+_new_cid = getattr(CID, "_new_instance", None)
+
+
+def _fast(raw: bytes) -> bool:
+    return len(raw) == 36 and raw[0] == 1 and raw[1] in _CODECS and raw[2:4] == _MH_PREFIX
+
+
+def cid_from_binary(raw: bytes) -> CID:
+    """`parse_cid(raw)` (the same CID object, base32) for a binary CIDv1 with sha2-256
+    and a raw, dag-pb or dag-cbor codec, without multiformats' per-call validation."""
+    if _new_cid is not None and _fast(raw):
+        return _new_cid(CID, _BASE32, 1, _CODECS[raw[1]], _SHA2_256, raw[2:])
+    return parse_cid(raw)
+
+
+def cid_of_block(data: bytes, codec: str = RAW) -> CID:
+    """`cid_for(data, codec)`, fast for our three codecs."""
+    code = _CODE_OF.get(codec)
+    if code is None:
+        return cid_for(data, codec)
+    return cid_from_binary(bytes((1, code)) + _MH_PREFIX + hashlib.sha256(data).digest())
+
+
+def block_name(cid: CID | str | bytes) -> tuple[str, bytes]:
+    """(the CIDv1's base32 text, the sha2-256 digest) under which `cid`'s block is kept
+    (a CIDv0 is named as its CIDv1); raises ValueError for something that is no CID."""
+    raw = None
+    if isinstance(cid, bytes):
+        raw = cid if _fast(cid) else None
+    elif isinstance(cid, CID):
+        mh, code = cid.digest, cid.codec.code
+        if len(mh) == 34 and mh[:2] == _MH_PREFIX and code in _CODECS:
+            raw = bytes((1, code)) + mh
+    elif isinstance(cid, str) and len(cid) == 59 and cid[0] == "b":
+        try:
+            decoded = base64.b32decode(cid[1:].upper() + "======")
+        except ValueError:
+            decoded = b""
+        if _fast(decoded) and cid == "b" + base64.b32encode(decoded).decode("ascii").rstrip("=").lower():
+            raw = decoded
+    if raw is None:  # any other CID: multiformats' way
+        parsed = parse_cid(cid)
+        return str(as_v1(parsed)), bytes(parsed.raw_digest)
+    return "b" + base64.b32encode(raw).decode("ascii").rstrip("=").lower(), raw[4:]
+
+
+def _cid_from_name(name: str) -> CID:
+    """The CID a block file is named by (its CIDv1 in base32)."""
+    if len(name) == 59 and name[0] == "b":
+        try:
+            return cid_from_binary(base64.b32decode(name[1:].upper() + "======"))
+        except ValueError:
+            pass
+    return parse_cid(name)
 
 
 class Blockstore:
@@ -44,13 +116,13 @@ class Blockstore:
     def __repr__(self) -> str:
         return f"Blockstore({str(self.root)!r})"
 
-    def _path(self, cid: CID) -> Path:
-        name = str(as_v1(cid))
+    def _path(self, cid: CID | str | bytes) -> Path:
+        name, _ = block_name(cid)
         return self.root / name[-3:-1] / name
 
     def put(self, data: bytes, codec: str = RAW) -> CID:
         """Store `data` as a block with `codec`; returns its CIDv1. Idempotent."""
-        cid = cid_for(data, codec)
+        cid = cid_of_block(data, codec)
         path = self._path(cid)
         try:
             os.utime(path)  # already stored: refresh its age, so `gc`'s grace period covers it
@@ -70,27 +142,28 @@ class Blockstore:
         except OSError as exc:
             raise StorageError(f"cannot write block {cid} under {self.root}: {exc}") from exc
 
-    def get(self, cid: CID | str) -> bytes:
+    def get(self, cid: CID | str | bytes) -> bytes:
         """The block's bytes, re-hashed against `cid`; raises if missing or corrupt."""
-        cid = parse_cid(cid)
-        path = self._path(cid)
+        name, digest = block_name(cid)
+        path = os.path.join(self.root, name[-3:-1], name)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as fh:
+                data = fh.read()
         except FileNotFoundError:
-            raise BlockNotFoundError(cid) from None
+            raise BlockNotFoundError(parse_cid(cid)) from None
         except OSError as exc:
-            raise StorageError(f"cannot read block {cid}: {exc}") from exc
-        if hashlib.sha256(data).digest() != bytes(cid.raw_digest):
-            raise CorruptBlockError(cid)
+            raise StorageError(f"cannot read block {parse_cid(cid)}: {exc}") from exc
+        if hashlib.sha256(data).digest() != digest:
+            raise CorruptBlockError(parse_cid(cid))
         return data
 
-    def has(self, cid: CID | str) -> bool:
-        return self._path(parse_cid(cid)).exists()
+    def has(self, cid: CID | str | bytes) -> bool:
+        return self._path(cid).exists()
 
     def delete(self, cid: CID | str) -> bool:
         """Remove a block; False if it was not there."""
         try:
-            self._path(parse_cid(cid)).unlink()
+            self._path(cid).unlink()
             return True
         except FileNotFoundError:
             return False
@@ -103,7 +176,7 @@ class Blockstore:
                 continue
             for entry in sorted(shard.iterdir()):
                 if not entry.name.startswith("."):
-                    yield parse_cid(entry.name)
+                    yield _cid_from_name(entry.name)
 
     def verify(self) -> list[CID]:
         """Re-hash every block; returns the CIDs whose bytes do not match."""
@@ -122,7 +195,7 @@ class Blockstore:
             for path in sorted(stage_dir.glob("*/*")):
                 if path.name.startswith("."):
                     continue
-                final = self._path(parse_cid(path.name))
+                final = self._path(path.name)
                 if final.exists():
                     continue
                 final.parent.mkdir(parents=True, exist_ok=True)
@@ -166,11 +239,11 @@ class Blockstore:
 
         keep: set[str] = set()
         for roots in self.pins().values():
-            keep.update(str(as_v1(c)) for c in reachable(self, roots))
+            keep.update(block_name(c)[0] for c in reachable(self, roots))
         cutoff = time.time() - grace_s
         removed = []
         for cid in list(self):
-            if str(cid) in keep:
+            if block_name(cid)[0] in keep:
                 continue
             path = self._path(cid)
             try:
@@ -192,3 +265,57 @@ def corrupt_blocks(store: Any) -> list[CID]:
         except CorruptBlockError:
             bad.append(cid)
     return bad
+
+
+class CachedReader:
+    """A read-only view of `store` that keeps the most recently read blocks, up to
+    `max_bytes`: a block is fetched and re-hashed once, however often a reader asks for
+    it (the verifier reads each stage shard at the content level, then again as the new
+    and as the parent shard of the aggregate level). Blocks are immutable: a CID names
+    exactly one byte string, so a cached block is as good as a re-read one. Threads may
+    share it (a read-ahead thread and the checks): a block another thread is reading is
+    waited for, not read twice; a failed read is not cached, the next reader tries again."""
+
+    def __init__(self, store: Any, max_bytes: int = 256 << 20) -> None:
+        self.store = store
+        self.max_bytes = max_bytes
+        self._blocks: OrderedDict[str, bytes] = OrderedDict()
+        self._size = 0
+        self._reading: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"CachedReader({self.store!r})"
+
+    def get(self, cid: CID | str | bytes) -> bytes:
+        key = block_name(cid)[0]
+        while True:
+            with self._lock:
+                data = self._blocks.get(key)
+                if data is not None:
+                    self._blocks.move_to_end(key)
+                    return data
+                other = self._reading.get(key)
+                if other is None:
+                    self._reading[key] = mine = threading.Event()
+                    break
+            other.wait()  # then take it from the cache, or read it here if that read failed
+        try:
+            data = self.store.get(cid)
+            if len(data) <= self.max_bytes:
+                with self._lock:
+                    self._blocks[key] = data
+                    self._size += len(data)
+                    while self._size > self.max_bytes:
+                        self._size -= len(self._blocks.popitem(last=False)[1])
+            return data
+        finally:
+            with self._lock:
+                del self._reading[key]
+            mine.set()
+
+    def has(self, cid: CID | str | bytes) -> bool:
+        with self._lock:
+            if block_name(cid)[0] in self._blocks:
+                return True
+        return self.store.has(cid)

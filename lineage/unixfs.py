@@ -19,16 +19,17 @@ an empty `Name` always written), because the CID is the hash of exactly those by
 
 from __future__ import annotations
 
-import io
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import BinaryIO, Protocol
+from typing import Any, BinaryIO, Protocol
 
 from multiformats import CID
 
-from .cid import DAG_PB, RAW, cid_for, cid_from_digest, file_cid_candidates, parse_cid
+from .blockstore import cid_from_binary, cid_of_block
+from .cid import DAG_PB, RAW, cid_from_digest, file_cid_candidates, parse_cid
 from .errors import BlockNotFoundError, StorageError
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
@@ -41,9 +42,10 @@ PutFn = Callable[[bytes, str], CID]
 
 
 class BlockReader(Protocol):
-    """What reading needs from a store (`Blockstore`, `IpfsStore`): re-hashed blocks."""
+    """What reading needs from a store (`Blockstore`, `IpfsStore`): re-hashed blocks, by CID,
+    CID text or binary CID (what a dag-pb link holds)."""
 
-    def get(self, cid: CID | str) -> bytes: ...
+    def get(self, cid: CID | str | bytes) -> bytes: ...
 
     def has(self, cid: CID | str) -> bool: ...
 
@@ -133,7 +135,7 @@ class PBNode:
                 cid, name, tsize = None, "", 0
                 for lnum, lval in _fields(value):
                     if lnum == 1 and isinstance(lval, bytes):
-                        cid = parse_cid(lval)
+                        cid = cid_from_binary(lval)
                     elif lnum == 2 and isinstance(lval, bytes):
                         name = lval.decode("utf-8")
                     elif lnum == 3 and isinstance(lval, int):
@@ -204,7 +206,7 @@ class _Link:
 
 
 def _compute_only(data: bytes, codec: str) -> CID:
-    return cid_for(data, codec)
+    return cid_of_block(data, codec)
 
 
 class FileImporter:
@@ -372,37 +374,91 @@ def file_cid(data: bytes, cid_version: int = 1) -> CID:
 
 # -- read back -------------------------------------------------------------------------------
 
+_READ_POOL: ThreadPoolExecutor | None = None
+_READ_POOL_LOCK = threading.Lock()
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """One read-ahead pool for every `cat`: starting threads per file cost more than
+    hashing a small file."""
+    global _READ_POOL
+    with _READ_POOL_LOCK:
+        if _READ_POOL is None:
+            _READ_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="unixfs-read")
+        return _READ_POOL
+
 
 def cat(store: BlockReader, root: CID | str, *, workers: int = 4) -> Iterator[bytes]:
     """The bytes of the UnixFS file `root`, in order; every block is re-hashed by `store.get`.
 
     Reads any UnixFS file DAG (any chunking, width, raw or dag-pb leaves), not only ours.
-    Raw leaves are read ahead by `workers` threads, at most `2 * workers` blocks at a time.
+    Raw leaves are read ahead on a shared thread pool, at most `2 * workers` blocks at a time
+    (`workers=0`: none, every block read in this thread).
     """
-    root = parse_cid(root)
-    stack: list[Iterator[PBLink]] = []
+    return _cat(store, parse_cid(root), workers, [])
 
-    def visit(cid: CID) -> Iterable[bytes]:
-        block = store.get(cid)
-        if cid.codec.name == RAW:
+
+_CODEC_NAMES = {0x55: RAW, 0x70: DAG_PB}
+
+
+def _codec_name(ref: CID | bytes) -> str:
+    """The codec of a CID or of a link's binary CID (ours without building a CID object)."""
+    if isinstance(ref, bytes):
+        if len(ref) > 2 and ref[0] == 1 and ref[1] in _CODEC_NAMES:
+            return _CODEC_NAMES[ref[1]]
+        ref = parse_cid(ref)
+    return ref.codec.name
+
+
+def _node_links(block: bytes) -> tuple[bytes | None, list[bytes]]:
+    """A dag-pb node's Data and its links' binary CIDs, in order (the read path: names and
+    sizes are not needed, and building a CID object per link cost more than the hashing)."""
+    data, links = None, []
+    for num, value in _fields(block):
+        if num == 1 and isinstance(value, bytes):
+            data = value
+        elif num == 2 and isinstance(value, bytes):
+            cid = None
+            for lnum, lval in _fields(value):
+                if lnum == 1 and isinstance(lval, bytes):
+                    cid = lval
+            if cid is None:
+                raise ValueError("dag-pb link without a Hash")
+            links.append(cid)
+        else:
+            raise ValueError(f"unexpected dag-pb field {num}")
+    return data, links
+
+
+def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Iterator[bytes]:
+    """`cat`; appends the root's UnixFS filesize (if it has one) to `sizes`."""
+    stack: list[Iterator[bytes]] = []
+
+    def visit(ref: CID | bytes) -> Iterable[bytes]:
+        block = store.get(ref)
+        codec = _codec_name(ref)
+        if codec == RAW:
             return [block]
-        if cid.codec.name != DAG_PB:
-            raise StorageError(f"{cid} is {cid.codec.name}, not a UnixFS file")
+        cid = parse_cid(ref)  # only dag-pb nodes (one per 174 leaves) and errors name it
+        if codec != DAG_PB:
+            raise StorageError(f"{cid} is {codec}, not a UnixFS file")
         try:
-            node = PBNode.decode(block)
-            fs = UnixFSData.decode(node.data or b"")
+            data, links = _node_links(block)
+            fs = UnixFSData.decode(data or b"")
         except (ValueError, UnicodeDecodeError) as exc:
             raise StorageError(f"{cid} is not a UnixFS node: {exc}") from None
         if fs.type not in (T_FILE, T_RAW):
             kind = {T_DIRECTORY: "a directory", T_HAMT: "a sharded directory", T_SYMLINK: "a symlink"}
             raise StorageError(f"{cid} is {kind.get(fs.type, f'UnixFS type {fs.type}')}, not a file")
-        stack.append(iter(node.links))
+        if not stack and fs.filesize is not None:
+            sizes.append(fs.filesize)
+        stack.append(iter(links))
         return [fs.data] if fs.data else []
 
     if root.codec.name == RAW:  # a file of one chunk
         yield store.get(root)
         return
-    pool = ThreadPoolExecutor(max_workers=workers) if workers > 0 else None
+    pool = _read_pool() if workers > 0 else None
     ahead: deque[Future[bytes]] = deque()
     try:
         yield from visit(root)
@@ -411,35 +467,41 @@ def cat(store: BlockReader, root: CID | str, *, workers: int = 4) -> Iterator[by
             if link is None:
                 stack.pop()
                 continue
-            if pool is not None and link.cid.codec.name == RAW:
-                ahead.append(pool.submit(store.get, link.cid))
+            if pool is not None and _codec_name(link) == RAW:
+                ahead.append(pool.submit(store.get, link))
                 while len(ahead) > 2 * workers:
                     yield ahead.popleft().result()
                 continue
             while ahead:
                 yield ahead.popleft().result()
-            yield from visit(link.cid)
+            yield from visit(link)
         while ahead:
             yield ahead.popleft().result()
     finally:
-        if pool is not None:
-            for fut in ahead:
-                fut.cancel()
-            pool.shutdown(wait=True)
+        for fut in ahead:  # stopped early: what has not started yet never will
+            fut.cancel()
+
+
+def _read(store: BlockReader, root: CID | str, write: Callable[[bytes], Any]) -> int:
+    root = parse_cid(root)
+    written, sizes = 0, []
+    for piece in _cat(store, root, 4, sizes):
+        write(piece)
+        written += len(piece)
+    if sizes and sizes[0] != written:
+        raise StorageError(f"{root}: the DAG holds {written} bytes, its root says {sizes[0]}")
+    return written
 
 
 def read_file(store: BlockReader, root: CID | str, out: BinaryIO) -> int:
     """Write the file `root` to `out`; returns its size. Checks it against the root's filesize."""
-    root = parse_cid(root)
-    written = 0
-    for piece in cat(store, root):
-        out.write(piece)
-        written += len(piece)
-    if root.codec.name == DAG_PB:
-        fs = UnixFSData.decode(PBNode.decode(store.get(root)).data or b"")
-        if fs.filesize is not None and fs.filesize != written:
-            raise StorageError(f"{root}: the DAG holds {written} bytes, its root says {fs.filesize}")
-    return written
+    return _read(store, root, out.write)
+
+
+def check_file(store: BlockReader, root: CID | str) -> int:
+    """Fetch (so re-hash) every block of the file `root` without keeping its bytes; returns
+    its size, checked against the root's filesize."""
+    return _read(store, root, lambda piece: None)
 
 
 def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
@@ -456,6 +518,6 @@ def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
 
 def read_bytes(store: BlockReader, root: CID | str) -> bytes:
     """The whole file `root` in memory (shards and contributions), checked as `read_file` does."""
-    out = io.BytesIO()
-    read_file(store, root, out)
-    return out.getvalue()
+    pieces: list[bytes] = []
+    _read(store, root, pieces.append)
+    return b"".join(pieces)  # one copy of the file, not two as through a BytesIO
