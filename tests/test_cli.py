@@ -42,6 +42,11 @@ BAD_JOBS = {
     ),
     "invalid_toml": ("[outer\nsteps = 2\n", "invalid TOML"),
     "wrong_type": ("[outer]\nsteps = \"many\"\ninner_steps = 3\n", "outer.steps"),
+    "quorum_above_arbiters": (
+        "[outer]\nsteps = 2\ninner_steps = 3\n[chain]\narbiters = ['0x70997970C51812dc3A010C7d01b50e0d17dc79C8']\n"
+        "quorum = 2\n",
+        "quorum must be between 1 and 1",
+    ),
     "unknown_section": ("[outer]\nsteps = 2\ninner_steps = 3\n[chian]\nrpc = 'x'\n", "chian"),
 }
 

@@ -28,11 +28,32 @@ class ChainConfig(_Section):
     stake_wei: int = Field(ETHER, ge=1, description="Stake each node holds before the run starts.")
     min_stake_wei: int = Field(ETHER, ge=1, description="Minimum stake a node needs to attest in this run.")
     challenge_window_s: int = Field(3600, ge=0, description="Seconds a committed step stays challengeable.")
+    arbiters: list[str] = Field(
+        default_factory=list,
+        description="Addresses whose verdicts resolve replay challenges; none: steps cannot be challenged.",
+    )
+    quorum: int = Field(0, ge=0, description="Verdicts needed to resolve a challenge (1..len(arbiters)).")
 
     @model_validator(mode="after")
     def _stake_covers_minimum(self) -> ChainConfig:
         if self.stake_wei < self.min_stake_wei:
             raise ValueError(f"stake_wei ({self.stake_wei}) is below min_stake_wei ({self.min_stake_wei})")
+        return self
+
+    @model_validator(mode="after")
+    def _arbiters_and_quorum(self) -> ChainConfig:
+        from eth_utils import is_address, to_checksum_address
+
+        for a in self.arbiters:
+            if not is_address(a):
+                raise ValueError(f"arbiters: not an address: {a!r}")
+        self.arbiters = [to_checksum_address(a) for a in self.arbiters]
+        if len(set(self.arbiters)) != len(self.arbiters):
+            raise ValueError("arbiters: an address is listed twice")
+        if self.arbiters and not 1 <= self.quorum <= len(self.arbiters):
+            raise ValueError(f"quorum must be between 1 and {len(self.arbiters)} (the arbiters), got {self.quorum}")
+        if not self.arbiters and self.quorum:
+            raise ValueError("quorum is set but no arbiters are listed")
         return self
 
 
