@@ -273,8 +273,8 @@ class CachedReader:
     it (the verifier reads each stage shard at the content level, then again as the new
     and as the parent shard of the aggregate level). Blocks are immutable: a CID names
     exactly one byte string, so a cached block is as good as a re-read one. Threads may
-    share it (a read-ahead thread and the checks): a block another thread is reading is
-    waited for, not read twice; a failed read is not cached, the next reader tries again."""
+    share it (`cat` reads ahead in threads): a block another thread is reading is waited
+    for, not read twice; a failed read is not cached, the next reader tries again."""
 
     def __init__(self, store: Any, max_bytes: int = 256 << 20) -> None:
         self.store = store

@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,8 +108,6 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if not 0.0 <= tolerance < math.inf:
         raise ConfigError(f"--tolerance must be a finite number >= 0 (got {tolerance:g})")
     record = RunRecord.load(run_dir)
-    if "aggregate" in levels:  # import torch (seconds) while the chain starts and is read
-        threading.Thread(target=_import_outer_step, daemon=True).start()
     store = CachedReader(record.open_store(run_dir))  # levels 2 and 3 read the shards: hash them once
     with open_ledger(run_dir, record, rpc) as ledger:
         created = ledger.run_created(record.run_id)
@@ -130,8 +127,6 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     outer_cfg = None
     prev_checkpoint, prev_manifest = genesis, None
     for expected_step, rec in enumerate(steps, start=1):
-        if "content" in levels and expected_step < len(steps):  # the next step's blocks, meanwhile
-            threading.Thread(target=_read_ahead, args=(store, steps[expected_step]), daemon=True).start()
         checkpoint = cid_from_digest(rec.checkpoint, DAG_CBOR)
         sr = StepReport(rec.step, str(checkpoint))
         manifest: Manifest | None = None
@@ -261,31 +256,6 @@ def _verify_content(store: Blockstore, rec: StepRecord, run_id: int, prev: Any, 
     for cid in m.stages:
         check_file(store, cid)
     return m
-
-
-def _read_ahead(store: CachedReader, rec: StepRecord) -> None:
-    """Fetch (re-hash and cache) a step's blocks while the step before it is checked, so
-    hashing overlaps the checks and the outer-step recomputation. A failure is left to the
-    level that reads the block, which reports it."""
-    try:
-        m = get_manifest(store, cid_from_digest(rec.checkpoint, DAG_CBOR))
-        room = store.max_bytes // 4  # a large model's step: leave the cache to the step being checked
-        for cid in [*(c for row in m.contributions for c in row), *(c for row in m.replay for c in row), *m.stages]:
-            room -= check_file(store, cid)
-            if room < 0:
-                break
-    except Exception:  # noqa: S110 -- reported where it matters, by the checks
-        pass
-
-
-def _import_outer_step() -> None:
-    """Import the aggregate level's math; a failure shows where it is imported again."""
-    try:
-        import torch._dynamo  # noqa: F401  (torch.optim's first use imports it)
-
-        import trainer.diloco  # noqa: F401
-    except Exception:  # noqa: S110
-        pass
 
 
 def _outer_config(store: Blockstore, config: Any) -> Any:
