@@ -12,7 +12,6 @@ the test-only `[cheat]` job section (trainer/cheat.py).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import os
 import re
@@ -77,9 +76,6 @@ from_step = 2
 mode = "stale_parent"
 from_step = 3
 """
-
-needs_replay = pytest.mark.skipif(not hasattr(importlib.import_module("lineage.verify"), "REPLAY"),
-                                  reason="level 4 (dlx verify --replay) is not in this checkout yet")
 
 
 def dlx(*args: Any, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -208,15 +204,8 @@ def commit(ledger: Ledger, run_id: int, step: int, parent: bytes, atts: list[Att
 
 
 # -- an honest run --------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-@needs_replay
-def test_an_honest_run_passes_every_layer_replay_included(trained_run):
-    code, report = verify(trained_run[0], "--replay", "1.0")
-    assert code == 0 and report["ok"], report
-    for step in report["steps"]:
-        assert step["passed"] == ["chain", "content", "aggregate", "replay"], step
+# It passes every layer, replay included, bit for bit: tests/test_replay.py
+# (test_an_honest_run_replays_bit_for_bit_through_dlx_verify), on the same `trained_run`.
 
 
 # -- the ledger: signatures, stakes, parents ------------------------------------------------
@@ -379,7 +368,6 @@ def test_a_checkpoint_that_is_not_the_aggregate_fails_the_aggregate_level(coordi
 
 
 @pytest.mark.slow
-@needs_replay
 def test_a_poisoned_contribution_and_skipped_work_pass_levels_1_to_3_and_fail_replay(node_cheats):
     # The cheat is not in the run's recorded configuration: a replay runs the honest code.
     record = RunRecord.load(node_cheats)

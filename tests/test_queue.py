@@ -8,8 +8,8 @@ replacement worker completes the run, which then verifies; rank leases turn dupl
 deliveries away (a live owner) and let a redelivery take over a dead owner's rank; sent
 twice, a job's rank tasks still commit each step once; a Redis restart mid-job is
 survived (durable Redis, retrying clients) with every step committed once; a job whose
-ranks all vanished is failed by `dlx status`; the `verify` queue replays steps on the
-workers."""
+ranks all vanished is failed by `dlx status`; the `verify` queue replays the first job's
+steps on the workers (`dlx verify --replay 1 --queue`)."""
 
 from __future__ import annotations
 
@@ -88,10 +88,31 @@ def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path, sm
     lineage = json.loads(res.stdout)
     assert [s["step"] for s in lineage["steps"]] == [1, 2]
     assert len(set(lineage["steps"][0]["nodes"])) == 2  # two workers, two node keys
-    res = dlx("verify", "--run-dir", st["run_dir"], "--json")
-    assert res.returncode == 0, res.stdout
     res = dlx("status", job, "--stack", str(stack))
     assert res.returncode == 0 and "completed" in res.stdout
+    _the_verify_queue_replays_the_run_on_the_workers(stack, st["run_dir"], lineage)
+
+
+def _the_verify_queue_replays_the_run_on_the_workers(stack: Path, run_dir: str, lineage: dict) -> None:
+    """`dlx verify --replay 1 --queue`, and the queue's API, on the run above (one job for both)."""
+    from workers.stack import Stack
+    from workers.verifyq import ReplayQueueError, replay_via_queue
+
+    items = [(s["checkpoint"], r) for s in lineage["steps"] for r in (0, 1)]
+    s = Stack.load(stack)
+    results = replay_via_queue(s.redis_url, s.blocks, items, tolerance=0.0, timeout=300)
+    assert [(r["step"], r["replica"]) for r in results] == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["ok"] and all(x["exact"] for x in r["stages"]) for r in results), results
+    res = dlx("verify", "--run-dir", run_dir, "--replay", "1", "--queue", "--stack", str(stack), "--json",
+              timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr
+    report = json.loads(res.stdout)
+    assert sorted((r["step"], r["replica"]) for r in report["replay"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(s["passed"] == ["chain", "content", "aggregate", "replay"] for s in report["steps"]), report
+    bad = replay_via_queue(s.redis_url, s.blocks, [(lineage["steps"][0]["checkpoint"], 5)], timeout=120)
+    assert not bad[0]["ok"] and "no replica 5" in bad[0]["error"]
+    with pytest.raises(ReplayQueueError, match="no worker consumes the verify queue"):
+        replay_via_queue(s.redis_url.rsplit("/", 1)[0] + "/9", s.blocks, items, timeout=5)
 
 
 def test_cancel_stops_the_job_and_keeps_committed_steps(stack, tmp_path, small_job):
@@ -232,31 +253,6 @@ def test_status_fails_a_running_job_whose_ranks_all_vanished(stack):
     st = status(stack, job)
     assert st["state"] == "failed", st
     assert "none of its 2 ranks has answered" in st["error"] and "dlx resume" in st["error"], st["error"]
-
-
-def test_the_verify_queue_replays_steps_on_the_workers(stack, tmp_path, small_job):
-    from workers.stack import Stack
-    from workers.verifyq import ReplayQueueError, replay_via_queue
-
-    job = submit(stack, _job(tmp_path, small_job, "q-verify", steps=2, inner_steps=3, stages=1))
-    st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"))
-    assert st["state"] == "completed", st
-    lineage = json.loads(dlx("lineage", "--run-dir", st["run_dir"], "--json").stdout)
-    items = [(s["checkpoint"], r) for s in lineage["steps"] for r in (0, 1)]
-    s = Stack.load(stack)
-    results = replay_via_queue(s.redis_url, s.blocks, items, tolerance=0.0, timeout=300)
-    assert [(r["step"], r["replica"]) for r in results] == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    assert all(r["ok"] and all(x["exact"] for x in r["stages"]) for r in results), results
-    res = dlx("verify", "--run-dir", st["run_dir"], "--replay", "1", "--queue", "--stack", str(stack), "--json",
-              timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr
-    report = json.loads(res.stdout)
-    assert sorted((r["step"], r["replica"]) for r in report["replay"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    assert all(s["passed"] == ["chain", "content", "aggregate", "replay"] for s in report["steps"]), report
-    bad = replay_via_queue(s.redis_url, s.blocks, [(lineage["steps"][0]["checkpoint"], 5)], timeout=120)
-    assert not bad[0]["ok"] and "no replica 5" in bad[0]["error"]
-    with pytest.raises(ReplayQueueError, match="no worker consumes the verify queue"):
-        replay_via_queue(s.redis_url.rsplit("/", 1)[0] + "/9", s.blocks, items, timeout=5)
 
 
 def test_bad_worker_and_stack_options_are_one_line_errors(tmp_path):
