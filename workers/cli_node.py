@@ -129,6 +129,11 @@ def address(text: str, what: str = "address") -> str:
     return to_checksum_address(text)
 
 
+def _target(node: str | None) -> str:
+    """The node a command acts on: `--node ADDR`, else the node key's own address."""
+    return address(node, "--node") if node else load_key("node").address
+
+
 # -- where the chain is -------------------------------------------------------------------
 
 @dataclass
@@ -281,7 +286,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         """Add stake behind a node, paid by the operator key (anyone may stake for a node)."""
         wei = parse_amount(amount)
         payer = load_key("operator")
-        target = address(node, "--node") if node else load_key("node").address
+        target = _target(node)
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
         with ep.connect(writable=True) as lg:
             receipt = lg.stake(payer, target, wei)
@@ -297,7 +302,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     ) -> None:
         """Unbond all of a node's stake (the operator key signs); the node stops attesting."""
         operator = load_key("operator")
-        target = address(node, "--node") if node else load_key("node").address
+        target = _target(node)
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
         with ep.connect(writable=True) as lg:
             receipt = lg.unbond(operator, target)
@@ -316,7 +321,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         from web3.logs import DISCARD
 
         operator = load_key("operator")
-        target = address(node, "--node") if node else load_key("node").address
+        target = _target(node)
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
         with ep.connect(writable=True) as lg:
             receipt = lg.withdraw(operator, target)
@@ -348,7 +353,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         run_dir: RunDirOpt = None, stack: StackOpt = None,
     ) -> None:
         """A node's stake, unbonding stake and release time, open challenges and credit."""
-        target = address(node, "--node") if node else load_key("node").address
+        target = _target(node)
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
         with ep.connect() as lg:
             doc = node_status(lg, target)
