@@ -65,9 +65,13 @@ def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 class OuterOptimizer:
     """theta_outer and its Nesterov momentum for one stage; the content of a StageShard.
 
-    Uses torch.optim.SGD (lr, momentum, nesterov; no dampening, no weight decay) with
-    the momentum buffer always present (zeros at genesis), so the first step takes the
-    same code path as every later one and a verifier can replay any step from a shard.
+    The step is torch.optim.SGD's single-tensor update (lr, momentum, nesterov; no
+    dampening, no weight decay), written out with the same tensor operations in the same
+    order, so it is bit for bit what `SGD(..., foreach=False)` computes. The momentum
+    buffer is always present (zeros at genesis), so the first step takes the same path as
+    every later one and a verifier can replay any step from a shard. Written out rather
+    than constructed: building a torch optimizer imports torch._dynamo (about 1.5 s), which
+    a verifier recomputing an outer step would pay in every process.
     """
 
     def __init__(
@@ -77,34 +81,31 @@ class OuterOptimizer:
         momentum: dict[str, torch.Tensor] | None = None,
     ):
         self.names = sorted(params)
-        self.params = {n: params[n].detach().clone().float() for n in self.names}
         self.cfg = cfg
-        self._sgd = torch.optim.SGD(
-            list(self.params.values()),
-            lr=cfg.lr,
-            momentum=cfg.momentum,
-            nesterov=cfg.nesterov,
-            foreach=False,
-        )
+        self.params = {n: params[n].detach().clone().float() for n in self.names}
+        self._momentum = {}
         for n, p in self.params.items():
             buf = momentum[n].clone().float() if momentum is not None else torch.zeros_like(p)
             assert buf.shape == p.shape, (
                 f"momentum/{n}: shape {tuple(buf.shape)} != {tuple(p.shape)}"
             )
-            self._sgd.state[p]["momentum_buffer"] = buf
+            self._momentum[n] = buf
 
     def momentum(self) -> dict[str, torch.Tensor]:
-        return {n: self._sgd.state[p]["momentum_buffer"] for n, p in self.params.items()}
+        return dict(self._momentum)
 
     @torch.no_grad()
     def step(self, mean_delta: dict[str, torch.Tensor]) -> None:
         """One outer step with gradient = the replicas' mean pseudo-gradient."""
         assert sorted(mean_delta) == self.names, "delta names do not match the outer params"
+        lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
         for n, p in self.params.items():
-            p.grad = mean_delta[n].to(p.dtype).clone()
-        self._sgd.step()
-        for p in self.params.values():
-            p.grad = None
+            grad = mean_delta[n].to(p.dtype)
+            if mu != 0:  # torch.optim.sgd._single_tensor_sgd, dampening 0
+                buf = self._momentum[n]
+                buf.mul_(mu).add_(grad, alpha=1)
+                grad = grad.add(buf, alpha=mu) if nesterov else buf
+            p.add_(grad, alpha=-lr)
 
     def to_bytes(self) -> bytes:
         tensors = {f"param/{n}": p for n, p in self.params.items()}
