@@ -36,34 +36,25 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from multiformats import CID, multibase, multicodec, multihash
+from multiformats import CID
 
-from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, cid_for, parse_cid
+from .cid import (
+    _CODE_OF,
+    _CODECS,
+    _MH_PREFIX,
+    RAW,
+    _fast,
+    as_v1,
+    cid_for,
+    cid_from_binary,
+    parse_cid,
+)
 from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 PIN_DIR = ".pins"
 _PIN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 # -- fast CIDs for our own blocks ---------------------------------------------------------------
-
-_CODECS = {c.code: c for c in map(multicodec.get, (RAW, DAG_PB, DAG_CBOR))}
-_CODE_OF = {c.name: code for code, c in _CODECS.items()}
-_SHA2_256, _BASE32 = multihash.get("sha2-256"), multibase.get("base32")
-_MH_PREFIX = b"\x12\x20"  # multihash sha2-256, 32 bytes
-# multiformats' unvalidated constructor (0.3.x); without it every CID takes the slow way.
-_new_cid = getattr(CID, "_new_instance", None)
-
-
-def _fast(raw: bytes) -> bool:
-    return len(raw) == 36 and raw[0] == 1 and raw[1] in _CODECS and raw[2:4] == _MH_PREFIX
-
-
-def cid_from_binary(raw: bytes) -> CID:
-    """`parse_cid(raw)` (the same CID object, base32) for a binary CIDv1 with sha2-256
-    and a raw, dag-pb or dag-cbor codec, without multiformats' per-call validation."""
-    if _new_cid is not None and _fast(raw):
-        return _new_cid(CID, _BASE32, 1, _CODECS[raw[1]], _SHA2_256, raw[2:])
-    return parse_cid(raw)
 
 
 def cid_of_block(data: bytes, codec: str = RAW) -> CID:

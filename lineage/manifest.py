@@ -23,6 +23,7 @@ from typing import Any
 import dag_cbor
 from multiformats import CID
 
+from . import cbor
 from .blockstore import Blockstore
 from .cid import DAG_CBOR, parse_cid
 from .errors import StorageError
@@ -67,7 +68,7 @@ class Manifest:
     @classmethod
     def decode(cls, block: bytes) -> Manifest:
         try:
-            node = dag_cbor.decode(block)
+            node = cbor.decode(block)
             if not isinstance(node, dict) or node.get("version") != MANIFEST_VERSION:
                 raise ValueError("not a version-1 checkpoint manifest")
             return cls(

@@ -482,10 +482,10 @@ def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Itera
             fut.cancel()
 
 
-def _read(store: BlockReader, root: CID | str, write: Callable[[bytes], Any]) -> int:
+def _read(store: BlockReader, root: CID | str, write: Callable[[bytes], Any], workers: int = 4) -> int:
     root = parse_cid(root)
     written, sizes = 0, []
-    for piece in _cat(store, root, 4, sizes):
+    for piece in _cat(store, root, workers, sizes):
         write(piece)
         written += len(piece)
     if sizes and sizes[0] != written:
@@ -498,10 +498,11 @@ def read_file(store: BlockReader, root: CID | str, out: BinaryIO) -> int:
     return _read(store, root, out.write)
 
 
-def check_file(store: BlockReader, root: CID | str) -> int:
+def check_file(store: BlockReader, root: CID | str, *, workers: int = 4) -> int:
     """Fetch (so re-hash) every block of the file `root` without keeping its bytes; returns
-    its size, checked against the root's filesize."""
-    return _read(store, root, lambda piece: None)
+    its size, checked against the root's filesize. `workers`: threads reading ahead (0:
+    read in this thread, for a caller that runs many files in a pool of its own)."""
+    return _read(store, root, lambda piece: None, workers)
 
 
 def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
@@ -516,8 +517,9 @@ def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
 
 
 
-def read_bytes(store: BlockReader, root: CID | str) -> bytes:
-    """The whole file `root` in memory (shards and contributions), checked as `read_file` does."""
+def read_bytes(store: BlockReader, root: CID | str, *, workers: int = 4) -> bytes:
+    """The whole file `root` in memory (shards and contributions), checked as `read_file`
+    does; `workers` as for `check_file`."""
     pieces: list[bytes] = []
-    _read(store, root, pieces.append)
+    _read(store, root, pieces.append, workers)
     return b"".join(pieces)  # one copy of the file, not two as through a BytesIO

@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+import multiprocessing
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,14 +40,14 @@ from eth_utils import keccak
 from trainer.errors import ConfigError
 
 from .attest import ContributionClaim, Domain
-from .blockstore import Blockstore, CachedReader
+from .blockstore import Blockstore
 from .chain import StepRecord
 from .cid import DAG_CBOR, cid_from_digest, digest_of
 from .errors import DlxError
 from .manifest import Manifest, get_manifest
 from .query import open_ledger
 from .runrecord import RunRecord
-from .unixfs import check_file
+from .unixfs import check_file, read_bytes
 
 LEVELS = ("chain", "content", "aggregate")
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
@@ -108,7 +111,7 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if not 0.0 <= tolerance < math.inf:
         raise ConfigError(f"--tolerance must be a finite number >= 0 (got {tolerance:g})")
     record = RunRecord.load(run_dir)
-    store = CachedReader(record.open_store(run_dir))  # levels 2 and 3 read the shards: hash them once
+    store = record.open_store(run_dir)
     with open_ledger(run_dir, record, rpc) as ledger:
         created = ledger.run_created(record.run_id)
         steps = ledger.steps(record.run_id)
@@ -119,45 +122,129 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             calldata = {s.step: calls[s.tx] for s in steps}
             stakes = ledger.stakes_at((a["node"], s.block) for s in steps for a in s.attestations)
         domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    report = RunReport(record.run_id, [])
     genesis = cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)
-    config_cid = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
+    checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
+    work = _Work(store, steps, [genesis, *checkpoints], record.run_id,
+                 cid_from_digest(bytes(created["configDigest"]), DAG_CBOR),
+                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv != "chain"))
     members = set(created["nodes"])
-    R, S = int(created["replicas"]), int(created["stages"])
-    outer_cfg = None
-    prev_checkpoint, prev_manifest = genesis, None
-    for expected_step, rec in enumerate(steps, start=1):
-        checkpoint = cid_from_digest(rec.checkpoint, DAG_CBOR)
-        sr = StepReport(rec.step, str(checkpoint))
-        manifest: Manifest | None = None
-        for level in levels:
+    with _levels_2_3_started(work) as results:  # in worker processes, while level 1 runs here
+        chain: list[str | None] = []
+        for i, rec in enumerate(steps if "chain" in levels else []):
             try:
-                if level == "chain":
-                    _verify_chain(rec, expected_step, prev_checkpoint, calldata[rec.step], domain,
-                                  record.run_id, members, stakes, R, S)
-                elif level == "content":
-                    manifest = _verify_content(store, rec, record.run_id, prev_checkpoint, config_cid, R, S)
-                elif level == "aggregate":
-                    if manifest is None:
-                        manifest = get_manifest(store, checkpoint)
-                    if prev_manifest is None:
-                        prev_manifest = get_manifest(store, prev_checkpoint)
-                    if outer_cfg is None:
-                        outer_cfg = _outer_config(store, config_cid)
-                    _verify_aggregate(store, prev_manifest, manifest, outer_cfg, R, S)
+                _verify_chain(rec, i + 1, work.checkpoints[i], calldata[rec.step], domain,
+                              record.run_id, members, stakes, work.R, work.S)
+                chain.append(None)
+            except (_Fail, DlxError) as exc:
+                chain.append(str(exc))
+    report = RunReport(record.run_id, [])
+    for i, rec in enumerate(steps):
+        sr = StepReport(rec.step, str(checkpoints[i]))
+        for level in levels:
+            failure = chain[i] if level == "chain" else results[i][level]
+            if failure is None:
                 sr.passed.append(level)
-            except _Fail as exc:
-                sr.failures[level] = str(exc)
-            except DlxError as exc:
-                sr.failures[level] = str(exc)
+            else:
+                sr.failures[level] = failure
         report.steps.append(sr)
-        prev_checkpoint = checkpoint
-        prev_manifest = manifest  # None: the aggregate level loads it if it runs
-    if record.head and steps and str(cid_from_digest(steps[-1].checkpoint, DAG_CBOR)) != record.head:
+    if record.head and steps and str(checkpoints[-1]) != record.head:
         report.run_failures.append(f"run.json head {record.head} is not the chain's head at step {steps[-1].step}")
     if replay > 0 and steps:
-        _verify_replay(store, report, steps, R, replay, tolerance, replayer)
+        _verify_replay(store, report, steps, work.R, replay, tolerance, replayer)
     return report
+
+
+@dataclass
+class _Work:
+    """What levels 2 and 3 need, for every step; `checkpoints[i]` is step i's (0: genesis)."""
+
+    store: Blockstore
+    steps: list[StepRecord]
+    checkpoints: list[Any]
+    run_id: int
+    config: Any
+    R: int
+    S: int
+    levels: tuple[str, ...]  # of "content", "aggregate", in the caller's order
+
+
+_WORK: _Work | None = None  # the forked workers' copy (fork shares it; nothing is pickled)
+
+#: Steps per process below which levels 2 and 3 stay in this process.
+MIN_STEPS_PER_WORKER = 8
+
+
+@contextmanager
+def _levels_2_3_started(work: _Work) -> Iterator[list[dict[str, str | None]]]:
+    """Levels 2 and 3 of every step, as a list of {level: None (passed) or the first
+    reason} that is filled in when the `with` body ends.
+
+    Both are CPU-bound (re-hashing some 30 MB a step, recomputing the outer step), so the
+    steps are cut into contiguous ranges checked by forked processes, one a core (threads
+    would share one interpreter lock with the checks themselves), while the body runs
+    here. A range's first step reads its parent's shards from the store; every later one
+    takes them from the step before, already checked equal to the recomputation. torch is
+    imported before the fork, so each worker starts with level 3's math loaded."""
+    global _WORK
+    n = len(work.steps)
+    results: list[dict[str, str | None]] = [{} for _ in range(n)]
+    procs = min(os.cpu_count() or 1, n // MIN_STEPS_PER_WORKER, 16)
+    if not work.levels or not n:
+        yield results
+        return
+    if "aggregate" in work.levels:
+        _import_outer_math()
+    if procs <= 1 or not isinstance(work.store, Blockstore) or "fork" not in multiprocessing.get_all_start_methods():
+        # one process: a short run, one core, or an IPFS daemon's HTTP client (whose
+        # pooled connections a fork would share between processes)
+        yield results
+        results[:] = _levels_2_3(work, 0, n)
+        return
+    bounds = [n * k // procs for k in range(procs + 1)]
+    _WORK = work
+    try:
+        with multiprocessing.get_context("fork").Pool(procs) as pool:
+            pending = pool.starmap_async(_forked_levels_2_3, zip(bounds, bounds[1:], strict=False))
+            yield results
+            results[:] = [result for part in pending.get() for result in part]
+    finally:
+        _WORK = None
+
+
+def _forked_levels_2_3(lo: int, hi: int) -> list[dict[str, str | None]]:
+    assert _WORK is not None, "levels 2 and 3 run in a forked worker"
+    return _levels_2_3(_WORK, lo, hi)
+
+
+def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
+    out = []
+    outer_cfg = None
+    prev_shards = None  # the parent's stage shards, once read
+    for i in range(lo, hi):
+        rec, checkpoint, prev = work.steps[i], work.checkpoints[i + 1], work.checkpoints[i]
+        result: dict[str, str | None] = {}
+        manifest = shards = None
+        read: dict[bytes, bytes] = {}  # level 2's reads of what level 3 recomputes with
+        for level in work.levels:
+            try:
+                if manifest is None:
+                    manifest = get_manifest(work.store, checkpoint)  # present, hashing to the on-chain digest
+                if level == "content":
+                    _verify_content(work.store, manifest, rec, work.run_id, prev, work.config, work.R, work.S,
+                                    read if "aggregate" in work.levels else None)
+                elif level == "aggregate":
+                    if prev_shards is None:
+                        prev_shards = [read_bytes(work.store, c, workers=0)
+                                       for c in get_manifest(work.store, prev).stages]
+                    if outer_cfg is None:
+                        outer_cfg = _outer_config(work.store, work.config)
+                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, work.R, work.S, read)
+                result[level] = None
+            except (_Fail, DlxError) as exc:
+                result[level] = str(exc)
+        out.append(result)
+        prev_shards = shards  # None: the next step reads them, if it needs them
+    return out
 
 
 def sample_pairs(steps: list[int], replicas: int, fraction: float, seed: bytes) -> list[tuple[int, int]]:
@@ -225,10 +312,17 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
 
 
-def _verify_content(store: Blockstore, rec: StepRecord, run_id: int, prev: Any, config: Any,
-                    R: int, S: int) -> Manifest:
-    checkpoint = cid_from_digest(rec.checkpoint, DAG_CBOR)
-    m = get_manifest(store, checkpoint)  # present and hashing to the on-chain digest
+def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int, prev: Any, config: Any,
+                    R: int, S: int, keep: dict[bytes, bytes] | None = None) -> None:
+    """Level 2; with `keep`, the contributions' and shards' bytes are left there for level 3
+    (read once, hashed once), by digest."""
+
+    def check(cid: Any) -> None:
+        if keep is None:
+            check_file(store, cid, workers=0)
+        else:
+            keep[digest_of(cid)] = read_bytes(store, cid, workers=0)
+
     _check(m.step == rec.step, f"manifest says step {m.step}")
     _check(m.run == run_id, f"manifest says run {m.run}")
     _check(m.parent == prev, lambda: f"manifest parent {m.parent} is not {prev}")
@@ -246,45 +340,55 @@ def _verify_content(store: Blockstore, rec: StepRecord, run_id: int, prev: Any, 
             _check(digest_of(cid) == bytes(att["contribution"]),
                    lambda cid=cid, r=r, s=s: f"slot ({r}, {s}): manifest contribution {cid} is not the attested one")
             _check(m.data[r] == bytes(att["dataShard"]), f"slot ({r}, {s}): data shard differs from the attested one")
-            check_file(store, cid)
+            check(cid)  # every block present and hashing to its CID
     if m.replay:  # the round-start states replay verification starts from
         _check(len(m.replay) == R and all(len(row) == S for row in m.replay),
                "start-state table is not replicas x stages")
         for row in m.replay:
             for cid in row:
-                check_file(store, cid)
+                check_file(store, cid, workers=0)
     for cid in m.stages:
-        check_file(store, cid)
-    return m
+        check(cid)
 
 
 def _outer_config(store: Blockstore, config: Any) -> Any:
-    import torch
+    from trainer.config import JobConfig
 
-    from trainer.config import JobConfig  # the verifier re-derives with the trainer's own math
-
-    # One thread, as the trainer's ranks run: at shard sizes more threads only contend
-    # (ten times slower on two busy cores), and the elementwise outer step is the same.
-    torch.set_num_threads(1)
     job = dict(dag_cbor.decode(store.get(config))["job"])
     job.pop("chain", None)
     job.pop("storage", None)
     return JobConfig.model_validate(job).outer
 
 
-def _verify_aggregate(store: Blockstore, parent: Manifest, m: Manifest, outer_cfg: Any, R: int, S: int) -> None:
+def _import_outer_math() -> None:
+    import torch
+
+    import trainer.diloco  # noqa: F401  (level 3 re-derives with the trainer's own math)
+
+    # One thread, as the trainer's ranks run: at shard sizes more threads only contend
+    # (ten times slower on two busy cores), and the elementwise outer step is the same.
+    # Set before any worker forks: a fork must not inherit a started OpenMP pool.
+    torch.set_num_threads(1)
+
+
+def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
+                      R: int, S: int, read: dict[bytes, bytes]) -> list[bytes]:
+    """Recompute each stage's new shard; returns the stored (equal) shards, the next
+    step's parents. `read`: files level 2 has read already, by digest."""
     from trainer.diloco import apply_outer_step
 
+    def get(cid: Any) -> bytes:
+        data = read.get(digest_of(cid))
+        return data if data is not None else read_bytes(store, cid, workers=0)
+
+    _check(len(m.stages) == S and len(parent_shards) == S, f"{len(m.stages)} stage shards for {S} stages")
+    _check(len(m.contributions) == R and all(len(row) == S for row in m.contributions),
+           "contributions table is not replicas x stages")
+    shards = []
     for s in range(S):
-        parent_shard = read_file(store, parent.stages[s])
-        contributions = [read_file(store, m.contributions[r][s]) for r in range(R)]
-        expected = apply_outer_step(parent_shard, contributions, outer_cfg)
-        _check(expected == read_file(store, m.stages[s]),
-               lambda s=s: f"stage {s}: recomputed shard differs from {m.stages[s]}")
-
-
-def read_file(store: Blockstore, cid: Any) -> bytes:
-    """The bytes of a stored UnixFS file (shard or contribution), every block re-hashed."""
-    from .unixfs import read_bytes
-
-    return read_bytes(store, cid)
+        contributions = [get(m.contributions[r][s]) for r in range(R)]
+        expected = apply_outer_step(parent_shards[s], contributions, outer_cfg)
+        stored = get(m.stages[s])
+        _check(expected == stored, lambda s=s: f"stage {s}: recomputed shard differs from {m.stages[s]}")
+        shards.append(stored)
+    return shards

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dag_cbor
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from lineage import cbor
 from lineage.blockstore import Blockstore
-from lineage.cid import DAG_CBOR
+from lineage.cid import DAG_CBOR, cid_for
 from lineage.errors import StorageError
 from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
 
@@ -56,3 +59,44 @@ def test_a_block_that_is_not_a_manifest_is_a_storage_error(tmp_path):
     cid = store.put(dag_cbor.encode({"hello": 1}), DAG_CBOR)
     with pytest.raises(StorageError, match="malformed checkpoint manifest"):
         get_manifest(store, cid)
+
+
+# -- the fast DAG-CBOR decoder agrees with dag_cbor ------------------------------------------
+
+_leaf = st.one_of(
+    st.none(), st.booleans(), st.integers(min_value=-(2**64), max_value=2**64 - 1),
+    st.floats(allow_nan=False, allow_infinity=False), st.binary(max_size=40), st.text(max_size=20),
+    st.binary(min_size=32, max_size=32).map(lambda d: cid_for(d, DAG_CBOR)),
+    st.binary(min_size=32, max_size=32).map(lambda d: cid_for(d, "raw")),
+)
+_values = st.recursive(_leaf, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)), max_leaves=25)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_values)
+def test_fast_cbor_decodes_what_dag_cbor_encodes_to_the_same_value(value) -> None:
+    block = dag_cbor.encode(value)
+    assert cbor.decode(block) == dag_cbor.decode(block)
+
+
+@pytest.mark.parametrize("block", [
+    bytes.fromhex("1817"),  # 23 in a one-byte argument: not minimal
+    bytes.fromhex("a2616201616101"),  # {"b": 1, "a": 1}: keys out of order
+    bytes.fromhex("a2616101616102"),  # a repeated key
+    bytes.fromhex("9f01ff"),  # indefinite-length array
+    bytes.fromhex("f93c00"),  # half-precision float
+    bytes.fromhex("fb7ff8000000000000"),  # NaN
+    bytes.fromhex("c11a00000000"),  # tag 1
+    bytes.fromhex("0101"),  # trailing bytes
+    bytes.fromhex("d82a4401020304"),  # tag 42 without the 0x00 prefix
+    bytes.fromhex("62ff00"),  # invalid UTF-8
+])
+def test_fast_cbor_leaves_non_canonical_blocks_to_dag_cbor(block: bytes) -> None:
+    try:
+        expected: object = dag_cbor.decode(block)
+    except Exception as exc:  # the library's verdict, whatever its type
+        with pytest.raises(type(exc)):
+            cbor.decode(block)
+    else:
+        assert cbor.decode(block) == expected

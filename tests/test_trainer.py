@@ -14,6 +14,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel, ConfigDict
 
 from trainer import (
@@ -221,6 +223,73 @@ def test_safetensors_bytes_are_sorted_and_deterministic() -> None:
     back = bytes_to_tensors(data)
     assert list(back) == ["a", "b"] and torch.equal(back["b"], t["b"])
     assert len(code_hash()) == 32 and code_hash() == code_hash()
+
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool]
+
+
+@st.composite
+def _tensor_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    names = draw(st.lists(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=12)
+                          | st.sampled_from(["param/h.0.w", "delta/emb", "ü", 'q"x', "b\\s"]),
+                          max_size=6, unique=True))
+    out = {}
+    for name in names:
+        shape = draw(st.lists(st.integers(0, 5), max_size=3))
+        dtype = draw(st.sampled_from(_DTYPES))
+        raw = draw(st.binary(min_size=0, max_size=0)) if 0 in shape else None
+        t = torch.randint(0, 256, (max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size(),),
+                          dtype=torch.uint8, generator=torch.Generator().manual_seed(len(out)))
+        t = t.view(dtype)[: torch.Size(shape).numel()].reshape(shape) if raw is None else torch.empty(shape, dtype=dtype)
+        out[name] = t
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tensor_dicts())
+def test_tensor_bytes_are_the_safetensors_librarys_bytes(tensors: dict[str, torch.Tensor]) -> None:
+    """trainer.tensorbytes writes and reads safetensors itself (one copy, not three): its
+    bytes must be the library's, and what it reads back the library's tensors, bit for bit."""
+    from safetensors.torch import load, save
+
+    from trainer import tensorbytes
+
+    data = tensorbytes.encode(tensors)
+    assert data == save(tensors)
+    ours, theirs = tensorbytes.decode(data), load(data)
+    assert sorted(ours) == sorted(theirs)
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and ours[name].shape == t.shape
+        assert ours[name].reshape(-1).view(torch.uint8).tolist() == t.reshape(-1).view(torch.uint8).tolist()
+        if t.numel():
+            ours[name].reshape(-1)[0] = ours[name].reshape(-1)[-1]  # writable, and not the caller's bytes
+    assert data == save(tensors)
+
+
+@pytest.mark.parametrize("data", [
+    b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ",  # too short; an empty header is fine
+    (16).to_bytes(8, "little") + b'{"a":1}         ',  # an entry that is no tensor
+    (64).to_bytes(8, "little") + b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}          ' + bytes(8),
+    (64).to_bytes(8, "little") + b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}          ' + bytes(8),
+    (72).to_bytes(8, "little") + b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32",'
+    b'"shape":[1],"data_offsets":[0,4]}}' + bytes(4),
+    (64).to_bytes(8, "little") + b' {"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}         ' + bytes(4),
+    (64).to_bytes(8, "little") + b'{"a":{"dtype":"F99","shape":[1],"data_offsets":[0,4]}}          ' + bytes(4),
+])
+def test_tensor_bytes_leave_malformed_input_to_the_library(data: bytes) -> None:
+    from safetensors.torch import load
+
+    from trainer import tensorbytes
+
+    try:
+        expected = load(data)
+    except Exception as exc:  # the library's verdict, whatever its type
+        with pytest.raises(type(exc)):
+            tensorbytes.decode(data)
+    else:
+        got = tensorbytes.decode(data)
+        assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in got)
 
 
 # --- multi-process runs ------------------------------------------------------------

@@ -75,3 +75,38 @@ def test_a_tampered_start_state_block_fails_content_with_its_cid(trained_run, tm
     code, report = verify(run_dir)
     assert code == 1 and [s["ok"] for s in report["steps"]] == [True, False, True]
     assert str(victim) in report["steps"][1]["failures"]["content"]
+
+
+@pytest.mark.slow
+def test_worker_processes_report_exactly_what_one_process_reports(trained_run, tmp_path, monkeypatch):
+    """Levels 2 and 3 run in forked workers over ranges of steps; whatever is tampered
+    with, and wherever a range starts, the report is the one a single process gives."""
+    from lineage import verify as V
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run[0], run_dir)
+    record = RunRecord.load(run_dir)
+    store = Blockstore(record.blocks_dir(run_dir))
+    step3 = dag_cbor.decode(store.get(record.head))
+    step2 = dag_cbor.decode(store.get(step3["parent"]))
+    step1 = dag_cbor.decode(store.get(step2["parent"]))
+    for victim in (parse_cid(step2["contributions"][0][1]), parse_cid(step1["stages"][0])):
+        path = _block_path(run_dir, victim)
+        raw = bytearray(path.read_bytes())
+        raw[7] ^= 0x10
+        path.write_bytes(bytes(raw))
+
+    forks = []
+    real_pool = V.multiprocessing.get_context("fork").Pool
+    monkeypatch.setattr(V.multiprocessing.get_context("fork"), "Pool",
+                        lambda n: forks.append(n) or real_pool(n))
+    monkeypatch.setattr(V, "MIN_STEPS_PER_WORKER", 10**6)
+    alone = V.verify_run(run_dir).as_json()
+    monkeypatch.setattr(V, "MIN_STEPS_PER_WORKER", 1)
+    monkeypatch.setattr(V.os, "cpu_count", lambda: 3)
+    forked = V.verify_run(run_dir).as_json()
+    assert forks == [3]  # one step a worker: every step's parent shards come from the store
+    assert forked == alone
+    assert [s["ok"] for s in alone["steps"]] == [False, False, True]
+    assert set(alone["steps"][0]["failures"]) == {"content", "aggregate"}  # its own shard is corrupt
+    assert set(alone["steps"][1]["failures"]) == {"content", "aggregate"}  # a corrupt contribution (and parent)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load as _st_load
-from safetensors.torch import save as _st_save
+
+from trainer import tensorbytes
 
 __all__ = [
     "Contribution",
@@ -112,12 +112,13 @@ class StepSink(Protocol):
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """safetensors bytes with sorted keys and no metadata: same tensors, same bytes."""
     ordered = {k: tensors[k].detach().cpu().contiguous() for k in sorted(tensors)}
-    return bytes(_st_save(ordered))
+    return tensorbytes.encode(ordered)
 
 
 def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    """Inverse of `tensors_to_bytes`; keys come back sorted."""
-    loaded = _st_load(data)
+    """Inverse of `tensors_to_bytes`; keys come back sorted, tensors writable (they view
+    one private copy of the data)."""
+    loaded = tensorbytes.decode(data)
     return {k: loaded[k] for k in sorted(loaded)}
 
 

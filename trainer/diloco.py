@@ -79,13 +79,18 @@ class OuterOptimizer:
         params: dict[str, torch.Tensor],
         cfg: OuterConfig,
         momentum: dict[str, torch.Tensor] | None = None,
+        *,
+        adopt: bool = False,
     ):
+        """`adopt`: take float32 tensors nobody else holds (freshly decoded) as they are,
+        rather than copying them."""
+        own = (lambda t: t.detach().float()) if adopt else (lambda t: t.detach().clone().float())
         self.names = sorted(params)
         self.cfg = cfg
-        self.params = {n: params[n].detach().clone().float() for n in self.names}
+        self.params = {n: own(params[n]) for n in self.names}
         self._momentum = {}
         for n, p in self.params.items():
-            buf = momentum[n].clone().float() if momentum is not None else torch.zeros_like(p)
+            buf = own(momentum[n]) if momentum is not None else torch.zeros_like(p)
             assert buf.shape == p.shape, (
                 f"momentum/{n}: shape {tuple(buf.shape)} != {tuple(p.shape)}"
             )
@@ -121,7 +126,7 @@ class OuterOptimizer:
         }
         if sorted(params) != sorted(momentum):
             raise ValueError("stage shard: param/ and momentum/ keys do not match")
-        return cls(params, cfg, momentum)
+        return cls(params, cfg, momentum, adopt=True)  # bytes_to_tensors gives writable copies
 
 
 def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig) -> bytes:
