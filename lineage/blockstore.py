@@ -15,9 +15,7 @@ batch succeeded (CAR import uses it: a broken CAR leaves the store unchanged).
 Speed: multiformats validates every argument of every CID it builds or prints (about a
 millisecond a call), which dwarfs hashing a 256 KiB block. The CIDs of our own blocks
 (v1, sha2-256, raw/dag-pb/dag-cbor) are therefore built and named here from their bytes
-(`cid_from_binary`, `block_name`); any other CID takes multiformats' way. `CachedReader`
-keeps recently read (already re-hashed) blocks, so a verifier that reads a shard at two
-levels hashes it once.
+(`cid_from_binary`, `block_name`); any other CID takes multiformats' way.
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ import os
 import re
 import secrets
 import shutil
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -256,57 +252,3 @@ def corrupt_blocks(store: Any) -> list[CID]:
         except CorruptBlockError:
             bad.append(cid)
     return bad
-
-
-class CachedReader:
-    """A read-only view of `store` that keeps the most recently read blocks, up to
-    `max_bytes`: a block is fetched and re-hashed once, however often a reader asks for
-    it (the verifier reads each stage shard at the content level, then again as the new
-    and as the parent shard of the aggregate level). Blocks are immutable: a CID names
-    exactly one byte string, so a cached block is as good as a re-read one. Threads may
-    share it (`cat` reads ahead in threads): a block another thread is reading is waited
-    for, not read twice; a failed read is not cached, the next reader tries again."""
-
-    def __init__(self, store: Any, max_bytes: int = 256 << 20) -> None:
-        self.store = store
-        self.max_bytes = max_bytes
-        self._blocks: OrderedDict[str, bytes] = OrderedDict()
-        self._size = 0
-        self._reading: dict[str, threading.Event] = {}
-        self._lock = threading.Lock()
-
-    def __repr__(self) -> str:
-        return f"CachedReader({self.store!r})"
-
-    def get(self, cid: CID | str | bytes) -> bytes:
-        key = block_name(cid)[0]
-        while True:
-            with self._lock:
-                data = self._blocks.get(key)
-                if data is not None:
-                    self._blocks.move_to_end(key)
-                    return data
-                other = self._reading.get(key)
-                if other is None:
-                    self._reading[key] = mine = threading.Event()
-                    break
-            other.wait()  # then take it from the cache, or read it here if that read failed
-        try:
-            data = self.store.get(cid)
-            if len(data) <= self.max_bytes:
-                with self._lock:
-                    self._blocks[key] = data
-                    self._size += len(data)
-                    while self._size > self.max_bytes:
-                        self._size -= len(self._blocks.popitem(last=False)[1])
-            return data
-        finally:
-            with self._lock:
-                del self._reading[key]
-            mine.set()
-
-    def has(self, cid: CID | str | bytes) -> bool:
-        with self._lock:
-            if block_name(cid)[0] in self._blocks:
-                return True
-        return self.store.has(cid)

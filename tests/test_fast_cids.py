@@ -1,5 +1,4 @@
-"""The blockstore's fast CID paths give exactly what multiformats gives, and the verifier's
-block cache hashes a block once.
+"""The blockstore's fast CID paths give exactly what multiformats gives.
 
 multiformats validates every argument of every CID it builds or prints (about a
 millisecond a call); `lineage.blockstore` builds and names the CIDs of our own blocks from
@@ -16,10 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID, multihash
 
-from lineage.blockstore import Blockstore, CachedReader, block_name, cid_from_binary, cid_of_block
+from lineage.blockstore import Blockstore, block_name, cid_from_binary, cid_of_block
 from lineage.cid import DAG_CBOR, DAG_PB, RAW, as_v1, cid_for, cid_from_digest, digest_of, parse_cid
-from lineage.errors import BlockNotFoundError, CorruptBlockError
-from lineage.unixfs import import_bytes, read_bytes
 
 
 @settings(max_examples=40, deadline=None)
@@ -56,52 +53,6 @@ def test_a_store_reads_blocks_by_any_form_of_their_cid(tmp_path):
         assert store.get(form) == b"block"
         assert store.has(form)
     assert list(store) == [cid]
-
-
-class CountingStore:
-    """A real blockstore that counts the reads that reach it."""
-
-    def __init__(self, store: Blockstore) -> None:
-        self.store, self.reads = store, 0
-
-    def get(self, cid):
-        self.reads += 1
-        return self.store.get(cid)
-
-    def has(self, cid):
-        return self.store.has(cid)
-
-
-def test_the_cached_reader_hashes_each_block_once_within_its_budget(tmp_path):
-    store = CountingStore(Blockstore(tmp_path))
-    data = b"".join(hashlib.sha256(i.to_bytes(4, "big")).digest() for i in range(1 << 15))  # 4 leaves, a root
-    root = import_bytes(data, store.store.put).cid
-    cached = CachedReader(store, max_bytes=2 << 20)
-    assert read_bytes(cached, root) == data
-    first = store.reads
-    assert first >= 5
-    assert read_bytes(cached, root) == data
-    assert store.reads == first  # all from the cache
-
-    small = CachedReader(store, max_bytes=300_000)  # room for one leaf: the rest is read again
-    read_bytes(small, root)
-    before = store.reads
-    read_bytes(small, root)
-    assert store.reads - before >= 4
-
-
-def test_the_cached_reader_still_refuses_missing_and_corrupt_blocks(tmp_path):
-    store = Blockstore(tmp_path)
-    cid = store.put(b"shard bytes")
-    path = next(p for p in tmp_path.rglob("*") if p.is_file())
-    path.write_bytes(b"shard bytez")
-    cached = CachedReader(store)
-    for _ in range(2):  # a failed read is not cached
-        with pytest.raises(CorruptBlockError, match=str(cid)):
-            cached.get(cid)
-    with pytest.raises(BlockNotFoundError):
-        cached.get(cid_for(b"never stored"))
-    assert not cached.has(cid_for(b"never stored"))
 
 
 def test_the_fast_paths_are_much_faster_than_multiformats():
