@@ -548,7 +548,7 @@ class Ledger:
     def challenge(self, challenge_id: int) -> dict[str, Any]:
         """Challenge `challenge_id` as stored, plus the evidence digest of its opening event."""
         c = _view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
-        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "node", "challenger", "bond")
+        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "openedAt", "node", "challenger", "bond")
         out = dict(zip(keys, c, strict=True))
         logs = self.ledger.events.ChallengeOpened().get_logs(
             from_block=0, argument_filters={"challengeId": challenge_id})
@@ -557,18 +557,21 @@ class Ledger:
 
     def challenges(self, *, run_id: int | None = None, node: str | None = None) -> list[dict[str, Any]]:
         """Opened challenges (of one run, against one node, or all), oldest first, each with
-        `resolved` and, once resolved, `upheld`."""
+        `resolved`, `expired` (dismissed without a verdict) and, once ruled on, `upheld`."""
         filters = {"runId": run_id} if run_id is not None else {}
         opened = self.ledger.events.ChallengeOpened().get_logs(from_block=0, argument_filters=filters)
         resolved = {int(log["args"]["challengeId"]): bool(log["args"]["upheld"])
                     for log in self.ledger.events.ChallengeResolved().get_logs(from_block=0, argument_filters=filters)}
+        expired = {int(log["args"]["challengeId"])
+                   for log in self.ledger.events.ChallengeExpired().get_logs(from_block=0, argument_filters=filters)}
         out = []
         for log in opened:
             a = dict(log["args"])
             if node is not None and a["node"].lower() != node.lower():
                 continue
             cid = int(a["challengeId"])
-            a.update(resolved=cid in resolved, upheld=resolved.get(cid), tx=log["transactionHash"].to_0x_hex())
+            a.update(resolved=cid in resolved or cid in expired, expired=cid in expired, upheld=resolved.get(cid),
+                     tx=log["transactionHash"].to_0x_hex())
             out.append(a)
         return out
 
@@ -624,6 +627,18 @@ class Ledger:
             head=bytes(rolled[0]["args"]["head"]) if rolled else None,
             tx=receipt["transactionHash"].to_0x_hex(),
         )
+
+    def resolution_period(self) -> int:
+        """Seconds an opened challenge waits for a verdict before anyone may expire it."""
+        return int(self.ledger.functions.resolutionPeriod().call())
+
+    def expire_challenge(self, sender: LocalAccount, challenge_id: int) -> tuple[int, str, str]:
+        """Dismiss a challenge no quorum ruled on within the resolution period; returns
+        (the bond in wei, who it was credited to: the challenger, the transaction hash)."""
+        receipt = self.chain.transact(self.ledger.functions.expireChallenge(challenge_id), sender,
+                                      context=f"expireChallenge({challenge_id})")
+        (released,) = self.registry.events.BondReleased().process_receipt(receipt, errors=DISCARD)
+        return int(released["args"]["amount"]), released["args"]["to"], receipt["transactionHash"].to_0x_hex()
 
     def verdict_digest(self, challenge_id: int, upheld: bool) -> bytes:
         """The EIP-712 digest an arbiter signs (checked against the contract in tests)."""

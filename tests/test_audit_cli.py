@@ -349,3 +349,41 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
     assert ledger.credit_of(nodes[2].address) == ETHER
     assert [c.status for c in ledger.commits(run_id)] == ["pending"]
     assert ledger.head(run_id) == (h("k1"), 1)
+
+
+def test_a_challenge_no_quorum_rules_on_expires(ledger, accounts, anvil):
+    """Arbiters who never vote must not lock the challenger's bond, the node's stake and the
+    step's finality forever: after the resolution period anyone may expire the challenge.
+    (Last in this module: it moves the module's chain clock forward by a week.)"""
+    nodes, verifier, arbiters = accounts[1:5], accounts[5], accounts[8:11]
+    for n in [*nodes, verifier]:
+        ledger.ensure_staked(n, ETHER)
+    run_id = ledger.create_run(accounts[0], config_digest=h("c"), genesis_digest=h("g"),
+                               nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
+                               min_stake=ETHER, arbiters=[x.address for x in arbiters], quorum=2)
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+    atts = []
+    for slot, n in enumerate(nodes):
+        r, s = divmod(slot, S)
+        c = ContributionClaim(run_id, 1, r, s, h("g"), h(f"c{slot}"), h("d"), h("code"), 0)
+        atts.append(Attestation(r, s, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(domain, n.key)))
+    ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("g"), checkpoint=h("k1"),
+                       metrics_digest=h("m"), attestations=atts)
+    cid, _ = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=0, stage=1, bond=ETHER)
+    env = {"DLX_RPC": anvil.url, "DLX_LEDGER": ledger.ledger.address, "DLX_NODE_KEY": accounts[6].key.hex()}
+
+    assert f"challenge {cid} awaits its arbiters until" in one_line_error(run_dlx(env, "expire-challenge", str(cid)))
+    rpc_call(anvil.url, "evm_increaseTime", [ledger.resolution_period() + 1])
+    rpc_call(anvil.url, "evm_mine")
+    credit = ledger.credit_of(verifier.address)
+    res = run_dlx(env, "expire-challenge", str(cid), "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert (out["node"], out["bond_to"], out["bond_wei"]) == (nodes[1].address, verifier.address, str(ETHER))
+    assert ledger.credit_of(verifier.address) - credit == ETHER and ledger.stake_of(nodes[1].address) == ETHER
+    assert ledger.open_challenges_of(nodes[1].address) == 0 and ledger.step_info(run_id, 1)["openChallenges"] == 0
+    (listed,) = ledger.challenges(run_id=run_id)
+    assert listed["resolved"] and listed["expired"] and listed["upheld"] is None
+    ledger.finalize(accounts[0], run_id, 1)
+    assert ledger.finalized_step(run_id) == 1
+    assert "already resolved" in one_line_error(run_dlx(env, "expire-challenge", str(cid)))

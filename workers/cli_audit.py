@@ -6,6 +6,7 @@
     dlx challenge RUN STEP --node ADDR            # replay the node's work; challenge a mismatch
     dlx arbiter vote ID --uphold|--dismiss [--replay] [--out FILE]   # sign a verdict
     dlx arbiter resolve ID --uphold|--dismiss SIG_OR_FILE...         # submit a quorum
+    dlx expire-challenge ID                       # no verdict within the period: bond back, step free
     dlx slash-equivocation A.json B.json          # two signed claims of one slot: slash at once
 
 The chain is found as for `dlx node` (workers/cli_node.py); blocks come from `--store DIR`,
@@ -44,6 +45,7 @@ from .cli_node import (
     RunDirOpt,
     StackOpt,
     address,
+    chain_time,
     fmt_wei,
     load_key,
     parse_amount,
@@ -529,6 +531,38 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             _out(f"challenge {challenge_id} dismissed: node {res.node} keeps its stake")
         _out(f"bond      {fmt_wei(res.bond)} credited to {res.bond_to}")
         _out(f"tx        {res.tx}")
+
+    @app.command("expire-challenge")
+    @user_errors
+    def expire_challenge(
+        challenge_id: Annotated[int, typer.Argument(min=1, help="The challenge id.")],
+        as_json: JsonOpt = False,
+        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+        run_dir: RunDirOpt = None, stack: StackOpt = None,
+    ) -> None:
+        """Dismiss a challenge no arbiter quorum ruled on within the ledger's resolution
+        period (the unbonding delay): the bond goes back to the challenger, the node may
+        withdraw again, the step may be finalized. Anyone may send it (the node key pays)."""
+        sender = load_key("node")
+        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+        with ep.connect(writable=True) as lg:
+            c = lg.challenge(challenge_id)
+            if c["resolved"]:
+                raise AuditError(f"challenge {challenge_id} is already resolved")
+            deadline = int(c["openedAt"]) + lg.resolution_period()
+            if chain_time(lg) <= deadline:
+                raise AuditError(f"challenge {challenge_id} awaits its arbiters until {deadline} "
+                                 f"(chain time now {chain_time(lg)})")
+            bond, to, tx = lg.expire_challenge(sender, challenge_id)
+        if as_json:
+            sys.stdout.write(json.dumps({"challenge": challenge_id, "run": int(c["runId"]), "step": int(c["step"]),
+                                         "node": c["node"], "bond_wei": str(bond), "bond_to": to, "tx": tx},
+                                        indent=2) + "\n")
+            return
+        _out(f"challenge {challenge_id} expired without a verdict: node {c['node']} keeps its stake, "
+             f"run {c['runId']} step {c['step']} may be finalized")
+        _out(f"bond      {fmt_wei(bond)} credited back to {to}")
+        _out(f"tx        {tx}")
 
     @app.command("slash-equivocation")
     @user_errors

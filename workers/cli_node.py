@@ -386,7 +386,8 @@ def node_status(lg: Any, node: str) -> dict[str, Any]:
     if lg.ledger.address != lg.registry.address:  # a registry with no ledger bound has none
         challenges = [{"id": int(c["challengeId"]), "run": int(c["runId"]), "step": int(c["step"]),
                        "replica": int(c["replica"]), "stage": int(c["stage"]), "challenger": c["challenger"],
-                       "bond_wei": str(c["bond"]), "resolved": c["resolved"], "upheld": c["upheld"]}
+                       "bond_wei": str(c["bond"]), "resolved": c["resolved"], "expired": c["expired"],
+                       "upheld": c["upheld"]}
                       for c in lg.challenges(node=node)]
     return {
         "node": node, "chain_id": lg.chain.chain_id, "registry": lg.registry.address, "ledger": lg.ledger.address,

@@ -81,6 +81,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     INodeRegistry private immutable _registry;
     uint64 private immutable _maxChallengeWindow;
+    uint64 private immutable _resolutionPeriod;
     uint256 private _runCount;
     uint256 private _challengeCount;
     mapping(uint256 runId => Run) private _runs;
@@ -93,6 +94,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         _registry = registry_;
         // Every window stays strictly below the unbonding delay (see NodeRegistry).
         _maxChallengeWindow = registry_.unbondingDelay() - 1;
+        _resolutionPeriod = registry_.unbondingDelay();
     }
 
     // ------------------------------------------------------------------------ runs and steps
@@ -232,6 +234,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             replica: replica,
             stage: stage,
             resolved: false,
+            openedAt: uint40(block.timestamp),
             node: node,
             challenger: msg.sender,
             bond: msg.value
@@ -274,6 +277,21 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         _registry.releaseBond(node, payee, c.bond);
     }
 
+    /// @inheritdoc ITrainingLedger
+    function expireChallenge(uint256 challengeId) external {
+        Challenge storage c = _existingChallenge(challengeId);
+        if (c.resolved) revert LedgerChallengeResolved(challengeId);
+        uint256 deadline = uint256(c.openedAt) + _resolutionPeriod;
+        // slither-disable-next-line timestamp -- the period is days; block times move by seconds.
+        if (block.timestamp <= deadline) revert LedgerResolutionPending(challengeId, deadline);
+
+        c.resolved = true;
+        StepInfo storage record = _runs[c.runId].steps[c.step];
+        if (record.epoch == c.epoch) record.openChallenges -= 1;
+        emit ChallengeExpired(challengeId, c.runId, c.step, c.node);
+        _registry.releaseBond(c.node, c.challenger, c.bond);
+    }
+
     // ------------------------------------------------------------------------ views
 
     /// @inheritdoc ITrainingLedger
@@ -284,6 +302,11 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @inheritdoc ITrainingLedger
     function maxChallengeWindow() external view returns (uint64) {
         return _maxChallengeWindow;
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function resolutionPeriod() external view returns (uint64) {
+        return _resolutionPeriod;
     }
 
     /// @inheritdoc ITrainingLedger

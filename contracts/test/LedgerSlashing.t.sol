@@ -588,6 +588,84 @@ contract LedgerSlashingTest is LedgerFixture {
 
     // ---------------------------------------------------------------- finalize
 
+    function test_constructor_givesArbitersTheUnbondingDelayToRule() public view {
+        assertEq(ledger.resolutionPeriod(), UNBONDING_DELAY);
+    }
+
+    function test_expireChallenge_afterThePeriod_refundsTheChallenger_freesTheNode_andTheStep() public {
+        uint256 runId = _createRun();
+        StepCall memory c = _commitNext(runId);
+        uint256 id = _challenge(c, 1, 0);
+        uint256 opened = block.timestamp;
+        assertEq(ledger.challenge(id).openedAt, opened);
+
+        vm.warp(opened + UNBONDING_DELAY + 1);
+        vm.expectEmit(address(ledger));
+        emit ITrainingLedger.ChallengeExpired(id, runId, 1, nodes[2]);
+        vm.prank(makeAddr("anyone"));
+        ledger.expireChallenge(id);
+
+        assertTrue(ledger.challenge(id).resolved);
+        assertEq(registry.creditOf(verifier), MIN_STAKE); // the bond, and no more
+        assertEq(registry.openChallengesOf(nodes[2]), 0);
+        assertEq(_stakeTotal(nodes[2]), MIN_STAKE); // not slashed
+        assertEq(ledger.stepInfo(runId, 1).openChallenges, 0);
+        assertFalse(ledger.stepInfo(runId, 1).rejected);
+        ledger.finalize(runId, 1);
+        assertEq(ledger.finalizedStep(runId), 1);
+        _assertAccounting();
+    }
+
+    function test_expireChallenge_revertsWith_ResolutionPending_atTheDeadline() public {
+        StepCall memory c = _commitNext(_createRun());
+        uint256 id = _challenge(c, 0, 0);
+        uint256 deadline = block.timestamp + UNBONDING_DELAY;
+        vm.warp(deadline);
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerResolutionPending.selector, id, deadline));
+        ledger.expireChallenge(id);
+    }
+
+    function test_expireChallenge_revertsWith_ChallengeResolved_afterAVerdict_andAfterExpiry() public {
+        StepCall memory c = _commitNext(_createRun());
+        uint256 ruled = _challenge(c, 0, 0);
+        uint256 ignored = _challenge(c, 1, 1);
+        ledger.resolveChallenge(ruled, false, _verdicts(ruled, false, 2));
+        vm.warp(block.timestamp + UNBONDING_DELAY + 1);
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerChallengeResolved.selector, ruled));
+        ledger.expireChallenge(ruled);
+
+        ledger.expireChallenge(ignored);
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerChallengeResolved.selector, ignored));
+        ledger.expireChallenge(ignored);
+        bytes[] memory sigs = _verdicts(ignored, true, 2); // a late verdict changes nothing
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerChallengeResolved.selector, ignored));
+        ledger.resolveChallenge(ignored, true, sigs);
+        _assertAccounting();
+    }
+
+    function test_expireChallenge_revertsWith_UnknownChallenge_whenIdIsUnused() public {
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownChallenge.selector, 9));
+        ledger.expireChallenge(9);
+    }
+
+    function test_expireChallenge_ofAStaleRecord_leavesTheNewRecordAlone() public {
+        uint256 runId = _createRun();
+        StepCall memory s1 = _commitNext(runId);
+        StepCall memory s2 = _commitNext(runId);
+        uint256 onChild = _challenge(s2, 0, 0);
+        uint256 onParent = _challenge(s1, 0, 1);
+        ledger.resolveChallenge(onParent, true, _verdicts(onParent, true, 2));
+        salt = 7;
+        _commitNextReplacing(runId, 1);
+        StepCall memory again = _commitNextReplacing(runId, 1);
+        _challenge(again, 1, 1);
+
+        vm.warp(block.timestamp + UNBONDING_DELAY + 1);
+        ledger.expireChallenge(onChild); // the rejected step 2's challenge
+        assertEq(ledger.stepInfo(runId, 2).openChallenges, 1); // the new step 2's stays open
+        _assertAccounting();
+    }
+
     function test_finalize_afterTheWindow_makesTheStepFinal_andEmits() public {
         uint256 runId = _createRun();
         StepCall memory c = _commitNext(runId);

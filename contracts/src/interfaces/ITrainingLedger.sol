@@ -62,6 +62,7 @@ interface ITrainingLedger {
         uint32 replica;
         uint32 stage;
         bool resolved;
+        uint40 openedAt;
         address node;
         address challenger;
         uint256 bond;
@@ -165,6 +166,9 @@ interface ITrainingLedger {
     /// @notice Challenge `challengeId` was already resolved.
     error LedgerChallengeResolved(uint256 challengeId);
 
+    /// @notice Challenge `challengeId` is still within its resolution period, until `deadline`.
+    error LedgerResolutionPending(uint256 challengeId, uint256 deadline);
+
     /// @notice A verdict was signed by `signer`, not an arbiter of run `runId`.
     error LedgerNotArbiter(uint256 runId, address signer);
 
@@ -240,6 +244,11 @@ interface ITrainingLedger {
         uint256 bond,
         bytes32 evidence
     );
+
+    /// @notice No verdict on challenge `challengeId` came within the resolution period: it is
+    /// dismissed without a ruling, the bond goes back to the challenger, the node is free
+    /// to withdraw again and the step may be finalized.
+    event ChallengeExpired(uint256 indexed challengeId, uint256 indexed runId, uint64 step, address indexed node);
 
     /// @notice The arbiters ruled on challenge `challengeId`: `upheld` or not. `slashed` says
     /// whether the node is slashed now (not when already slashed for this offence); the
@@ -366,6 +375,18 @@ interface ITrainingLedger {
     ///   ascending signer address.
     function resolveChallenge(uint256 challengeId, bool upheld, bytes[] calldata signatures) external;
 
+    /// @notice Dismisses challenge `challengeId` without a ruling once its resolution period
+    /// has passed: a quorum that never rules must not hold the bond, the node's stake and the
+    /// step's finality forever. Anyone may call it. The bond goes back to the challenger; the
+    /// node is not slashed and its step stays as it is (finalizable once its window closed).
+    /// @dev Emits a {ChallengeExpired} event (and the registry's {BondReleased}).
+    ///
+    /// Requirements:
+    ///
+    /// - challenge `challengeId` exists and is unresolved;
+    /// - more than {resolutionPeriod} seconds have passed since it was opened.
+    function expireChallenge(uint256 challengeId) external;
+
     /// @notice Makes step `step` of run `runId` final. Anyone may call it.
     /// @dev Emits a {StepFinalized} event.
     ///
@@ -389,6 +410,10 @@ interface ITrainingLedger {
 
     /// @notice The longest challenge window a run may have (below the unbonding delay).
     function maxChallengeWindow() external view returns (uint64);
+
+    /// @notice Seconds an opened challenge waits for a verdict before anyone may expire it
+    /// (the registry's unbonding delay).
+    function resolutionPeriod() external view returns (uint64);
 
     /// @notice The stored record of step `step` of run `runId` (zeros if never committed).
     /// A rejected record stays readable until a new commit of the same step number.

@@ -225,6 +225,22 @@ contract LedgerHandler is CommonBase, StdUtils {
         ghost_openChallengesAgainst[c.node] -= 1;
     }
 
+    /// @notice Nobody rules on an open challenge within the resolution period: it expires.
+    function expire(uint256 idSeed) external {
+        if (_openChallenges.length == 0) return;
+        uint256 index = bound(idSeed, 0, _openChallenges.length - 1);
+        uint256 id = _openChallenges[index];
+        _openChallenges[index] = _openChallenges[_openChallenges.length - 1];
+        _openChallenges.pop();
+
+        ITrainingLedger.Challenge memory c = ledger.challenge(id);
+        uint256 deadline = uint256(c.openedAt) + ledger.resolutionPeriod();
+        if (block.timestamp <= deadline) vm.warp(deadline + 1);
+        ledger.expireChallenge(id);
+        ghost_bonds -= c.bond;
+        ghost_openChallengesAgainst[c.node] -= 1;
+    }
+
     /// @notice Finalizes the next step if its window passed and nothing holds it.
     function finalize(uint256 waitSeed) external {
         (, uint64 headStep) = ledger.runHead(runId);
