@@ -40,7 +40,7 @@ from eth_utils import keccak
 from trainer.errors import ConfigError
 
 from .attest import ContributionClaim, Domain
-from .blockstore import Blockstore
+from .blockstore import Blockstore, block_name
 from .chain import StepRecord
 from .cid import DAG_CBOR, cid_from_digest, digest_of
 from .errors import DlxError
@@ -224,7 +224,7 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
         rec, checkpoint, prev = work.steps[i], work.checkpoints[i + 1], work.checkpoints[i]
         result: dict[str, str | None] = {}
         manifest = shards = None
-        read: dict[bytes, bytes] = {}  # level 2's reads of what level 3 recomputes with
+        read: dict[str, bytes] = {}  # level 2's reads of what level 3 recomputes with
         for level in work.levels:
             try:
                 if manifest is None:
@@ -313,15 +313,15 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
 
 
 def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int, prev: Any, config: Any,
-                    R: int, S: int, keep: dict[bytes, bytes] | None = None) -> None:
+                    R: int, S: int, keep: dict[str, bytes] | None = None) -> None:
     """Level 2; with `keep`, the contributions' and shards' bytes are left there for level 3
-    (read once, hashed once), by digest."""
+    (read once, hashed once), by block name (the CID: codec and digest)."""
 
     def check(cid: Any) -> None:
         if keep is None:
             check_file(store, cid, workers=0)
         else:
-            keep[digest_of(cid)] = read_bytes(store, cid, workers=0)
+            keep[block_name(cid)[0]] = read_bytes(store, cid, workers=0)
 
     _check(m.step == rec.step, f"manifest says step {m.step}")
     _check(m.run == run_id, f"manifest says run {m.run}")
@@ -372,13 +372,13 @@ def _import_outer_math() -> None:
 
 
 def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
-                      R: int, S: int, read: dict[bytes, bytes]) -> list[bytes]:
+                      R: int, S: int, read: dict[str, bytes]) -> list[bytes]:
     """Recompute each stage's new shard; returns the stored (equal) shards, the next
-    step's parents. `read`: files level 2 has read already, by digest."""
+    step's parents. `read`: files level 2 has read already, by block name."""
     from trainer.diloco import apply_outer_step
 
     def get(cid: Any) -> bytes:
-        data = read.get(digest_of(cid))
+        data = read.get(block_name(cid)[0])
         return data if data is not None else read_bytes(store, cid, workers=0)
 
     _check(len(m.stages) == S and len(parent_shards) == S, f"{len(m.stages)} stage shards for {S} stages")
