@@ -317,9 +317,9 @@ def test_signed_claims_round_trip_and_refuse_malformed_documents(accounts):
         bad_sig.recover()
 
 
-def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts):
-    """`Ledger.resolve_with` (the arbiter CLI's call) on a dismissed challenge: the bond goes
-    to the node's operator, nothing is slashed or rejected, the head stays."""
+def _committed_run(ledger: Ledger, accounts: list) -> tuple[int, list, Any, list]:
+    """A 2x2 run with three arbiters (quorum 2) whose step 1 four staked nodes signed:
+    (run id, the nodes in slot order, a staked verifier, the arbiters)."""
     nodes, verifier, arbiters = accounts[1:5], accounts[5], accounts[8:11]
     for n in [*nodes, verifier]:
         ledger.ensure_staked(n, ETHER)
@@ -334,6 +334,13 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
         atts.append(Attestation(r, s, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(domain, n.key)))
     ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("g"), checkpoint=h("k1"),
                        metrics_digest=h("m"), attestations=atts)
+    return run_id, nodes, verifier, arbiters
+
+
+def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts):
+    """`Ledger.resolve_with` (the arbiter CLI's call) on a dismissed challenge: the bond goes
+    to the node's operator, nothing is slashed or rejected, the head stays."""
+    run_id, nodes, verifier, arbiters = _committed_run(ledger, accounts)
     cid, tx = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=1, stage=0, bond=ETHER)
     assert ledger.challenges(run_id=run_id)[0]["tx"] == tx
     assert ledger.run_params(run_id)["minStake"] == ETHER
@@ -355,20 +362,7 @@ def test_a_challenge_no_quorum_rules_on_expires(ledger, accounts, anvil):
     """Arbiters who never vote must not lock the challenger's bond, the node's stake and the
     step's finality forever: after the resolution period anyone may expire the challenge.
     (Last in this module: it moves the module's chain clock forward by a week.)"""
-    nodes, verifier, arbiters = accounts[1:5], accounts[5], accounts[8:11]
-    for n in [*nodes, verifier]:
-        ledger.ensure_staked(n, ETHER)
-    run_id = ledger.create_run(accounts[0], config_digest=h("c"), genesis_digest=h("g"),
-                               nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
-                               min_stake=ETHER, arbiters=[x.address for x in arbiters], quorum=2)
-    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    atts = []
-    for slot, n in enumerate(nodes):
-        r, s = divmod(slot, S)
-        c = ContributionClaim(run_id, 1, r, s, h("g"), h(f"c{slot}"), h("d"), h("code"), 0)
-        atts.append(Attestation(r, s, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(domain, n.key)))
-    ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("g"), checkpoint=h("k1"),
-                       metrics_digest=h("m"), attestations=atts)
+    run_id, nodes, verifier, arbiters = _committed_run(ledger, accounts)
     cid, _ = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=0, stage=1, bond=ETHER)
     env = {"DLX_RPC": anvil.url, "DLX_LEDGER": ledger.ledger.address, "DLX_NODE_KEY": accounts[6].key.hex()}
 

@@ -478,18 +478,7 @@ contract LedgerSlashingTest is LedgerFixture {
     }
 
     function test_resolveChallenge_ofAStaleRecord_leavesTheNewRecordAlone() public {
-        uint256 runId = _createRun();
-        StepCall memory s1 = _commitNext(runId);
-        StepCall memory s2 = _commitNext(runId);
-        uint256 onChild = _challenge(s2, 0, 0);
-        uint256 onParent = _challenge(s1, 0, 1);
-        ledger.resolveChallenge(onParent, true, _verdicts(onParent, true, 2));
-
-        // Steps 1 and 2 are committed again (node1, slashed, is replaced by node0).
-        salt = 7;
-        _commitNextReplacing(runId, 1);
-        StepCall memory again = _commitNextReplacing(runId, 1);
-        uint256 fresh = _challenge(again, 1, 1);
+        (uint256 runId, uint256 onChild, uint256 fresh) = _challengesOnAStaleAndANewStep2();
         assertEq(ledger.stepInfo(runId, 2).openChallenges, 1);
 
         // Resolving the old challenge on step 2 does not touch the new step 2's count.
@@ -499,6 +488,22 @@ contract LedgerSlashingTest is LedgerFixture {
         ledger.resolveChallenge(fresh, false, _verdicts(fresh, false, 2));
         assertEq(ledger.stepInfo(runId, 2).openChallenges, 0);
         _assertAccounting();
+    }
+
+    /// @dev A run whose step 2 was challenged (`onChild`), then rejected with step 1 by an
+    /// upheld challenge on step 1, then committed again (node1, slashed, replaced by node0)
+    /// and challenged once more (`fresh`).
+    function _challengesOnAStaleAndANewStep2() internal returns (uint256 runId, uint256 onChild, uint256 fresh) {
+        runId = _createRun();
+        StepCall memory s1 = _commitNext(runId);
+        StepCall memory s2 = _commitNext(runId);
+        onChild = _challenge(s2, 0, 0);
+        uint256 onParent = _challenge(s1, 0, 1);
+        ledger.resolveChallenge(onParent, true, _verdicts(onParent, true, 2));
+        salt = 7;
+        _commitNextReplacing(runId, 1);
+        StepCall memory again = _commitNextReplacing(runId, 1);
+        fresh = _challenge(again, 1, 1);
     }
 
     /// @dev Commits the next step of `runId` with slot `slot` signed by node0 instead.
@@ -649,16 +654,7 @@ contract LedgerSlashingTest is LedgerFixture {
     }
 
     function test_expireChallenge_ofAStaleRecord_leavesTheNewRecordAlone() public {
-        uint256 runId = _createRun();
-        StepCall memory s1 = _commitNext(runId);
-        StepCall memory s2 = _commitNext(runId);
-        uint256 onChild = _challenge(s2, 0, 0);
-        uint256 onParent = _challenge(s1, 0, 1);
-        ledger.resolveChallenge(onParent, true, _verdicts(onParent, true, 2));
-        salt = 7;
-        _commitNextReplacing(runId, 1);
-        StepCall memory again = _commitNextReplacing(runId, 1);
-        _challenge(again, 1, 1);
+        (uint256 runId, uint256 onChild,) = _challengesOnAStaleAndANewStep2();
 
         vm.warp(block.timestamp + UNBONDING_DELAY + 1);
         ledger.expireChallenge(onChild); // the rejected step 2's challenge

@@ -201,10 +201,7 @@ contract LedgerHandler is CommonBase, StdUtils {
     /// @notice Two arbiters rule on an open challenge.
     function resolve(uint256 idSeed, bool upheld) external {
         if (_openChallenges.length == 0) return;
-        uint256 index = bound(idSeed, 0, _openChallenges.length - 1);
-        uint256 id = _openChallenges[index];
-        _openChallenges[index] = _openChallenges[_openChallenges.length - 1];
-        _openChallenges.pop();
+        uint256 id = _takeOpenChallenge(idSeed);
 
         ITrainingLedger.Challenge memory c = ledger.challenge(id);
         bytes32 offence = ledger.offenceId(1, runId, c.step, c.replica, c.stage, bytes32(uint256(c.epoch)), c.node);
@@ -228,10 +225,7 @@ contract LedgerHandler is CommonBase, StdUtils {
     /// @notice Nobody rules on an open challenge within the resolution period: it expires.
     function expire(uint256 idSeed) external {
         if (_openChallenges.length == 0) return;
-        uint256 index = bound(idSeed, 0, _openChallenges.length - 1);
-        uint256 id = _openChallenges[index];
-        _openChallenges[index] = _openChallenges[_openChallenges.length - 1];
-        _openChallenges.pop();
+        uint256 id = _takeOpenChallenge(idSeed);
 
         ITrainingLedger.Challenge memory c = ledger.challenge(id);
         uint256 deadline = uint256(c.openedAt) + ledger.resolutionPeriod();
@@ -290,6 +284,14 @@ contract LedgerHandler is CommonBase, StdUtils {
     }
 
     // ---------------------------------------------------------------- helpers
+
+    /// @dev Removes and returns one of the open challenges (there must be one).
+    function _takeOpenChallenge(uint256 seed) internal returns (uint256 id) {
+        uint256 index = bound(seed, 0, _openChallenges.length - 1);
+        id = _openChallenges[index];
+        _openChallenges[index] = _openChallenges[_openChallenges.length - 1];
+        _openChallenges.pop();
+    }
 
     function _operator(uint256 i) internal pure returns (address) {
         return vm.addr(0xE000 + i);
