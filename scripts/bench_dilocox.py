@@ -62,14 +62,17 @@ def base_job(args: argparse.Namespace) -> dict:
 
 
 class LastStep:
+    """Keeps only the latest step: a step holds every shard, contribution and round-start
+    state, and the benchmark reads the last one's metrics."""
+
     def __init__(self) -> None:
-        self.steps: list = []
+        self.last = None
 
     def on_genesis(self, genesis) -> None:
         pass
 
     def on_step(self, step) -> None:
-        self.steps.append(step)
+        self.last = step
 
     def on_progress(self, progress) -> None:
         pass
@@ -90,7 +93,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int) -> dict:
     sink = LastStep()
     start = time.perf_counter()
     train_local(load_job(job), sink, timeout_s=3600)
-    m = dict(sink.steps[-1].metrics)
+    m = dict(sink.last.metrics)
     m["process_s"] = time.perf_counter() - start
     m["name"], m["seed"] = name, seed
     m["delay"] = delay

@@ -390,6 +390,17 @@ def run_rank(
 
 
 def _peak_rss_mb() -> float:
+    """This rank's own peak resident memory. Not `ru_maxrss`: Linux carries the launching
+    process's peak into a spawned child's (exec records the old address space's high-water
+    mark), so a rank started by a 2 GB parent reported 2 GB. `VmHWM` is the peak of the
+    rank's own address space."""
+    try:
+        with open("/proc/self/status", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
