@@ -504,4 +504,18 @@ def test_a_cheat_is_refused_off_a_local_chain_before_anything_starts(small_job, 
         refuse_cheat_off_local_chain(job, "http://10.11.12.13:8545", ANVIL_CHAIN_ID, queue=True)
     with pytest.raises(ConfigError, match="'equivocate' runs only under `dlx train`"):
         refuse_cheat_off_local_chain(_job(small_job, '[cheat]\nmode = "equivocate"\n'), anvil.url, queue=True)
+    # `dlx submit` refuses such a job before it touches the stack's Redis (which is not even
+    # running here): one line, exit code 2, nothing queued.
+    from workers.stack import Stack
+
+    stack_dir = tmp_path / "stack"
+    stack_dir.mkdir()
+    Stack(dir=str(stack_dir), redis_url="redis://127.0.0.1:1/0", redis_pid=0, rpc="http://10.11.12.13:8545",
+          anvil_pid=0, chain_id=ANVIL_CHAIN_ID, registry="0x" + "11" * 20, ledger="0x" + "22" * 20).save()
+    job_file = tmp_path / "cheat.toml"
+    job_file.write_text(small_job("cheat", extra=cheat))
+    res = dlx("submit", job_file, "--stack", stack_dir, timeout=120)
+    assert res.returncode == 2 and res.stderr.strip() == (
+        "dlx: error: cheat: refused on http://10.11.12.13:8545: cheating nodes run only on a local chain "
+        f"(the embedded anvil, or chain id {ANVIL_CHAIN_ID} on a loopback host)"), res.stderr
 

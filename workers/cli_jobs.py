@@ -230,9 +230,11 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
 
     job = load_job_file(job_file)  # before anything is written
     from workers.jobs import JobStore, connect
+    from workers.local import refuse_cheat_off_local_chain
     from workers.stack import Stack
 
     stack = Stack.load(stack_dir)
+    refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
     job_id = store.create({
         "job_toml": job_file.read_text(), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
