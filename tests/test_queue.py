@@ -163,6 +163,25 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     report = json.loads(res.stdout)
     assert res.returncode == 0, report
     assert [s["step"] for s in report["steps"]] == list(range(1, 9))
+    # Exact resume: the ranks re-ran round `committed` from its start states, so the inner
+    # optimizer and compressor state they carried into the next round is the one that round
+    # leaves (a replay of it says what that is), not a fresh one.
+    from lineage.manifest import get_manifest
+    from lineage.replay import job_of, replay_many
+    from lineage.runrecord import RunRecord
+    from lineage.unixfs import read_bytes
+    from trainer.replay import fresh_state_core, state_core
+
+    run_dir = Path(st["run_dir"])
+    store = RunRecord.load(run_dir).open_store(run_dir)
+    checkpoint = {s["step"]: s["checkpoint"] for s in report["steps"]}
+    (seam,) = replay_many(store, [(checkpoint[committed], 1)], 0.0)
+    assert seam.ok, seam.as_json()
+    after = get_manifest(store, checkpoint[committed + 1])
+    for s, left in enumerate(seam.end_states):
+        carried = state_core(read_bytes(store, after.replay[1][s]))
+        assert carried == left, f"stage {s}: the resumed round did not start from the state round {committed} left"
+        assert carried != fresh_state_core(job_of(store, after.config), 1, s, committed + 1)
 
 
 def _commits(rec: dict) -> list[int]:

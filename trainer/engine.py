@@ -50,6 +50,7 @@ from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.data import derive_seed, load_corpus
 from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
+from trainer.errors import TrainingError
 from trainer.model import build_stage
 from trainer.transport import Transport
 
@@ -72,12 +73,19 @@ Emit = Callable[[str, Any], None]
 class ResumePoint:
     """Start from a committed checkpoint instead of the seed: this rank's stage shard
     (outer params + momentum) after outer step `step`. Rounds continue at `step + 1` with
-    the same data shards an uninterrupted run would read; the inner optimizer restarts
-    (its state is not in checkpoints), and with `outer.delay = 1` the exchange that was in
-    flight when the job stopped is lost: the resumed run starts from the checkpoint."""
+    the same data shards an uninterrupted run would read.
+
+    With `state` (this rank's published start state of round `step`) and `claimed` (its
+    published contribution of that round), a synchronous run (`outer.delay = 0`) resumes
+    exactly: the rank re-runs round `step` from that state, as a replay does, to get back
+    the inner optimizer and compressor state the round left, so the resumed run continues
+    bit for bit as the uninterrupted one would have. Without them, or with `outer.delay =
+    1` (whose exchange in flight when the job stopped is lost), both restart fresh."""
 
     step: int
     shard: bytes
+    state: bytes = b""
+    claimed: bytes = b""
 
 
 @dataclass
@@ -404,6 +412,32 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _catch_up(start: ResumePoint, job: JobConfig, topo: Topology, module: nn.Module, pipeline: Pipeline,
+              inner: torch.optim.Optimizer, params: list[torch.Tensor], compressor: Compressor,
+              corpus: Any) -> None:
+    """Re-run round `start.step` from its published start state (as `trainer.replay` does)
+    so `inner` and `compressor` hold what that round left; the caller then loads the
+    committed outer state. The round's pseudo-gradient is compressed only for the state
+    compression keeps (error feedback, warm starts, the adaptive rule's history), with the
+    byte budget the published payload recorded."""
+    from trainer.compress import payload_budget
+
+    H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+    try:
+        round_t, first_step = load_round_state(start.state, module, inner, compressor)
+    except ValueError as exc:
+        raise TrainingError(f"resume: this rank's start state of round {start.step}: {exc}") from None
+    if round_t != start.step:
+        raise TrainingError(f"resume: the start state is for round {round_t}, not {start.step}")
+    reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer of round t
+    data = corpus.shard(job.seed, topo.replica, round_t, H, B, L)
+    loss = inner_round(pipeline, inner, params, job, topo.replica, round_t, data.tokens, first_step)
+    with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
+        delta = {n: reference[n] - p.detach() for n, p in module.named_parameters()}
+        compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss,
+                            payload_budget(start.claimed) if start.claimed else None)
+
+
 def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> None:
     R, S = topo.R, topo.S
     H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
@@ -433,6 +467,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
 
     first_round = 1
     if control.start is not None:  # resume: the committed outer state, not the seed's
+        if control.start.state and job.outer.delay == 0 and not allreduce:
+            _catch_up(control.start, job, topo, module, pipeline, inner, params, compressor, corpus)
         diloco.outer = OuterOptimizer.from_bytes(control.start.shard, job.outer)
         with torch.no_grad():
             diloco._reset_local()

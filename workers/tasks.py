@@ -381,8 +381,12 @@ def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
 
     store = Blockstore(Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"])
     manifest = get_manifest(store, rec["resume_from"]["checkpoint"])
-    stage = rank % job.parallel.stages
-    return ResumePoint(step=manifest.step, shard=read_bytes(store, manifest.stages[stage]))
+    replica, stage = divmod(rank, job.parallel.stages)
+    shard = read_bytes(store, manifest.stages[stage])
+    if not manifest.replay or job.outer.delay != 0:  # no start states to re-run the round from
+        return ResumePoint(step=manifest.step, shard=shard)
+    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[replica][stage]),
+                       claimed=read_bytes(store, manifest.contributions[replica][stage]))
 
 
 @app.task(name="workers.tasks.replay", acks_late=True)
