@@ -62,6 +62,7 @@ __all__ = [
     "Topology",
     "inner_round",
     "load_round_state",
+    "rerun_round",
     "round_state",
     "run_rank",
 ]
@@ -422,20 +423,33 @@ def _catch_up(start: ResumePoint, job: JobConfig, topo: Topology, module: nn.Mod
     byte budget the published payload recorded."""
     from trainer.compress import payload_budget
 
-    H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
     try:
         round_t, first_step = load_round_state(start.state, module, inner, compressor)
     except ValueError as exc:
         raise TrainingError(f"resume: this rank's start state of round {start.step}: {exc}") from None
     if round_t != start.step:
         raise TrainingError(f"resume: the start state is for round {round_t}, not {start.step}")
-    reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer of round t
-    data = corpus.shard(job.seed, topo.replica, round_t, H, B, L)
-    loss = inner_round(pipeline, inner, params, job, topo.replica, round_t, data.tokens, first_step)
+    rerun_round(module, pipeline, inner, params, compressor, job, corpus, topo.replica, round_t, first_step,
+                payload_budget(start.claimed) if start.claimed else None)
+
+
+def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimizer, params: list[torch.Tensor],
+                compressor: Compressor, job: JobConfig, corpus: Any, replica: int, round_t: int, first_step: int,
+                budget: float | None) -> tuple[bytes, float, bytes]:
+    """Round `round_t` of `replica` once more, from the start state already loaded into
+    `module`, `inner` and `compressor` (`load_round_state`): the same inner steps on the
+    same data shard, then the pseudo-gradient compressed under `budget` (the one the
+    published payload recorded, or None), as `DiLoCo.end_round` does. Returns (payload,
+    the round's loss, the data shard's digest); the state it leaves stays in the three.
+    Replay verification and an exact resume both run it."""
+    H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+    reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer of the round
+    data = corpus.shard(job.seed, replica, round_t, H, B, L)
+    loss = inner_round(pipeline, inner, params, job, replica, round_t, data.tokens, first_step)
     with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
         delta = {n: reference[n] - p.detach() for n, p in module.named_parameters()}
-        compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss,
-                            payload_budget(start.claimed) if start.claimed else None)
+        payload = compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss, budget)
+    return payload, loss, data.digest
 
 
 def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> None:

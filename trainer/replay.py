@@ -176,8 +176,8 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
         Pipeline,
         Topology,
         build_inner_optimizer,
-        inner_round,
         load_round_state,
+        rerun_round,
         round_state,
     )
     from trainer.model import build_stage
@@ -186,7 +186,7 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=S, timeout=COLLECTIVE_TIMEOUT)
     try:
-        H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+        H = job.outer.inner_steps
         topo = Topology(rank, 1, S)  # one pipeline; the replica's own seeds are passed explicitly
         group = dist.new_group(list(range(S)))  # the pipeline group, as in training
         corpus = load_corpus(job.data)
@@ -213,14 +213,10 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
                 events.put(("result", rank, (i, b"", b"", b"", 0.0, 0.0,
                                              error or f"step {step} replica {replica}: another stage's start state is invalid")))
                 continue
-            reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer
-            data = corpus.shard(job.seed, replica, step, H, B, L)
-            loss = inner_round(pipeline, inner, params, job, replica, step, data.tokens, first_step)
-            with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
-                delta = {n: reference[n] - p.detach() for n, p in module.named_parameters()}
-                payload = compressor.compress({n: delta[n] for n in sorted(delta)}, step, loss, budget)
+            payload, loss, digest = rerun_round(module, pipeline, inner, params, compressor, job, corpus,
+                                                replica, step, first_step, budget)
             end = round_state(module, inner, compressor, step + 1, first_step + H, weights=False)
-            events.put(("result", rank, (i, payload, end, data.digest, loss, time.perf_counter() - start, "")))
+            events.put(("result", rank, (i, payload, end, digest, loss, time.perf_counter() - start, "")))
     finally:
         dist.destroy_process_group()
 
