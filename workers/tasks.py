@@ -232,15 +232,18 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 kind, _, payload = events.get(timeout=POLL_S)
             except queue.Empty:
                 _attest_pending(store, job_id, attempt, rank, me, pending, rec)
-                if not proc.is_alive():
+                if proc.is_alive():
+                    if time.monotonic() - last_state > HEARTBEAT_S:
+                        last_state = time.monotonic()
+                        state = store.state(job_id)
+                        if state in TERMINAL:
+                            return {"rank": rank, "state": state}
+                    continue
+                try:  # its last events ("done" among them) may have landed after the wait gave up
+                    kind, _, payload = events.get(timeout=POLL_S)
+                except queue.Empty:
                     raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me,
                                           f"training process exited with code {proc.exitcode}")) from None
-                if time.monotonic() - last_state > HEARTBEAT_S:
-                    last_state = time.monotonic()
-                    state = store.state(job_id)
-                    if state in TERMINAL:
-                        return {"rank": rank, "state": state}
-                continue
             if kind == "contribution":
                 step, contribution = payload
                 pending[step] = contribution
@@ -256,6 +259,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
                              loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps)
             elif kind == "cancelled":
+                beat.stop(final_ttl_s=3600)  # ended, not lost: peers may still be finishing the step
                 # Steps gathered before the stop still get committed: attest them first.
                 while pending:
                     _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
