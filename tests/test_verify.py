@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import dag_cbor
@@ -26,9 +27,20 @@ def verify(run_dir: Path) -> tuple[int, dict]:
     return res.returncode, json.loads(res.stdout)
 
 
-def _block_path(run_dir: Path, cid) -> Path:
-    store = Blockstore(RunRecord.load(run_dir).blocks_dir(run_dir))
-    return store._path(parse_cid(cid))
+def _copy(trained_run, tmp_path: Path) -> tuple[Path, RunRecord, Blockstore]:
+    """A copy of the shared trained run to tamper with: (run dir, record, its store)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run[0], run_dir)
+    record = RunRecord.load(run_dir)
+    return run_dir, record, Blockstore(record.blocks_dir(run_dir))
+
+
+def _flip(store: Blockstore, cid, where: Callable[[bytearray], int], mask: int) -> None:
+    """XOR `mask` into the byte at `where(block)` of the stored block `cid`."""
+    path = store._path(parse_cid(cid))
+    raw = bytearray(path.read_bytes())
+    raw[where(raw)] ^= mask
+    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.slow
@@ -43,16 +55,10 @@ def test_an_honest_run_passes_chain_content_and_aggregate(trained_run):
 
 @pytest.mark.slow
 def test_a_tampered_contribution_block_fails_content_with_its_cid(trained_run, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained_run[0], run_dir)
-    record = RunRecord.load(run_dir)
-    store = Blockstore(record.blocks_dir(run_dir))
+    run_dir, record, store = _copy(trained_run, tmp_path)
     head = dag_cbor.decode(store.get(record.head))
     victim = parse_cid(head["contributions"][1][0])
-    path = _block_path(run_dir, victim)
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x40
-    path.write_bytes(bytes(raw))
+    _flip(store, victim, lambda raw: len(raw) // 2, 0x40)
     code, report = verify(run_dir)
     assert code == 1 and not report["ok"]
     last = report["steps"][-1]
@@ -62,16 +68,10 @@ def test_a_tampered_contribution_block_fails_content_with_its_cid(trained_run, t
 
 @pytest.mark.slow
 def test_a_tampered_start_state_block_fails_content_with_its_cid(trained_run, tmp_path):
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained_run[0], run_dir)
-    record = RunRecord.load(run_dir)
-    store = Blockstore(record.blocks_dir(run_dir))
+    run_dir, record, store = _copy(trained_run, tmp_path)
     step2 = dag_cbor.decode(store.get(dag_cbor.decode(store.get(record.head))["parent"]))
     victim = parse_cid(step2["replay"][0][1])  # replica 0, stage 1: its round's start state
-    path = _block_path(run_dir, victim)
-    raw = bytearray(path.read_bytes())
-    raw[-1] ^= 0x01
-    path.write_bytes(bytes(raw))
+    _flip(store, victim, lambda raw: -1, 0x01)
     code, report = verify(run_dir)
     assert code == 1 and [s["ok"] for s in report["steps"]] == [True, False, True]
     assert str(victim) in report["steps"][1]["failures"]["content"]
@@ -83,18 +83,12 @@ def test_worker_processes_report_exactly_what_one_process_reports(trained_run, t
     with, and wherever a range starts, the report is the one a single process gives."""
     from lineage import verify as V
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(trained_run[0], run_dir)
-    record = RunRecord.load(run_dir)
-    store = Blockstore(record.blocks_dir(run_dir))
+    run_dir, record, store = _copy(trained_run, tmp_path)
     step3 = dag_cbor.decode(store.get(record.head))
     step2 = dag_cbor.decode(store.get(step3["parent"]))
     step1 = dag_cbor.decode(store.get(step2["parent"]))
     for victim in (parse_cid(step2["contributions"][0][1]), parse_cid(step1["stages"][0])):
-        path = _block_path(run_dir, victim)
-        raw = bytearray(path.read_bytes())
-        raw[7] ^= 0x10
-        path.write_bytes(bytes(raw))
+        _flip(store, victim, lambda raw: 7, 0x10)
 
     forks = []
     real_pool = V.multiprocessing.get_context("fork").Pool

@@ -549,10 +549,9 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             c = lg.challenge(challenge_id)
             if c["resolved"]:
                 raise AuditError(f"challenge {challenge_id} is already resolved")
-            deadline = int(c["openedAt"]) + lg.resolution_period()
-            if chain_time(lg) <= deadline:
-                raise AuditError(f"challenge {challenge_id} awaits its arbiters until {deadline} "
-                                 f"(chain time now {chain_time(lg)})")
+            deadline, now = int(c["openedAt"]) + lg.resolution_period(), chain_time(lg)
+            if now <= deadline:
+                raise AuditError(f"challenge {challenge_id} awaits its arbiters until {deadline} (chain time now {now})")
             bond, to, tx = lg.expire_challenge(sender, challenge_id)
         if as_json:
             sys.stdout.write(json.dumps({"challenge": challenge_id, "run": int(c["runId"]), "step": int(c["step"]),
