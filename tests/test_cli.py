@@ -48,6 +48,19 @@ BAD_JOBS = {
         "quorum must be between 1 and 1",
     ),
     "unknown_section": ("[outer]\nsteps = 2\ninner_steps = 3\n[chian]\nrpc = 'x'\n", "chian"),
+    "vocab_below_tokenizer": ("[model]\nvocab_size = 100\n[outer]\nsteps = 2\ninner_steps = 3\n",
+                              "model.vocab_size (100) is smaller than the tokenizer's vocabulary"),
+    "kv_heads_do_not_divide": (
+        "[model]\nfamily = 'llama'\nn_heads = 4\nn_kv_heads = 3\n[outer]\nsteps = 2\ninner_steps = 3\n",
+        "n_heads (4) is not divisible by n_kv_heads (3)"),
+    "cuda_without_gpu": ("[parallel]\ndevice = 'cuda'\n[outer]\nsteps = 2\ninner_steps = 3\n",
+                         "parallel.device = 'cuda' but this machine has 0 GPUs for 4 ranks"),
+    "too_many_local_ranks": ("[parallel]\nreplicas = 33\nstages = 2\n[outer]\nsteps = 2\ninner_steps = 3\n",
+                             "the most a local run starts on one machine"),
+    "too_big_for_memory": ("[model]\nd_model = 16384\nn_layers = 48\nn_heads = 64\n[outer]\nsteps = 2\n"
+                           "inner_steps = 3\n", "GiB of memory"),
+    "init_without_dir": ("[model]\nfamily = 'llama'\ninit = 'no-such-dir'\n[outer]\nsteps = 2\ninner_steps = 3\n",
+                         "no-such-dir"),
 }
 
 

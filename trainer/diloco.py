@@ -84,7 +84,8 @@ class OuterOptimizer:
     ):
         """`adopt`: take float32 tensors nobody else holds (freshly decoded) as they are,
         rather than copying them."""
-        own = (lambda t: t.detach().float()) if adopt else (lambda t: t.detach().clone().float())
+        # Always on the CPU: the outer copy is what crosses the slow link and gets hashed.
+        own = (lambda t: t.detach().float()) if adopt else (lambda t: t.detach().to("cpu", torch.float32, copy=True))
         self.names = sorted(params)
         self.cfg = cfg
         self.params = {n: own(params[n]) for n in self.names}
@@ -200,7 +201,7 @@ class DiLoCo:
 
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
         """delta = theta_outer - theta_local (points where the inner steps did not go)."""
-        return {n: (self.outer.params[n] - self.local[n].detach()) for n in self.outer.names}
+        return {n: (self.outer.params[n] - self.local[n].detach().cpu()) for n in self.outer.names}
 
     @torch.no_grad()
     def end_round(

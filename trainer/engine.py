@@ -23,6 +23,7 @@ is bit-identical on the same machine.
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from collections.abc import Callable
@@ -102,6 +103,7 @@ class RankControl:
     start: ResumePoint | None = None
     timeout_s: float | None = None  # collective timeout: how soon a lost peer fails a round
     emit_contributions: bool = False  # every rank emits ("contribution", (step, Contribution))
+    gpu: int | None = None  # the CUDA device this rank may use (None: none is free for it)
 
 
 class Cancelled(Exception):
@@ -124,15 +126,17 @@ class Topology:
     def global_rank(self, replica: int, stage: int) -> int:
         return replica * self.S + stage
 
-    def create_groups(self) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """(pipeline group of my replica, data-parallel group of my stage).
+    def create_groups(self, pipe_backend: str | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """(pipeline group of my replica, data-parallel group of my stage). The pipeline
+        group may take another backend (CUDA ranks: NCCL for activations, gloo for CPU
+        scalars); the data-parallel group is always gloo: the Transport's slow link.
 
         Deadlock hazard: new_group is collective over the whole world, so every rank
         creates every group, in the same order, even the ones it is not in.
         """
         pipe = dp = None
         for r in range(self.R):
-            g = dist.new_group([self.global_rank(r, s) for s in range(self.S)])
+            g = dist.new_group([self.global_rank(r, s) for s in range(self.S)], backend=pipe_backend)
             if r == self.replica:
                 pipe = g
         for s in range(self.S):
@@ -175,7 +179,7 @@ def clip_pipeline_grad_norm(
     pipeline group first: one scalar all-reduce per inner step.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.zeros(1, dtype=torch.float64)
+    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else None)
     for g in grads:
         sq += g.double().pow(2).sum()
     if stages > 1:
@@ -188,12 +192,20 @@ def clip_pipeline_grad_norm(
     return total
 
 
+def autocast(job: JobConfig, device: torch.device) -> Any:
+    """The inner steps' precision: bfloat16 autocast (matmuls in bf16, reductions, norms and
+    the loss in float32), or a no-op for float32. Parameters stay float32 either way."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.model.dtype == "bfloat16")
+
+
 class Pipeline:
     """This rank's pipeline stage plus a schedule for training and p2p for evaluation."""
 
-    def __init__(self, module: nn.Module, topo: Topology, group: dist.ProcessGroup, job: JobConfig):
+    def __init__(self, module: nn.Module, topo: Topology, group: dist.ProcessGroup, job: JobConfig,
+                 device: torch.device | None = None):
         self.module, self.topo, self.group, self.job = module, topo, group, job
-        stage = PipelineStage(module, topo.stage, topo.S, torch.device("cpu"), group=group)
+        self.device = device or torch.device("cpu")
+        stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
         schedule_cls = SCHEDULES[job.parallel.schedule]
         self.schedule = schedule_cls(
             stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
@@ -202,14 +214,16 @@ class Pipeline:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """One forward/backward over the batch; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
-        if self.topo.is_first and self.topo.is_last:
-            self.schedule.step(x, target=y, losses=losses, return_outputs=False)
-        elif self.topo.is_first:
-            self.schedule.step(x, return_outputs=False)
-        elif self.topo.is_last:
-            self.schedule.step(target=y, losses=losses, return_outputs=False)
-        else:
-            self.schedule.step(return_outputs=False)
+        x, y = x.to(self.device), y.to(self.device)
+        with autocast(self.job, self.device):
+            if self.topo.is_first and self.topo.is_last:
+                self.schedule.step(x, target=y, losses=losses, return_outputs=False)
+            elif self.topo.is_first:
+                self.schedule.step(x, return_outputs=False)
+            elif self.topo.is_last:
+                self.schedule.step(target=y, losses=losses, return_outputs=False)
+            else:
+                self.schedule.step(return_outputs=False)
         if self.topo.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean().item()
         return None
@@ -224,15 +238,17 @@ class Pipeline:
         self.module.eval()
         total = 0.0
         for batch in batches:
+            batch = batch.to(self.device)
             x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
-            if topo.is_first:
-                h = self.module(x)
-            else:
-                h = torch.empty(x.size(0), x.size(1), cfg.d_model)  # (B, T, C)
-                dist.recv(h, src=topo.global_rank(topo.replica, topo.stage - 1), group=self.group)
-                h = self.module(h)
+            with autocast(self.job, self.device):
+                if topo.is_first:
+                    h = self.module(x)
+                else:
+                    h = torch.empty(x.size(0), x.size(1), cfg.d_model, device=self.device)  # (B, T, C)
+                    dist.recv(h, src=topo.global_rank(topo.replica, topo.stage - 1), group=self.group)
+                    h = self.module(h)
             if topo.is_last:
-                total += lm_loss(h, y).item()
+                total += lm_loss(h.float(), y).item()
             else:
                 dist.send(
                     h.contiguous(),
@@ -325,9 +341,9 @@ def round_state(
     for p, state in inner.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"inner/{key}/{by_param[id(p)]}"] = value
+                tensors[f"inner/{key}/{by_param[id(p)]}"] = value.cpu()
     if weights:
-        tensors.update({f"param/{n}": p.detach() for n, p in named.items()})
+        tensors.update({f"param/{n}": p.detach().cpu() for n, p in named.items()})
     tensors.update(compressor.state_tensors())
     return tensors_to_bytes(tensors)
 
@@ -357,7 +373,9 @@ def load_round_state(
             key, _, name = k.removeprefix("inner/").partition("/")
             if name not in named:
                 raise ValueError(f"start state: {k} names no parameter of this stage")
-            per_param.setdefault(name, {})[key] = v.clone()
+            # AdamW keeps its step counter on the CPU whatever the parameter's device.
+            where = "cpu" if key == "step" else named[name].device
+            per_param.setdefault(name, {})[key] = v.to(where, copy=True)
     for name, state in per_param.items():
         inner.state[named[name]] = state
     compressor.load_state_tensors(tensors)
@@ -383,6 +401,8 @@ def run_rank(
     if world_size != R * S:
         raise ValueError(f"world_size ({world_size}) != replicas x stages ({R} x {S})")
     torch.set_num_threads(1)
+    # cuBLAS needs a fixed workspace to be deterministic; it reads this before CUDA starts.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     topo = Topology(rank, R, S)
     dist.init_process_group(
@@ -393,9 +413,31 @@ def run_rank(
         timeout=timedelta(seconds=control.timeout_s) if control.timeout_s else COLLECTIVE_TIMEOUT,
     )
     try:
-        _train(topo, job, emit, control)
+        _train(topo, job, emit, control, agree_device(job, control.gpu))
     finally:
         dist.destroy_process_group()
+
+
+def gpu_usable(gpu: int | None) -> bool:
+    return gpu is not None and torch.cuda.is_available() and 0 <= gpu < torch.cuda.device_count()
+
+
+def agree_device(job: JobConfig, gpu: int | None, *, strict: bool = True) -> torch.device:
+    """Every rank's device, agreed over the world (a collective: every rank calls it):
+    CUDA when the job allows it and every rank has a GPU of its own, else the CPU (one
+    device kind per world: stages exchange activations of one kind). A job that asks for
+    cuda where some rank has none fails on every rank, naming that rank (unless not
+    `strict`: a replay elsewhere falls back to the CPU and its tolerance)."""
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, gpu_usable(gpu))
+    want = job.parallel.device
+    if want == "cuda" and strict and not all(seen):
+        raise TrainingError(f"parallel.device = 'cuda' but rank {seen.index(False)} has no GPU of its own")
+    if want != "cpu" and all(seen):
+        assert gpu is not None
+        torch.cuda.set_device(gpu)
+        return torch.device("cuda", gpu)
+    return torch.device("cpu")
 
 
 def _peak_rss_mb() -> float:
@@ -443,26 +485,32 @@ def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimi
     the round's loss, the data shard's digest); the state it leaves stays in the three.
     Replay verification and an exact resume both run it."""
     H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
-    reference = {n: p.detach().clone() for n, p in module.named_parameters()}  # theta_outer of the round
+    # theta_outer of the round, on the CPU as DiLoCo's outer copy is.
+    reference = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
     data = corpus.shard(job.seed, replica, round_t, H, B, L)
     loss = inner_round(pipeline, inner, params, job, replica, round_t, data.tokens, first_step)
     with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
-        delta = {n: reference[n] - p.detach() for n, p in module.named_parameters()}
+        delta = {n: reference[n] - p.detach().cpu() for n, p in module.named_parameters()}
         payload = compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss, budget)
     return payload, loss, data.digest
 
 
-def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> None:
+def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, device: torch.device) -> None:
     R, S = topo.R, topo.S
     H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
     allreduce = job.parallel.sync == "allreduce"
-    pipe_group, dp_group = topo.create_groups()
+    pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
     last_of_replica0 = topo.global_rank(0, S - 1)
 
     corpus = load_corpus(job.data)
     eval_batches = corpus.eval_batches(job.data.eval_batches, B, L, seed=job.seed)
     module = build_stage(job.model, topo.stage, S, job.seed)
-    pipeline = Pipeline(module, topo, pipe_group, job)
+    if job.model.init is not None and control.start is None:  # genesis = the imported weights
+        from trainer.hf import load_init_weights
+
+        load_init_weights(module, job.model.init)
+    module.to(device)
+    pipeline = Pipeline(module, topo, pipe_group, job, device)
     inner = build_inner_optimizer(module, job)
     params = [p for p in module.parameters() if p.requires_grad]
     transport = Transport(dp_group, R, topo.replica, job.transport)
@@ -509,7 +557,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl) -> 
     def shard_bytes() -> bytes:
         if allreduce:  # the weights, zero momentum: the baseline has no outer optimizer
             named = dict(module.named_parameters())
-            tensors = {f"param/{n}": p.detach().float() for n, p in named.items()}
+            tensors = {f"param/{n}": p.detach().float().cpu() for n, p in named.items()}
             tensors.update({f"momentum/{n}": torch.zeros_like(p) for n, p in named.items()})
             return tensors_to_bytes(tensors)
         return diloco.outer.to_bytes()

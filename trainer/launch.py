@@ -24,10 +24,14 @@ from typing import Any
 
 from trainer.artifacts import StepSink
 from trainer.config import JobConfig
-from trainer.errors import TrainingError
+from trainer.errors import ConfigError, TrainingError
 
-__all__ = ["free_port", "train_local"]
+__all__ = ["check_local", "free_port", "train_local"]
 
+MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no such limit
+RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's buffers
+BYTES_PER_PARAM = 4 * 10  # float32 x (weights, grad, 2 AdamW moments, outer copy, momentum,
+#                           error feedback, and the round-start state's and shard's copies)
 POLL_S = 0.2
 NETNS_PORT = 29500  # the store's port inside replica 0's fresh namespace
 GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
@@ -50,6 +54,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_local(job: JobConfig) -> str:
+    """Refuse a local run that would overwhelm this machine, or ask for GPUs it lacks
+    (ConfigError, before anything starts); return the device the ranks will use, with why.
+
+    Every rank of a local run is a process here, so the rank count and the memory the
+    ranks need are capped by this machine; runs through the job queue spread over workers
+    and have no such limit."""
+    world, R = job.world_size, job.parallel.replicas
+    if world > MAX_LOCAL_RANKS:
+        raise ConfigError(
+            f"parallel.replicas x parallel.stages ({world} ranks) exceeds {MAX_LOCAL_RANKS}, the "
+            "most a local run starts on one machine (one process per rank): submit it to the "
+            "job queue (dlx submit), whose workers share the ranks"
+        )
+    need = R * job.model.n_params() * BYTES_PER_PARAM + world * RANK_OVERHEAD_BYTES
+    have = _available_bytes()
+    if have is not None and need > 0.9 * have:
+        raise ConfigError(
+            f"this local run needs about {need / 2**30:.1f} GiB of memory ({world} ranks, "
+            f"{R} model copies of {job.model.n_params() / 1e6:.1f}M parameters with their "
+            f"optimizer and outer state); this machine has {have / 2**30:.1f} GiB available: "
+            "use fewer replicas, or the job queue (dlx submit)"
+        )
+    want = job.parallel.device
+    if want == "cpu":
+        return "cpu"
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus >= world:
+        return f"cuda ({world} of {gpus} GPUs)"
+    if want == "cuda":
+        raise ConfigError(
+            f"parallel.device = 'cuda' but this machine has {gpus} GPU{'s' if gpus != 1 else ''} "
+            f"for {world} ranks (each rank needs its own)"
+        )
+    return f"cpu (auto: {gpus} GPU{'s' if gpus != 1 else ''} for {world} ranks)"
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -59,9 +113,15 @@ def _rank_main(
     control: Any = None,
     *,
     netns: str | None = None,
+    gpu: int | None = None,
 ) -> None:
     # Imported here so the parent does not need torch.distributed initialised.
-    from trainer.engine import Cancelled, run_rank
+    from dataclasses import replace
+
+    from trainer.engine import Cancelled, RankControl, run_rank
+
+    if gpu is not None:
+        control = replace(control or RankControl(), gpu=gpu)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     _die_with_parent()
@@ -183,11 +243,12 @@ def _train_local(
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     world = job.world_size
+    cuda = check_local(job).startswith("cuda")
     procs = [
         ctx.Process(
             target=_rank_main,
             args=(rank, world, init_method, job, events),
-            kwargs={"netns": netns[rank]},
+            kwargs={"netns": netns[rank], "gpu": rank if cuda else None},
             name=f"dlx-rank-{rank}",
             daemon=True,
         )

@@ -1,4 +1,11 @@
-"""A small GPT in one file (after nanoGPT), and its split into pipeline stages.
+"""The model families behind one interface, and the small GPT (after nanoGPT).
+
+`build_model(cfg, seed)` builds the full model of `cfg.family` (`gpt`, here, or `llama`,
+trainer/llama.py); `build_stage` cuts one pipeline stage out of it. Every family's full
+model has `.stage(stage, stages)`; a stage maps tokens (first stage) or activations to
+activations or logits (last stage), and its parameter names do not depend on the split.
+
+The GPT:
 
 Pre-LN transformer blocks with causal self-attention and a GELU MLP, learned positional
 embeddings, a final LayerNorm and an untied head. `GPT` is the full model; `build_stage`
@@ -15,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig
 
@@ -87,8 +95,10 @@ class GPTStage(nn.Module):
         ln_f: nn.LayerNorm | None,
         lm_head: nn.Linear | None,
         drop: nn.Dropout | None = None,
+        checkpointing: bool = False,
     ):
         super().__init__()
+        self.checkpointing = checkpointing  # recompute each block's activations in backward
         assert (wte is None) == (wpe is None), "token and position embeddings go together"
         assert (ln_f is None) == (lm_head is None), "final norm and head go together"
         self.wte = wte
@@ -107,7 +117,10 @@ class GPTStage(nn.Module):
             pos = torch.arange(T, device=x.device)  # (T,)
             x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C) + (T, C)
         for block in self.blocks.values():
-            x = block(x)  # (B, T, C)
+            if self.checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); keeps only the input
+            else:
+                x = block(x)  # (B, T, C)
         if self.lm_head is not None:
             assert self.ln_f is not None
             x = self.lm_head(self.ln_f(x))  # (B, T, V)
@@ -125,6 +138,7 @@ class GPT(GPTStage):
             ln_f=nn.LayerNorm(cfg.d_model),
             lm_head=nn.Linear(cfg.d_model, cfg.vocab_size, bias=False),
             drop=nn.Dropout(cfg.dropout),
+            checkpointing=cfg.activation_checkpointing,
         )
         self.cfg = cfg
         self.apply(self._init_weights)
@@ -155,6 +169,7 @@ class GPT(GPTStage):
             ln_f=self.ln_f if last else None,
             lm_head=self.lm_head if last else None,
             drop=self.drop if first else None,
+            checkpointing=self.cfg.activation_checkpointing,
         )
 
 
@@ -167,13 +182,18 @@ def stage_layers(n_layers: int, stage: int, stages: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The full model, initialised from `seed` without touching the caller's RNG state."""
+def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+    """The full model of `cfg.family` (`GPT` or `trainer.llama.Llama`), initialised from
+    `seed` without touching the caller's RNG state. Either has `.stage(stage, stages)`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if cfg.family == "llama":
+            from trainer.llama import Llama
+
+            return Llama(cfg)
         return GPT(cfg)
 
 
-def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int) -> GPTStage:
+def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int) -> nn.Module:
     """Pipeline stage `stage` of `stages`, cut from the full model built under `seed`."""
     return build_model(cfg, seed).stage(stage, stages)

@@ -175,7 +175,9 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
     from trainer.engine import (
         Pipeline,
         Topology,
+        agree_device,
         build_inner_optimizer,
+        gpu_usable,
         load_round_state,
         rerun_round,
         round_state,
@@ -183,15 +185,19 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
     from trainer.model import build_stage
 
     torch.set_num_threads(1)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as trainer.engine.run_rank
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=S, timeout=COLLECTIVE_TIMEOUT)
     try:
         H = job.outer.inner_steps
         topo = Topology(rank, 1, S)  # one pipeline; the replica's own seeds are passed explicitly
-        group = dist.new_group(list(range(S)))  # the pipeline group, as in training
+        # The job's device where this machine has a GPU per stage (bit for bit needs the
+        # machine class that trained), else the CPU.
+        device = agree_device(job, rank if gpu_usable(rank) else None, strict=False)
+        group = dist.new_group(list(range(S)), backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
         corpus = load_corpus(job.data)
-        module = build_stage(job.model, rank, S, job.seed)
-        pipeline = Pipeline(module, topo, group, job)
+        module = build_stage(job.model, rank, S, job.seed).to(device)
+        pipeline = Pipeline(module, topo, group, job, device)
         params = [p for p in module.parameters() if p.requires_grad]
         shapes = {n: p.shape for n, p in module.named_parameters()}
         for i, (step, replica, state, claimed) in enumerate(items):

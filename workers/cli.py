@@ -102,7 +102,14 @@ def train(
         bar.console.print(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
 
     cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
-    err.print(f"training {job.name}: {job.parallel.replicas} replicas x {job.parallel.stages} stages, "
+    from trainer.launch import check_local
+
+    device = check_local(job)
+    m = job.model
+    n = m.n_params()
+    size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+    err.print(f"training {job.name}: {m.family} {size} parameters, "
+              f"{job.parallel.replicas} replicas x {job.parallel.stages} stages on {device}, "
               f"{T} outer steps x {H} inner steps; run directory {run_dir}")
     with bar:
         record = run_job(job, job_file, run_dir, rpc, cb)
@@ -185,6 +192,7 @@ app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  
 __import__("workers.cli_jobs", fromlist=["register"]).register(app, user_errors)  # worker, submit, status, ...
 __import__("workers.cli_node", fromlist=["register"]).register(app, user_errors)  # node register|stake|...
 __import__("workers.cli_audit", fromlist=["register"]).register(app, user_errors)  # lineage, challenge, arbiter, ...
+__import__("workers.cli_model", fromlist=["register"]).register(app, user_errors)  # export, generate
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     @app.command()
     @user_errors
     def worker(
-        slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks).")] = int(os.environ.get("DLX_WORKER_SLOTS", "1")),
+        slots: Annotated[int | None, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks); default $DLX_WORKER_SLOTS, else one per GPU, else 1.")] = None,
         queues: Annotated[str, typer.Option("--queues", help="Queues to consume.")] = "train,jobs,verify",
         address: Annotated[str | None, typer.Option("--address", help="The address other ranks reach this node at (rank 0's TCPStore and gloo); default $DLX_WORKER_ADDRESS or 127.0.0.1.")] = None,
         store_ports: Annotated[str | None, typer.Option("--store-ports", metavar="FIRST[-LAST]", help="Ports rank 0's TCPStore may listen on here (for a firewall); default: any free port.")] = None,
@@ -69,6 +69,10 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
         import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
         from workers.celery_app import app as celery_app
+        from workers.tasks import gpu_count
+
+        if slots is None:
+            slots = int(os.environ.get("DLX_WORKER_SLOTS", "0")) or max(1, gpu_count())
 
         celery_app.worker_main([
             "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,

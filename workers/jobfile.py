@@ -12,9 +12,9 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from trainer.config import JobConfig, _Section, load_job
+from trainer.config import JobConfig, ModelConfig, _Section, load_job, one_line
 from trainer.errors import ConfigError
 
 ETHER = 10**18
@@ -104,4 +104,21 @@ def load_job_file(path: str | Path) -> JobFile:
         raise ConfigError(f"job file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML in {path}: {exc}") from None
-    return load_job(data, JobFile)
+    return load_job(with_init_model(data, path.parent), JobFile)
+
+
+def with_init_model(data: dict, base: Path) -> dict:
+    """A job whose `[model] init` names a Hugging Face directory gets the rest of its model
+    section from that directory's config.json (fields it gives must agree with it), before
+    the job is validated as a whole (so stage counts are checked against the real depth).
+    Relative paths are the job file's; the resolved section names the absolute path."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict) or model.get("init") is None:
+        return data
+    from trainer.hf import resolve_init
+
+    try:
+        cfg = ModelConfig.model_validate(model)
+    except ValidationError as err:
+        raise ConfigError(one_line(err, "model")) from None
+    return {**data, "model": resolve_init(cfg, base).model_dump(mode="json")}

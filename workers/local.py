@@ -32,7 +32,7 @@ from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.data import corpus_digest
 from trainer.errors import ConfigError
-from trainer.launch import train_local
+from trainer.launch import check_local, train_local
 
 from .jobfile import JobFile
 from .sink import LedgerSink, Signer, local_signer
@@ -129,6 +129,7 @@ def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, 
 def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> None:
     """Check everything that can fail cheaply, before anything is created or started."""
     check_run_dir(run_dir)
+    check_local(job)
     refuse_cheat_off_local_chain(job, rpc or job.chain.rpc, job.chain.chain_id)
     if (rpc or job.chain.rpc) is None:
         tool_path("anvil")

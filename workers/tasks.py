@@ -210,12 +210,17 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     from trainer.engine import RankControl
     from trainer.launch import _rank_main
 
+    gpu = _GPUS.take()
     control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
                           cancellable=True, start=start, emit_contributions=True,
-                          timeout_s=float(rec.get("collective_timeout_s", 60)))
+                          timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu)
     proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", job.training_config(), events, control),
                        daemon=False)
-    proc.start()
+    try:
+        proc.start()
+    except BaseException:
+        _GPUS.give(gpu)
+        raise
     pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
     last_check = last_state = 0.0
     try:
@@ -279,6 +284,38 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
         if proc.is_alive():
             proc.kill()
         proc.join(10)
+        _GPUS.give(gpu)
+
+
+class GpuPool:
+    """This worker's GPUs, one per concurrent rank task (a rank with none runs on the CPU,
+    or fails a `device = "cuda"` job naming itself: trainer.engine.agree_device)."""
+
+    def __init__(self) -> None:
+        self._free: list[int] | None = None
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        with self._lock:
+            if self._free is None:
+                self._free = list(range(gpu_count()))
+            return self._free.pop(0) if self._free else None
+
+    def give(self, gpu: int | None) -> None:
+        if gpu is not None:
+            with self._lock:
+                assert self._free is not None
+                self._free.append(gpu)
+                self._free.sort()
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_GPUS = GpuPool()
 
 
 def _store_port(host: str) -> int:

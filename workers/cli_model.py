@@ -1,0 +1,236 @@
+"""`dlx export` and `dlx generate`: a checkpoint as a Hugging Face model, or as text.
+
+    dlx export --run-dir runs/tiny-... -o tiny-hf     # the run's head checkpoint
+    dlx export --run-dir runs/tiny-... --step 3 -o tiny-hf-3
+    dlx export bafyrei... --store ~/.dlx/blocks -o OUT  # any checkpoint by its CID
+    dlx generate --run-dir runs/tiny-... --prompt "def main(" --seed 1
+
+A checkpoint is its manifest's CID; `--run-dir` takes the head from the run's run.json
+(`--step N` walks the manifests' parent links back to step N; no chain is read). The full
+model is the union of the stage shards' `param/` tensors (the outer momentum is not part
+of a model) under the job configuration the manifest links. `export` writes the
+directory `trainer.hf.write_hf_dir` describes, with lineage.json naming the run, step,
+checkpoint, ledger and chain; `generate` streams the model's continuation of a UTF-8
+prompt (byte tokens) to stdout (`trainer.generate`). Blocks come from `--store DIR`,
+`--ipfs-api ADDR`, the run directory, or $DLX_STORE / $DLX_IPFS_API, as for `dlx lineage`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from .cli_audit import ApiOpt, StoreOpt, open_blocks
+
+TargetArg = Annotated[str | None, typer.Argument(metavar="CID", help="A checkpoint manifest's CID (or give --run-dir).", show_default=False)]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="A run directory written by `dlx train`: its head checkpoint, or --step N.")]
+StepOpt = Annotated[int | None, typer.Option("--step", help="With --run-dir: the checkpoint of outer step N (0: the genesis).", show_default=False)]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    cid: Any  # multiformats.CID of the manifest
+    manifest: Any  # lineage.manifest.Manifest
+    job: Any  # trainer.config.JobConfig
+    params: dict[str, Any]  # the full model's parameters (our names), float32
+    record: Any = None  # lineage.runrecord.RunRecord, when found through --run-dir
+
+    def lineage(self) -> dict[str, Any]:
+        """What lineage.json says of where the model came from."""
+        r, m = self.record, self.manifest
+        return {
+            "run": r.run_id if r is not None else m.run,
+            "name": r.name if r is not None else self.job.name,
+            "step": m.step,
+            "checkpoint": str(self.cid),
+            "parent": None if m.parent is None else str(m.parent),
+            "config": str(m.config),
+            "ledger": r.ledger if r is not None else None,
+            "chain_id": r.chain_id if r is not None else None,
+        }
+
+
+def _error(message: str) -> Exception:
+    from trainer.errors import ConfigError
+
+    return ConfigError(message)
+
+
+def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
+                    store: Path | None = None, ipfs_api: str | None = None) -> Checkpoint:
+    """The checkpoint named by CID `target`, or by `run_dir`'s head (or its `step`)."""
+    from lineage.cid import parse_cid
+    from lineage.runrecord import RunRecord
+
+    if target is None and run_dir is None:
+        raise _error("give a checkpoint CID or --run-dir DIR")
+    if step is not None and (run_dir is None or target is not None):
+        raise _error("--step goes with --run-dir (a CID names one checkpoint already)")
+    record = RunRecord.load(run_dir) if run_dir is not None else None
+    blocks = open_blocks(store, ipfs_api, run_dir=run_dir, record=record)
+    if target is None:
+        head = record.head or record.genesis
+        if not head:
+            raise _error(f"the run in {run_dir} has no checkpoint yet")
+        target = head
+    try:
+        cid = parse_cid(target)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
+    manifest = _manifest(blocks, cid)
+    if step is not None:
+        cid, manifest = _walk_to(blocks, cid, manifest, step)
+    job = _job(blocks, manifest.config)
+    return Checkpoint(cid, manifest, job, _params(blocks, manifest), record)
+
+
+def _manifest(blocks: Any, cid: Any) -> Any:
+    from lineage.cid import DAG_CBOR
+    from lineage.errors import StorageError
+    from lineage.manifest import Manifest
+
+    if cid.codec.name != DAG_CBOR:
+        raise _error(f"{cid} is not a checkpoint manifest (a {cid.codec.name} block; manifests are {DAG_CBOR})")
+    data = blocks.get(cid)  # BlockNotFoundError: "block not found: CID"
+    try:
+        return Manifest.decode(data)
+    except StorageError as exc:
+        detail = str(exc).removeprefix("malformed checkpoint manifest: ")
+        raise _error(f"{cid} is not a checkpoint manifest ({detail})") from None
+
+
+def _walk_to(blocks: Any, cid: Any, manifest: Any, step: int) -> tuple[Any, Any]:
+    """The ancestor of `manifest` (itself included) at outer step `step`."""
+    head_step = manifest.step
+    while manifest.step > step and manifest.parent is not None:
+        cid = manifest.parent
+        manifest = _manifest(blocks, cid)
+    if manifest.step != step:
+        raise _error(f"the run has no step {step} (its head is step {head_step})")
+    return cid, manifest
+
+
+def _job(blocks: Any, config: Any) -> Any:
+    from pydantic import ValidationError
+
+    from lineage.replay import job_of
+    from trainer.config import one_line
+
+    try:
+        return job_of(blocks, config)
+    except ValidationError as err:
+        raise _error(f"the checkpoint's job configuration {config} is invalid: {one_line(err)}") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise _error(f"{config} is not a job configuration block ({exc})") from None
+
+
+def _params(blocks: Any, manifest: Any) -> dict[str, Any]:
+    """The full model's parameters: every stage shard's `param/` tensors."""
+    from lineage.unixfs import read_bytes
+    from trainer.artifacts import bytes_to_tensors
+
+    params: dict[str, Any] = {}
+    for s, shard in enumerate(manifest.stages):
+        try:
+            tensors = bytes_to_tensors(read_bytes(blocks, shard))
+        except Exception as exc:  # safetensors raises its own error types for bad bytes
+            from trainer.errors import DlxError
+
+            if isinstance(exc, DlxError):
+                raise
+            raise _error(f"stage shard {s} ({shard}) is not safetensors: {exc}") from None
+        for key, t in tensors.items():
+            if key.startswith("param/"):
+                name = key.removeprefix("param/")
+                if name in params:
+                    raise _error(f"parameter {name} is in more than one stage shard")
+                params[name] = t
+    return params
+
+
+def _decoder() -> Any:
+    """UTF-8 bytes in, text out: a character split across tokens waits for its last byte;
+    an invalid sequence becomes U+FFFD."""
+    import codecs
+
+    return codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+
+def register(app: typer.Typer, user_errors: Any) -> None:
+    """Add export and generate to the `dlx` app."""
+
+    @app.command("export")
+    @user_errors
+    def export_(
+        target: TargetArg = None,
+        output: Annotated[Path | None, typer.Option("-o", "--output", help="The Hugging Face directory to write (must not exist, or be empty).", show_default=False)] = None,
+        run_dir: RunDirOpt = None,
+        step: StepOpt = None,
+        store: StoreOpt = None,
+        ipfs_api: ApiOpt = None,
+    ) -> None:
+        """Write a checkpoint as a Hugging Face model directory (config.json,
+        model.safetensors, generation_config.json, lineage.json) that
+        `AutoModelForCausalLM.from_pretrained` loads: llama as LlamaForCausalLM or
+        Qwen2ForCausalLM, gpt as GPT2LMHeadModel."""
+        if output is None:
+            raise _error("give the output directory: -o OUT")
+        if output.exists() and (not output.is_dir() or any(output.iterdir())):
+            raise _error(f"{output} exists and is not empty")  # before any loading
+        cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+        from trainer.hf import write_hf_dir
+
+        write_hf_dir(output, cp.job.model, cp.params, cp.lineage())
+        sys.stderr.write(f"exported step {cp.manifest.step} ({cp.cid}) of run {cp.lineage()['run']}\n")
+        sys.stdout.write(f"{output}\n")
+
+    @app.command()
+    @user_errors
+    def generate(
+        target: TargetArg = None,
+        prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (UTF-8; each byte is a token).")] = "",
+        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="How many tokens (bytes) to generate.")] = 200,
+        temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature; 0 is greedy.")] = 0.8,
+        top_k: Annotated[int, typer.Option("--top-k", help="Sample among the K likeliest tokens.")] = 50,
+        seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler: the same seed gives the same text.")] = 0,
+        run_dir: RunDirOpt = None,
+        step: StepOpt = None,
+        store: StoreOpt = None,
+        ipfs_api: ApiOpt = None,
+    ) -> None:
+        """Continue --prompt with a checkpoint's model, streaming the text to stdout."""
+        if not prompt:
+            raise _error("give a non-empty --prompt")
+        if max_new_tokens < 1:
+            raise _error(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise _error(f"--temperature must be >= 0, got {temperature}")
+        if top_k < 1:
+            raise _error(f"--top-k must be at least 1, got {top_k}")
+        cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+
+        from trainer.generate import generate as sample
+        from trainer.hf import load_params
+        from trainer.model import build_model
+
+        model = build_model(cp.job.model, cp.job.seed)
+        load_params(model, cp.params)
+        decoder = _decoder()
+        out = sys.stdout
+
+        def emit(token: int) -> None:
+            # Tokens past the byte range (a larger vocabulary) stand for no text.
+            text = decoder.decode(bytes([token])) if token < 256 else "\ufffd"
+            if text:
+                out.write(text)
+                out.flush()
+
+        out.write(prompt)
+        out.flush()
+        sample(model, list(prompt.encode("utf-8")), max_new_tokens, temperature, top_k, seed, emit)
+        out.write(decoder.decode(b"", final=True) + "\n")
+        out.flush()
