@@ -241,7 +241,8 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
     refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
     job_id = store.create({
-        "job_toml": job_file.read_text(), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
+        # `[model] init` paths are the job file's; the rank tasks resolve them from here.
+        "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
         "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
         "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
         "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,

@@ -178,10 +178,10 @@ class Heartbeat:
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
          beat: Heartbeat) -> dict[str, Any]:
     from trainer.config import load_job
-    from workers.jobfile import JobFile
+    from workers.jobfile import JobFile, with_init_model
     from workers.local import refuse_cheat_off_local_chain
 
-    job = load_job(tomllib.loads(rec["job_toml"]), JobFile)
+    job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), JobFile)
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
     store.join(job_id, attempt, rank, me.address)
