@@ -133,3 +133,36 @@ def test_bf16_with_activation_checkpointing_trains_and_replays_bit_for_bit(tmp_p
                             capture_output=True, text=True, timeout=600)
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "replayed 4 (step, replica) rounds" in verify.stdout and "4 bit for bit" in verify.stdout
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_lone_stage_shortcut_is_the_pipeline_schedule_bit_for_bit(schedule, family, monkeypatch) -> None:
+    """S = 1 skips torch.distributed.pipelining (its per-step machinery cost ~7%); the loss
+    and every gradient must stay what the schedule computes, or replay of older runs breaks."""
+    import torch.distributed as dist
+
+    from trainer import engine
+
+    model = dict(LLAMA) if family == "llama" else {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
+    job = load_job({"name": "t", "model": model, "parallel": {"replicas": 1, "stages": 1, "microbatches": 4,
+                                                                "schedule": schedule},
+                    "data": {"batch_size": 8}, "outer": {"steps": 1, "inner_steps": 1}})
+    tokens = torch.randint(0, 256, (8, 33), generator=torch.Generator().manual_seed(0))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{__import__('trainer.launch').launch.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        results = []
+        for shortcut in (False, True):
+            monkeypatch.setattr(engine, "LONE_STAGE_SHORTCUT", shortcut)
+            module = build_stage(job.model, 0, 1, job.seed)
+            pipe = engine.Pipeline(module, engine.Topology(0, 1, 1), dist.group.WORLD, job)
+            assert (pipe.schedule is None) == shortcut
+            loss = pipe.train_step(tokens[:, :-1], tokens[:, 1:])
+            results.append((loss, {n: p.grad.clone() for n, p in module.named_parameters()}))
+    finally:
+        dist.destroy_process_group()
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b
+    for name, g in grads_a.items():
+        assert torch.equal(g, grads_b[name]), name

@@ -479,3 +479,9 @@ def test_three_stage_gpipe_matches_the_unsplit_model() -> None:
     whole = eval_losses({"replicas": 1, "stages": 1, "microbatches": 2})
     assert piped == pytest.approx(whole, rel=1e-5)
     assert piped[-1] < piped[0]
+
+
+def test_a_job_for_the_queue_may_have_more_than_16_ranks() -> None:
+    """The paper ran 160 GPUs; only a local run caps ranks (trainer.launch.check_local)."""
+    job = load_job(job_dict(parallel={"replicas": 40, "stages": 4}))
+    assert job.world_size == 160

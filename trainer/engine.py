@@ -110,6 +110,7 @@ class Cancelled(Exception):
     """The launcher asked the ranks to stop; raised on every rank at the same inner step."""
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
 PROGRESS_EVERY = 5  # inner steps between progress reports
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
@@ -205,16 +206,20 @@ class Pipeline:
                  device: torch.device | None = None):
         self.module, self.topo, self.group, self.job = module, topo, group, job
         self.device = device or torch.device("cpu")
-        stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
-        schedule_cls = SCHEDULES[job.parallel.schedule]
-        self.schedule = schedule_cls(
-            stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
-        )
+        self.schedule: Any = None
+        if topo.S > 1 or not LONE_STAGE_SHORTCUT:  # one stage has nothing to pipeline
+            stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
+            schedule_cls = SCHEDULES[job.parallel.schedule]
+            self.schedule = schedule_cls(
+                stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
+            )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
         """One forward/backward over the batch; the mean loss on the last stage, else None."""
         losses: list[torch.Tensor] = []
         x, y = x.to(self.device), y.to(self.device)
+        if self.schedule is None:
+            return self._lone_stage_step(x, y)
         with autocast(self.job, self.device):
             if self.topo.is_first and self.topo.is_last:
                 self.schedule.step(x, target=y, losses=losses, return_outputs=False)
@@ -227,6 +232,23 @@ class Pipeline:
         if self.topo.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean().item()
         return None
+
+    def _lone_stage_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """S = 1: what either schedule does for a lone stage, bit for bit, without its
+        machinery (tests/test_llama_train.py holds the two equal): each microbatch's mean
+        loss backward in turn, the gradients accumulating, then divided by M once."""
+        M = self.job.parallel.microbatches
+        losses = []
+        with autocast(self.job, self.device):
+            for xm, ym in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
+                loss = lm_loss(self.module(xm), ym)
+                loss.backward()
+                losses.append(loss.detach())
+        if M > 1:  # as PipelineStage.scale_grads
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.div_(M)
+        return torch.stack(losses).mean().item()
 
     @torch.no_grad()
     def eval_loss(self, batches: torch.Tensor) -> float | None:
