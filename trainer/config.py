@@ -35,6 +35,7 @@ __all__ = [
     "ParallelConfig",
     "TransportConfig",
     "load_job",
+    "stage_layers",
 ]
 
 TOKENIZER_VOCAB = 256  # the byte tokenizer: token = byte value
@@ -455,6 +456,15 @@ class JobConfig(_Section):
         return json.dumps(
             self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
         ).encode()
+
+
+def stage_layers(n_layers: int, stage: int, stages: int) -> range:
+    """Block indices of `stage`: as even as possible, earlier stages take the remainder."""
+    if not 0 <= stage < stages <= n_layers:
+        raise ValueError(f"need 0 <= stage ({stage}) < stages ({stages}) <= n_layers ({n_layers})")
+    base, extra = divmod(n_layers, stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
 
 
 J = TypeVar("J", bound=JobConfig)

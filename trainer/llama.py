@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, stage_layers
 
 __all__ = ["KVCache", "Llama", "LlamaStage"]
 
@@ -207,8 +207,6 @@ class Llama(LlamaStage):
 
     def stage(self, stage: int, stages: int) -> LlamaStage:
         """The part of this model that pipeline stage `stage` of `stages` holds (shared modules)."""
-        from trainer.model import stage_layers
-
         first, last = stage == 0, stage == stages - 1
         return LlamaStage(
             self.cfg,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, stage_layers
 
 __all__ = ["GPT", "Block", "GPTStage", "build_model", "build_stage", "stage_layers"]
 
@@ -171,15 +171,6 @@ class GPT(GPTStage):
             drop=self.drop if first else None,
             checkpointing=self.cfg.activation_checkpointing,
         )
-
-
-def stage_layers(n_layers: int, stage: int, stages: int) -> range:
-    """Block indices of `stage`: as even as possible, earlier stages take the remainder."""
-    if not 0 <= stage < stages <= n_layers:
-        raise ValueError(f"need 0 <= stage ({stage}) < stages ({stages}) <= n_layers ({n_layers})")
-    base, extra = divmod(n_layers, stages)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))
 
 
 def build_model(cfg: ModelConfig, seed: int) -> nn.Module:

@@ -80,7 +80,7 @@ def train(
     from workers.local import Callbacks, default_run_dir, preflight, run_job
 
     run_dir = run_dir or default_run_dir(job)
-    preflight(job, run_dir, rpc)
+    device = preflight(job, run_dir, rpc)
     err = Console(stderr=True)
     out = Console()
     T, H = job.outer.steps, job.outer.inner_steps
@@ -102,9 +102,6 @@ def train(
         bar.console.print(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
 
     cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
-    from trainer.launch import check_local
-
-    device = check_local(job)
     m = job.model
     n = m.n_params()
     size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"

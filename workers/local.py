@@ -126,10 +126,11 @@ def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, 
     return signer
 
 
-def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> None:
-    """Check everything that can fail cheaply, before anything is created or started."""
+def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> str:
+    """Check everything that can fail cheaply, before anything is created or started;
+    returns the device the ranks will use, with why (`trainer.launch.check_local`)."""
     check_run_dir(run_dir)
-    check_local(job)
+    device = check_local(job)
     refuse_cheat_off_local_chain(job, rpc or job.chain.rpc, job.chain.chain_id)
     if (rpc or job.chain.rpc) is None:
         tool_path("anvil")
@@ -139,6 +140,7 @@ def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> None:
         from lineage.ipfs import open_store
 
         open_store(api=job.storage.api)
+    return device
 
 
 def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
