@@ -9,8 +9,11 @@ claimed.
 For step t, replica r, stage s the manifest links the claimed contribution
 (`contributions[r][s]`) and the round's start state (`replay[r][s]`, written by the
 trainer: local weights, inner optimizer state, compressor state). Before replaying, the
-start state's weights must be a committed checkpoint's outer weights: the shard of step
-t-1 (t-2 with the one-step-delay overlap, or t-1 for the first round after a resume).
+start state's weights must be what the run's exchange rule derives from committed data:
+the shard of step t-1 (synchronous, and any run's first round or first after a resume),
+of step t-2 (the restart rule), the eager lookahead from step t-2 and the published
+contributions (eager), or the end of round t-1, bound to its published contribution and
+compressor state (partial; see `_check_start_weights`).
 `trainer.replay.replay_rounds` then re-runs the round on S local processes with the job
 configuration from the manifest's config block, the data shard the ledger attests and the
 trainer's own code; the adaptive rule re-uses the byte budget the claim recorded. On the
@@ -131,6 +134,7 @@ class _Prepared:
     claimed: list[bytes] = field(default_factory=list)
     starts: list[bytes] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    outer: list[bytes] | None = None  # the partial rule: the parent's stage shards
 
 
 def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float = 0.0) -> list[ReplicaReplay]:
@@ -148,7 +152,8 @@ def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float
             groups.setdefault(p.job.canonical_json(), []).append(p)
     for group in groups.values():
         job = group[0].job
-        outs = replay_rounds(job, [ReplayItem(p.result.step, p.result.replica, p.starts, p.claimed) for p in group])
+        outs = replay_rounds(job, [ReplayItem(p.result.step, p.result.replica, p.starts, p.claimed, p.outer)
+                                   for p in group])
         for p, out in zip(group, outs, strict=True):
             _judge(p, out)
     return [p.result for p in prepared]
@@ -177,7 +182,9 @@ def _prepare(store: Any, checkpoint: str, replica: int, tolerance: float, manife
         p.claimed = [read_bytes(store, m.contributions[replica][s]) for s in range(S)]
         p.starts = [read_bytes(store, m.replay[replica][s]) for s in range(S)]
         p.manifest = m
-        p.reasons = _check_start_weights(store, m, p.starts, job.outer.delay, manifests)
+        p.reasons = _check_start_weights(store, m, p.starts, job, replica, manifests)
+        if job.outer.rule == "partial":  # the round merged, and measured from, step t-1's shard
+            p.outer = [read_bytes(store, _manifest(store, m.parent, manifests).stages[s]) for s in range(S)]
     except _Skip as exc:
         p.result.error = str(exc)
     except (DlxError, ValueError, KeyError, TypeError) as exc:
@@ -192,34 +199,62 @@ def _manifest(store: Any, cid: CID | str, cache: dict[str, Manifest]) -> Manifes
     return cache[key]
 
 
-def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], delay: int,
+def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any, replica: int,
                          cache: dict[str, Manifest]) -> list[str]:
-    """Per stage, "" when the start state's weights are a committed checkpoint's outer weights
-    (step t-1-delay, or t-1 after a resume), else why not."""
-    from trainer.artifacts import bytes_to_tensors
+    """Per stage, "" when the start state's weights are what the run's exchange rule
+    derives from committed data, else why not. Every rule may start a run's first round
+    (and the first after a resume) from the parent shard; then
+    - sync: only that;
+    - restart: or the shard of step t-2;
+    - eager: or `trainer.diloco.eager_start` of step t-2's shard with the published
+      contributions of rounds t-1 (this replica's) and t-2 (every replica's);
+    - partial: or the end of round t-1, bound to its published contribution and compressor
+      state (`trainer.replay.partial_start_reason`)."""
+    from trainer.replay import (
+        eager_start_matches,
+        param_tensors,
+        partial_start_reason,
+        same_tensors,
+    )
 
     assert m.parent is not None
-    ancestors = [_manifest(store, m.parent, cache)]  # step t-1, then t-2
-    if delay and ancestors[0].parent is not None:
-        ancestors.append(_manifest(store, ancestors[0].parent, cache))
+    rule = job.outer.rule
+    parent = _manifest(store, m.parent, cache)
+    grand = _manifest(store, parent.parent, cache) if parent.parent is not None else None
     reasons = []
     for s, start in enumerate(starts):
         try:
-            weights = {k: v for k, v in bytes_to_tensors(start).items() if k.startswith("param/")}
+            weights = param_tensors(start)
         except Exception as exc:  # safetensors raises its own error type for bad bytes
             reasons.append(f"start state is not safetensors: {exc}")
             continue
-        found = False
-        for a in ancestors:
-            shard = {k: v for k, v in bytes_to_tensors(read_bytes(store, a.stages[s])).items()
-                     if k.startswith("param/")}
-            if shard.keys() == weights.keys() and all(
-                    shard[k].dtype == weights[k].dtype and shard[k].shape == weights[k].shape
-                    and bool((shard[k] == weights[k]).all()) for k in shard):
-                found = True
-                break
-        steps = " or ".join(str(a.step) for a in ancestors)
-        reasons.append("" if found else f"start weights are not the outer weights of step {steps}")
+        parent_shard = read_bytes(store, parent.stages[s])
+        if same_tensors(weights, param_tensors(parent_shard)):
+            reasons.append("")
+            continue
+        if grand is None or rule == "sync":
+            reasons.append(f"start weights are not the outer weights of step {parent.step}")
+            continue
+        grand_shard = read_bytes(store, grand.stages[s])
+        try:
+            if rule == "restart":
+                ok = same_tensors(weights, param_tensors(grand_shard))
+                reason = "" if ok else f"start weights are not the outer weights of step {parent.step} or {grand.step}"
+            elif rule == "eager":
+                own = read_bytes(store, parent.contributions[replica][s])
+                parent_start = read_bytes(store, parent.replay[replica][s])
+                first = grand.step == 0 or same_tensors(param_tensors(parent_start), param_tensors(grand_shard))
+                stale = None if first else [read_bytes(store, row[s]) for row in grand.contributions]
+                ok = eager_start_matches(job, replica, start, grand_shard, own, stale)
+                reason = "" if ok else (f"start weights are neither step {parent.step}'s outer weights nor the eager "
+                                        f"step derived from steps {grand.step} and {parent.step}")
+            else:  # partial
+                reason = partial_start_reason(
+                    job, replica, s, start, read_bytes(store, parent.replay[replica][s]),
+                    read_bytes(store, parent.contributions[replica][s]), grand_shard)
+        except (DlxError, ValueError, KeyError, IndexError) as exc:
+            reason = f"start weights cannot be derived: {' '.join(str(exc).split())}"
+        reasons.append(reason)
     return reasons
 
 

@@ -1,22 +1,35 @@
 #!/usr/bin/env python
-"""DiLoCoX against AllReduce-DDP on the same model, data, seed, token budget and link.
+"""DiLoCoX against AllReduce-DDP, synchronous DiLoCo and torchft's DiLoCo on the same model,
+data, seeds, token budgets and link; every overlap rule and compression kind as ablations.
 
-    .venv/bin/python scripts/bench_dilocox.py            # the full run (README table)
-    .venv/bin/python scripts/bench_dilocox.py --quick    # CI smoke test, < 3 minutes
-    .venv/bin/python scripts/bench_dilocox.py --json     # the same figures as JSON
+    .venv/bin/python scripts/bench_dilocox.py                  # the README tables (long)
+    .venv/bin/python scripts/bench_dilocox.py --quick          # CI smoke test, < 3 minutes
+    .venv/bin/python scripts/bench_dilocox.py --json out.json  # the figures as JSON as well
+    .venv/bin/python scripts/bench_dilocox.py --plot curve.svg # eval-loss ratio vs bytes/token
 
-Every method runs for real (R x S local processes, gloo) with the `simulated` link at
---gbps (default 1 Gbit/s) shaping each exchange in a background thread (or, with
---link netns as root, real tc-shaped veth links between network namespaces), so the
-1 Gbps rows are measured: bytes (exact, counted by the Transport), eval loss, wall time, tokens/s,
-peak RSS. The "paper" rows are modelled: the link is scaled so one full-gradient
-all-reduce of this model costs --paper-steps (300) measured AllReduce compute steps, as
-107B parameters over 1 Gbps do in the DiLoCoX paper; each method's measured compute time
-(and compression time) is combined with its exact byte count under that link:
-  (step compute = the mean measured inner-step time over all runs: identical work)
-  allreduce      T*H * max(step compute, step all-reduce)   (perfect overlap credited)
-  delay 0        compute + compression + sum of exchanges
-  delay 1        T * max(round compute + compression, exchange) + last exchange
+Every method trains for real: R replica processes of S = 1 stage (torchft does not
+pipeline; ours pipeline, but the comparison is at S = 1), gloo, the `simulated` link at
+--gbps shaping each of our exchanges in a background thread. Loss figures are the held-out
+eval split's loss of the committed weights, a mean over --seeds with the standard
+deviation, at each token budget of --budgets (inner steps; a method that runs to the
+largest budget is read at every smaller one from the same run: nothing in the schedule
+depends on the number of rounds). Methods in --long run to the largest budget, the others
+to the smallest.
+
+Columns measured: bytes (exact, counted by the Transport; for torchft every tensor its
+Manager all-reduces, booked as a ring), eval loss, compute time. Columns modelled ("paper
+regime"): the link is scaled so one full-gradient all-reduce of this model costs
+--paper-steps (300) compute steps, as 107B parameters over 1 Gbps do in the DiLoCoX paper;
+each method's measured compression time and exact byte count are combined with the mean
+measured inner-step time (identical work in every method):
+  allreduce     T*H * max(step, step all-reduce)         (perfect overlap credited)
+  sync          T*H*step + compression + every exchange
+  restart/eager T * max(H*step + compression / T, exchange) + the last exchange
+  partial(tau)  T*H*step + compression + sum over rounds of max(0, exchange - tau*step)
+                + the last exchange
+  streaming     T*H*step + sum over fragment syncs of max(0, fragment exchange - tau*step)
+The compute-bound ceiling is T*H*step (no communication at all); `ceiling` = the ceiling's
+wall time over the method's: the fraction of the best any method can reach there.
 """
 
 from __future__ import annotations
@@ -24,259 +37,371 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import load_job, train_local  # noqa: E402
 
-METHODS = {
-    # name: (sync, delay, compression)
-    "allreduce": ("allreduce", 0, {"kind": "none"}),
-    "diloco": ("diloco", 0, {"kind": "none"}),
-    "dilocox": ("diloco", 1, {"kind": "adaptive"}),
-    "no-compression": ("diloco", 1, {"kind": "none"}),
-    "no-overlap": ("diloco", 0, {"kind": "adaptive"}),
-    # The fixed settings the adaptive rule chooses between (--fixed).
-    "fixed-int8": ("diloco", 1, {"kind": "quantize", "bits": 8}),
-    "fixed-int4": ("diloco", 1, {"kind": "quantize", "bits": 4}),
-    "fixed-rank4": ("diloco", 1, {"kind": "lowrank", "rank": 4, "bits": 8}),
+# DiLoCoX as shipped (examples/tiny.toml): the partial overlap with tau = 3 inner steps and
+# sparse compression; each ablation changes one thing.
+DILOCOX_OUTER = {"delay": 1, "overlap": "partial", "tau": 3,
+                 "compression": {"kind": "sparse", "density": 0.03, "bits": 4}}
+
+SGD1 = {"lr": 1.0, "momentum": 0.0, "nesterov": False}
+OURS: dict[str, dict] = {
+    "allreduce": {"parallel": {"sync": "allreduce"}},
+    "diloco": {},
+    "dilocox": {"outer": DILOCOX_OUTER},
+    # Overlap rules, uncompressed. The restart rule diverges under Nesterov 0.9 (README):
+    # it runs damped; the eager rule at the outer lr its paper lowers it to.
+    "restart": {"outer": {"delay": 1, "overlap": "restart", "momentum": 0.0, "nesterov": False}},
+    "eager": {"outer": {"delay": 1, "overlap": "eager", "lr": 0.5}},
+    "partial-tau1": {"outer": {"delay": 1, "overlap": "partial", "tau": 1}},
+    "partial-tau3": {"outer": {"delay": 1, "overlap": "partial", "tau": 3}},
+    "partial-tau6": {"outer": {"delay": 1, "overlap": "partial", "tau": 6}},
+    "partial-tau10": {"outer": {"delay": 1, "overlap": "partial", "tau": 10}},
+    "partial-mix0.5": {"outer": {"delay": 1, "overlap": "partial", "tau": 3, "alpha": 0.5}},
+    # Compression kinds, synchronous (error feedback on).
+    "int8": {"outer": {"compression": {"kind": "quantize", "bits": 8}}},
+    "int4": {"outer": {"compression": {"kind": "quantize", "bits": 4}}},
+    "lowrank4": {"outer": {"compression": {"kind": "lowrank", "rank": 4, "bits": 8}}},
+    "adaptive": {"outer": {"compression": {"kind": "adaptive"}}},
+    "sparse-5%-4b": {"outer": {"compression": {"kind": "sparse", "density": 0.05, "bits": 4}}},
+    "sparse-3%-4b": {"outer": {"compression": {"kind": "sparse", "density": 0.03, "bits": 4}}},
+    "sparse-1%-4b": {"outer": {"compression": {"kind": "sparse", "density": 0.01, "bits": 4}}},
+    "sparse-2%-2b": {"outer": {"compression": {"kind": "sparse", "density": 0.02, "bits": 2}}},
+    # SparseLoCo's outer loop: plain SGD at lr 1, the error-feedback buffer in place of momentum.
+    "diloco-sgd1": {"outer": SGD1},
+    "int2-sgd1": {"outer": {**SGD1, "compression": {"kind": "quantize", "bits": 2}}},
+    "sparse-10%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.10, "bits": 4}}},
+    "sparse-5%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.05, "bits": 4}}},
+    "sparse-3%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.03, "bits": 4}}},
+    "sparse-3%-8b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.03, "bits": 8}}},
+    "sparse-1%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.01, "bits": 4}}},
+    "int4-sgd1": {"outer": {**SGD1, "compression": {"kind": "quantize", "bits": 4}}},
+    "int1-sgd1": {"outer": {**SGD1, "compression": {"kind": "quantize", "bits": 1}}},
+    "sparse-25%-1b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.25, "bits": 1,
+                                                             "chunk": 256}}},
+    "lowrank4-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 4, "bits": 4}}},
+    "lowrank16-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
+    "adaptive-sgd1": {"outer": {**SGD1, "compression": {"kind": "adaptive"}}},
+    "adaptive0.9-sgd1": {"outer": {**SGD1, "compression": {"kind": "adaptive", "energy": 0.9}}},
+}
+# torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
+# the exchange overlapped with tau inner steps, merged with alpha = 0.5.
+PEERS: dict[str, tuple[str, dict]] = {
+    "torchft-diloco": ("diloco", {}),
+    "torchft-streaming": ("streaming", {"fragments": 2, "tau": 3, "alpha": 0.5}),
+}
+LONG = ["allreduce", "diloco", "dilocox", "torchft-diloco", "torchft-streaming", "partial-tau3",
+        "sparse-3%-4b"]
+MODELS = {  # name: [model] table
+    "gpt-small": {"family": "gpt", "d_model": 96, "n_layers": 4, "n_heads": 4},
+    "llama-4x": {"family": "llama", "d_model": 192, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2},
 }
 
 
-def base_job(args: argparse.Namespace) -> dict:
+def base_job(args: argparse.Namespace, model: str, seed: int, rounds: int) -> dict:
     return {
         "name": "bench",
-        "model": {"d_model": args.d_model, "n_layers": args.layers, "n_heads": 4,
-                  "seq_len": args.seq_len},
-        "parallel": {"replicas": args.replicas, "stages": args.stages, "microbatches": 2},
-        "data": {"batch_size": args.batch, "eval_batches": args.eval_batches,
-                 "max_bytes": 4_000_000},
+        "seed": seed,
+        "model": {**MODELS[model], "seq_len": args.seq_len},
+        "parallel": {"replicas": args.replicas, "stages": 1, "microbatches": 2},
+        "data": {"batch_size": args.batch, "eval_batches": args.eval_batches, "max_bytes": 4_000_000},
         "inner": {"lr": args.lr, "warmup": 20},
-        "outer": {"steps": args.rounds, "inner_steps": args.inner_steps},
-        "transport": {"link": args.link, "bandwidth_mbps": args.gbps * 1000},
+        "outer": {"steps": rounds, "inner_steps": args.inner_steps},
+        "transport": {"link": "simulated", "bandwidth_mbps": args.gbps * 1000},
     }
 
 
-class LastStep:
-    """Keeps only the latest step: a step holds every shard, contribution and round-start
-    state, and the benchmark reads the last one's metrics."""
+def merged(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        out[key] = merged(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+class Steps:
+    """Keeps each step's metrics only (a step's artifacts hold every shard and state)."""
 
     def __init__(self) -> None:
-        self.last = None
+        self.metrics: dict[int, dict] = {}
 
     def on_genesis(self, genesis) -> None:
         pass
 
     def on_step(self, step) -> None:
-        self.last = step
+        self.metrics[step.step] = dict(step.metrics)
 
     def on_progress(self, progress) -> None:
         pass
 
 
-def run_one(args: argparse.Namespace, name: str, seed: int) -> dict:
-    sync, delay, compression = METHODS[name]
-    job = copy.deepcopy(base_job(args))
-    job["seed"] = seed
-    job["parallel"]["sync"] = sync
-    job["outer"]["delay"] = delay
-    job["outer"]["compression"] = dict(compression)
-    if compression["kind"] == "adaptive":
-        job["outer"]["compression"].update(energy=args.energy, max_rank=args.max_rank)
-    if delay == 1:  # a stale pseudo-gradient needs a damped outer loop (see README)
-        job["outer"].update(lr=args.overlap_lr, momentum=args.overlap_momentum,
-                            nesterov=args.overlap_momentum > 0)
-    sink = LastStep()
-    start = time.perf_counter()
-    train_local(load_job(job), sink, timeout_s=3600)
-    m = dict(sink.last.metrics)
-    m["process_s"] = time.perf_counter() - start
-    m["name"], m["seed"] = name, seed
-    m["delay"] = delay
-    m["rounds"] = args.rounds
-    m["inner_steps_per_round"] = args.inner_steps
-    m["ranks"] = args.replicas * args.stages
-    return m
+def run_ours(args, model: str, name: str, seed: int, rounds: int) -> dict:
+    job = merged(base_job(args, model, seed, rounds), OURS[name])
+    cfg = load_job(job)
+    sink = Steps()
+    started = time.perf_counter()
+    train_local(cfg, sink, timeout_s=7200)
+    per_step = {t: {k: m[k] for k in ("eval_loss", "bytes_sent", "tokens", "compute_s", "rounds_wall_s",
+                                      "compress_s", "wall_s")} for t, m in sink.metrics.items()}
+    last = sink.metrics[rounds]
+    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "per_step": per_step,
+            "rule": cfg.outer.rule, "tau": cfg.outer.tau if cfg.outer.rule == "partial" else 0,
+            "extra_memory_x": last["extra_memory_bytes"] / last["param_bytes"],
+            "param_bytes": last["param_bytes"], "process_s": time.perf_counter() - started}
 
 
-def model_paper(m: dict, bandwidth: float, allreduce: bool, step_s: float) -> float:
-    """Modelled wall time (s) of run `m` over a link of `bandwidth` bytes/s (no latency),
-    with `step_s` seconds of compute per inner step (the same work in every method)."""
-    T, H = m["rounds"], m["inner_steps_per_round"]
-    per_rank = m["bytes_sent"] / m["ranks"]  # each rank of a stage group sends about the same
-    if allreduce:
-        return T * H * max(step_s, per_rank / (T * H) / bandwidth)
-    compute, extra, comm = step_s * T * H, m["compress_s"], per_rank / bandwidth
-    if m["delay"] == 0:
-        return compute + extra + comm
-    return T * max((compute + extra) / T, comm / T) + comm / T
+def run_torchft(args, model: str, name: str, seed: int, rounds: int) -> dict:
+    from peer_torchft import run_peer
+
+    variant, settings = PEERS[name]
+    job = base_job(args, model, seed, rounds)
+    started = time.perf_counter()
+    out = run_peer(job, variant, eval_every=1, timeout_s=7200, **settings)
+    per_round = {k: out[k] / rounds for k in ("bytes_sent", "compute_s", "wall_s")}
+    tokens_per_round = out["tokens"] / rounds
+    per_step = {t: {"eval_loss": loss, "tokens": tokens_per_round * t, "compress_s": 0.0,
+                    **{k: per_round[k] * t for k in per_round}, "rounds_wall_s": per_round["wall_s"] * t}
+                for t, loss in out["eval_by_step"].items()}
+    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "per_step": per_step,
+            "rule": "streaming" if variant == "streaming" else "sync", "tau": settings.get("tau", 0),
+            "fragments": settings.get("fragments", 1), "extra_memory_x": float("nan"),
+            "process_s": time.perf_counter() - started}
+
+
+def modelled_wall(run: dict, t: int, step_s: float, bw: float, replicas: int, H: int) -> float:
+    """The paper-regime wall time of `run`'s first t rounds (see the module docstring)."""
+    m = run["per_step"][t]
+    compute = t * H * step_s
+    per_rank = m["bytes_sent"] / replicas
+    rule, tau = run["rule"], run["tau"]
+    if run["name"] == "allreduce":
+        return t * H * max(step_s, per_rank / (t * H) / bw)
+    exchange = per_rank / t / bw  # one round's
+    if rule == "sync":
+        return compute + m["compress_s"] + t * exchange
+    if rule in ("restart", "eager"):
+        return t * max(H * step_s + m["compress_s"] / t, exchange) + exchange
+    if rule == "partial":
+        return compute + m["compress_s"] + (t - 1) * max(0.0, exchange - tau * step_s) + exchange
+    fragment = exchange / run["fragments"]  # streaming: each fragment syncs once a round
+    return compute + t * run["fragments"] * max(0.0, fragment - tau * step_s)
+
+
+def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
+    H, R = args.inner_steps, args.replicas
+    mine = [r for r in runs if r["model"] == model]
+    ours = [r for r in mine if r["name"] in OURS]
+    step_s = statistics.mean(r["per_step"][r["rounds"]]["compute_s"] / (r["rounds"] * H) for r in ours)
+    ar = [r for r in mine if r["name"] == "allreduce"]
+    ar_step_bytes = statistics.mean(r["per_step"][r["rounds"]]["bytes_sent"] / R / (r["rounds"] * H) for r in ar)
+    bw = ar_step_bytes / (args.paper_steps * step_s)
+    rows = []
+    for budget in args.budgets:
+        t = budget // H
+        at = [r for r in mine if t in r["per_step"]]
+        base = [r["per_step"][t]["eval_loss"] for r in at if r["name"] == "allreduce"]
+        sync = [r["per_step"][t]["eval_loss"] for r in at if r["name"] == "diloco"]
+        ar_bpt = statistics.mean(r["per_step"][t]["bytes_sent"] / r["per_step"][t]["tokens"]
+                                 for r in at if r["name"] == "allreduce")
+        for name in dict.fromkeys(r["name"] for r in at):
+            group = [r for r in at if r["name"] == name]
+            ms = [r["per_step"][t] for r in group]
+            losses = [m["eval_loss"] for m in ms]
+            bpt = statistics.mean(m["bytes_sent"] / m["tokens"] for m in ms)
+            walls = [modelled_wall(r, t, step_s, bw, R, H) for r in group]
+            row = {
+                "model": model, "budget": budget, "name": name, "seeds": len(group),
+                "eval_loss": statistics.mean(losses),
+                "loss_sd": statistics.stdev(losses) if len(losses) > 1 else 0.0,
+                "loss_x_allreduce": statistics.mean(losses) / statistics.mean(base),
+                "loss_x_diloco": statistics.mean(losses) / statistics.mean(sync) if sync else float("nan"),
+                "bytes_per_token": bpt,
+                "bytes_x": ar_bpt / bpt if bpt else float("inf"),
+                "ceiling": statistics.mean(t * H * step_s / w for w in walls),
+                "paper_tokens_per_s": statistics.mean(m["tokens"] / w for m, w in zip(ms, walls, strict=True)),
+                "overlap_x": statistics.mean(m["rounds_wall_s"] / m["compute_s"] for m in ms),
+                "compress_frac": statistics.mean(m["compress_s"] / m["rounds_wall_s"] for m in ms),
+                "extra_memory_x": statistics.mean(r["extra_memory_x"] for r in group),
+                "rule": group[0]["rule"], "tau": group[0]["tau"],
+            }
+            rows.append(row)
+    return rows, {"paper_link_bytes_per_s": bw, "compute_step_s": step_s}
+
+
+def targets(rows: list[dict], args) -> list[dict]:
+    def get(model, name, budget):
+        return next((r for r in rows if r["model"] == model and r["name"] == name and r["budget"] == budget), None)
+
+    out = []
+    lo, hi = min(args.budgets), max(args.budgets)
+    for model in args.models:
+        for budget in (lo, hi):
+            x = get(model, "dilocox", budget)
+            if x is None:
+                continue
+            where = f"{model}, {budget} steps"
+            out.append({"target": f"eval loss <= 1.01x synchronous DiLoCo ({where})", "value": x["loss_x_diloco"],
+                        "met": x["loss_x_diloco"] <= 1.01})
+            if budget == hi:
+                out.append({"target": f"eval loss <= 1.02x AllReduce ({where})", "value": x["loss_x_allreduce"],
+                            "met": x["loss_x_allreduce"] <= 1.02})
+                out.append({"target": f"bytes per token >= 1000x fewer than AllReduce ({where})",
+                            "value": x["bytes_x"], "met": x["bytes_x"] >= 1000})
+                out.append({"target": f"paper-regime tokens/s >= 0.97 of the ceiling ({where})",
+                            "value": x["ceiling"], "met": x["ceiling"] >= 0.97})
+                out.append({"target": f"round wall <= 1.05x its compute, 1 Gbps measured ({where})",
+                            "value": x["overlap_x"], "met": x["overlap_x"] <= 1.05})
+                out.append({"target": f"compression <= 3% of a round ({where})", "value": x["compress_frac"],
+                            "met": x["compress_frac"] <= 0.03})
+                out.append({"target": f"extra memory <= 3.5x parameter bytes ({where})",
+                            "value": x["extra_memory_x"], "met": x["extra_memory_x"] <= 3.5})
+            peer = get(model, "torchft-streaming", budget)
+            if peer is not None:
+                out.append({"target": f"beats torchft's Streaming DiLoCo at <= its bytes ({where})",
+                            "value": x["eval_loss"] / peer["eval_loss"],
+                            "met": x["eval_loss"] < peer["eval_loss"] and x["bytes_per_token"] <= peer["bytes_per_token"]})
+            sync, ft = get(model, "diloco", budget), get(model, "torchft-diloco", budget)
+            if sync is not None and ft is not None:
+                noise = 2 * math.hypot(sync["loss_sd"], ft["loss_sd"]) / math.sqrt(max(1, sync["seeds"]))
+                out.append({"target": f"our synchronous DiLoCo within noise of torchft's ({where})",
+                            "value": sync["eval_loss"] / ft["eval_loss"],
+                            "met": abs(sync["eval_loss"] - ft["eval_loss"]) <= max(noise, 1e-6)})
+    return out
+
+
+def render(rows: list[dict], goals: list[dict], args, links: dict) -> str:
+    lines = [
+        f"R={args.replicas} x S=1, batch {args.batch}/replica, seq {args.seq_len}, H={args.inner_steps}, "
+        f"inner lr {args.lr:g}, outer Nesterov 0.9 / lr 0.7 unless the method says otherwise, seeds {args.seeds}",
+        f"measured link: simulated {args.gbps:g} Gbit/s; paper regime: one all-reduce = {args.paper_steps:g} compute "
+        "steps (modelled from each run's exact bytes and measured compression time)",
+        f"DiLoCoX = {json.dumps(DILOCOX_OUTER)}",
+    ]
+    for model in args.models:
+        lines += ["", f"model {model}: {json.dumps(MODELS[model])}, "
+                  f"compute step {links[model]['compute_step_s'] * 1e3:.1f} ms (mean measured)"]
+        for budget in args.budgets:
+            lines += ["", f"{budget} inner steps:", "",
+                      "| method | eval loss (sd) | x AllReduce | x DiLoCo | bytes/token | fewer bytes | "
+                      "paper: of ceiling | overlap x | compress % | extra mem x |",
+                      "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in rows:
+                if r["model"] != model or r["budget"] != budget:
+                    continue
+                mem = "-" if math.isnan(r["extra_memory_x"]) else f"{r['extra_memory_x']:.2f}"
+                lines.append(
+                    f"| {r['name']} | {r['eval_loss']:.4f} ({r['loss_sd']:.3f}) | {r['loss_x_allreduce']:.3f} "
+                    f"| {r['loss_x_diloco']:.3f} | {r['bytes_per_token']:.4g} | {r['bytes_x']:.0f}x "
+                    f"| {r['ceiling']:.3f} | {r['overlap_x']:.3f} | {100 * r['compress_frac']:.1f} | {mem} |")
+    lines += ["", "| target | value | met |", "|---|---:|---|"]
+    for g in goals:
+        lines.append(f"| {g['target']} | {g['value']:.4g} | {'yes' if g['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot_svg(rows: list[dict], budget: int, model: str) -> str:
+    """Eval-loss ratio to AllReduce against bytes per token (log scale), one point a method."""
+    pts = [r for r in rows if r["budget"] == budget and r["model"] == model and r["name"] != "allreduce"]
+    W, Hh, pad = 760, 460, 60
+    xs = [math.log10(r["bytes_per_token"]) for r in pts]
+    ys = [r["loss_x_allreduce"] for r in pts]
+    x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
+    y0, y1 = min(1.0, min(ys)) - 0.005, max(ys) + 0.005
+
+    def px(x: float) -> float:
+        return pad + (x - x0) / (x1 - x0) * (W - 2 * pad)
+
+    def py(y: float) -> float:
+        return Hh - pad - (y - y0) / (y1 - y0) * (Hh - 2 * pad)
+
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{Hh}" font-family="sans-serif" '
+           'font-size="11"><rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{W / 2}" y="18" text-anchor="middle" font-size="13">eval loss / AllReduce against '
+           f'bytes per token, {model}, {budget} inner steps</text>',
+           f'<line x1="{pad}" y1="{Hh - pad}" x2="{W - pad}" y2="{Hh - pad}" stroke="black"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{Hh - pad}" stroke="black"/>']
+    for e in range(x0, x1 + 1):
+        out.append(f'<text x="{px(e)}" y="{Hh - pad + 16}" text-anchor="middle">1e{e}</text>')
+    for i in range(6):
+        y = y0 + i * (y1 - y0) / 5
+        out.append(f'<text x="{pad - 6}" y="{py(y) + 4}" text-anchor="end">{y:.3f}</text>')
+    out.append(f'<text x="{W / 2}" y="{Hh - 18}" text-anchor="middle">bytes per training token (log)</text>')
+    for r, x, y in zip(pts, xs, ys, strict=True):
+        colour = "crimson" if r["name"] == "dilocox" else ("steelblue" if r["name"].startswith("torchft") else "black")
+        out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{colour}"/>')
+        out.append(f'<text x="{px(x) + 6:.1f}" y="{py(y) - 5:.1f}" fill="{colour}">{r["name"]}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="small model, 1 seed: < 3 minutes")
-    ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    ap.add_argument("--seeds", type=int, nargs="+", default=None, help="run seeds (default 0 1)")
-    ap.add_argument("--fixed", action="store_true", help="also run the fixed compression settings")
-    ap.add_argument("--gbps", type=float, default=1.0, help="link bandwidth, Gbit/s")
-    ap.add_argument("--link", choices=["simulated", "netns"], default="simulated",
-                    help="how the measured rows shape the link (netns: root, tc-shaped veths)")
-    ap.add_argument("--paper-steps", type=float, default=300.0,
-                    help="paper regime: one full all-reduce costs this many compute steps")
-    ap.add_argument("--d-model", type=int, default=96)
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--quick", action="store_true", help="a small model, 1 seed, few methods: < 3 minutes")
+    ap.add_argument("--json", metavar="FILE", help="also write every run and figure as JSON")
+    ap.add_argument("--plot", metavar="FILE", help="write the eval-loss/bytes curve (largest budget) as SVG")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[400, 1600], help="inner steps")
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["gpt-small"])
+    ap.add_argument("--only", nargs="+", default=None, help="run only these methods (and allreduce, diloco)")
+    ap.add_argument("--long", nargs="+", default=LONG, help="methods that run to the largest budget")
+    ap.add_argument("--no-torchft", action="store_true", help="leave out torchft's rows")
+    ap.add_argument("--gbps", type=float, default=1.0)
+    ap.add_argument("--paper-steps", type=float, default=300.0)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=20, help="T outer steps")
-    ap.add_argument("--inner-steps", type=int, default=20, help="H inner steps per round")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H")
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--energy", type=float, default=0.6, help="adaptive: energy target")
-    ap.add_argument("--overlap-lr", type=float, default=0.7, help="outer lr when delay = 1")
-    ap.add_argument("--overlap-momentum", type=float, default=0.0,
-                    help="outer momentum when delay = 1 (Nesterov if > 0)")
-    ap.add_argument("--max-rank", type=int, default=32, help="adaptive: largest rank")
-    ap.add_argument("--only", nargs="+", default=None, help="run only these methods (and allreduce)")
     ap.add_argument("--eval-batches", type=int, default=8)
     args = ap.parse_args(argv)
+    names = list(OURS) + ([] if args.no_torchft else list(PEERS))
     if args.quick:
-        args.d_model, args.layers, args.rounds, args.inner_steps = 64, 2, 4, 10
+        MODELS["quick"] = {"family": "gpt", "d_model": 64, "n_layers": 2, "n_heads": 4}
+        args.models, args.seeds, args.budgets, args.inner_steps = ["quick"], [0], [40, 80], 10
         args.eval_batches = 4
-        args.seeds = args.seeds or [0]
-    seeds = args.seeds or [0, 1]
-    names = [n for n in METHODS if args.fixed or not n.startswith("fixed-")]
+        names = ["allreduce", "diloco", "dilocox", "partial-tau3", "sparse-3%-4b"]
+        args.long = names
     if args.only:
-        names = ["allreduce"] + [n for n in args.only if n != "allreduce"]
+        names = ["allreduce", "diloco"] + [n for n in args.only if n not in ("allreduce", "diloco")]
+    unknown = [n for n in names if n not in OURS and n not in PEERS]
+    if unknown:
+        ap.error(f"unknown method {unknown[0]} (known: {', '.join([*OURS, *PEERS])})")
+    args.budgets = sorted(args.budgets)
+    for b in args.budgets:
+        if b % args.inner_steps:
+            ap.error(f"budget {b} is not a multiple of H = {args.inner_steps}")
 
-    results: list[dict] = []
-    for seed in seeds:
-        for name in names:
-            m = run_one(args, name, seed)
-            results.append(m)
-            print(f"# {name} seed {seed}: eval {m['eval_loss']:.4f}  wall {m['wall_s']:.1f}s  "
-                  f"bytes {m['bytes_sent']:.0f}  ({m['process_s']:.0f}s with startup)",
-                  file=sys.stderr, flush=True)
-
-    ar = [m for m in results if m["name"] == "allreduce"]
-    ar_step_bytes = statistics.mean(m["bytes_sent"] / m["ranks"] / (m["rounds"] * m["inner_steps_per_round"]) for m in ar)
-    # One inner step is the same forward/backward work in every method: use the mean measured
-    # over all runs, so CPU contention on a shared machine does not pick winners.
-    step_s = statistics.mean(m["compute_s"] / (m["rounds"] * m["inner_steps_per_round"]) for m in results)
-    paper_bw = ar_step_bytes / (args.paper_steps * step_s)
-
-    runs = []
-    for m in results:
-        for link in ("1gbps", "paper"):
-            wall = m["wall_s"] if link == "1gbps" else model_paper(m, paper_bw, m["name"] == "allreduce", step_s)
-            runs.append({
-                "name": m["name"], "link": link, "seed": m["seed"],
-                "bytes_per_token": m["bytes_sent"] / m["tokens"],
-                "bytes_sent_per_rank": m["bytes_sent"] / m["ranks"],
-                "tokens_per_s": m["tokens"] / wall,
-                "eval_loss": m["eval_loss"],
-                "wall_s": wall,
-                "measured": link == "1gbps",
-                "peak_rss_mb": m["peak_rss_mb"],
-                "compute_s": m["compute_s"],
-                "rounds_wall_s": m["rounds_wall_s"],
-                "compress_s": m["compress_s"],
-                "extra_memory_x": m["extra_memory_bytes"] / m["param_bytes"],
-                "rel_error": m.get("rel_error", 0.0),
-                "rank_mean": m.get("rank_mean", 0.0),
-                "bits_mean": m.get("bits_mean", 0.0),
-            })
-    summary = summarise(runs, names)
-    targets = check_targets(summary, runs)
-    out = {"runs": runs, "summary": summary, "targets": targets,
-           "paper_link_bytes_per_s": paper_bw, "compute_step_s": step_s, "config": vars(args)}
+    runs: list[dict] = []
+    for model in args.models:
+        for seed in args.seeds:
+            for name in names:
+                budget = args.budgets[-1] if name in args.long else args.budgets[0]
+                rounds = budget // args.inner_steps
+                run = (run_torchft if name in PEERS else run_ours)(args, model, name, seed, rounds)
+                runs.append(run)
+                m = run["per_step"][rounds]
+                print(f"# {model} {name} seed {seed}: {budget} steps, eval {m['eval_loss']:.4f}, "
+                      f"bytes {m['bytes_sent']:.4g}, {run['process_s']:.0f} s", file=sys.stderr, flush=True)
+    rows, links = [], {}
+    for model in args.models:
+        model_rows, links[model] = summarise(runs, args, model)
+        rows += model_rows
+    goals = targets(rows, args)
+    print(render(rows, goals, args, links))
     if args.json:
-        print(json.dumps(out, indent=1))
-    else:
-        print(render(summary, targets, args, seeds, paper_bw, step_s))
+        Path(args.json).write_text(json.dumps({"runs": runs, "rows": rows, "targets": goals, "links": links,
+                                               "config": vars(args)}, indent=1))
+    if args.plot:
+        Path(args.plot).write_text(plot_svg(rows, args.budgets[-1], args.models[0]))
     return 0
-
-
-def summarise(runs: list[dict], names: list[str]) -> list[dict]:
-    rows = []
-    for link in ("1gbps", "paper"):
-        base = [r for r in runs if r["name"] == "allreduce" and r["link"] == link]
-        b_bpt = statistics.mean(r["bytes_per_token"] for r in base)
-        b_tps = statistics.mean(r["tokens_per_s"] for r in base)
-        b_loss = statistics.mean(r["eval_loss"] for r in base)
-        for name in names:
-            mine = [r for r in runs if r["name"] == name and r["link"] == link]
-            row = {k: statistics.mean(r[k] for r in mine) for k in (
-                "bytes_sent_per_rank", "bytes_per_token", "wall_s", "tokens_per_s", "eval_loss",
-                "peak_rss_mb", "compute_s", "rounds_wall_s", "compress_s", "extra_memory_x",
-                "rel_error", "rank_mean", "bits_mean")}
-            row.update(name=name, link=link, seeds=len(mine),
-                       loss_sd=statistics.pstdev(r["eval_loss"] for r in mine),
-                       bytes_x=b_bpt / row["bytes_per_token"] if row["bytes_per_token"] else float("inf"),
-                       tps_x=row["tokens_per_s"] / b_tps, loss_x=row["eval_loss"] / b_loss)
-            rows.append(row)
-    return rows
-
-
-def check_targets(summary: list[dict], runs: list[dict]) -> list[dict]:
-    def row(name: str, link: str) -> dict:
-        return next(r for r in summary if r["name"] == name and r["link"] == link)
-
-    if not any(r["name"] == "dilocox" for r in summary):
-        return []
-    x, xp = row("dilocox", "1gbps"), row("dilocox", "paper")
-    return [
-        {"target": "bytes per token >= 1000x fewer than AllReduce", "value": x["bytes_x"],
-         "met": x["bytes_x"] >= 1000},
-        {"target": "paper-regime tokens/s >= 300x AllReduce", "value": xp["tps_x"],
-         "met": xp["tps_x"] >= 300},
-        {"target": "eval loss <= 1.03x AllReduce (mean over seeds)", "value": x["loss_x"],
-         "met": x["loss_x"] <= 1.03},
-        {"target": "overlap: rounds' wall <= 1.1x their compute (1 Gbps, measured)",
-         "value": x["rounds_wall_s"] / x["compute_s"], "met": x["rounds_wall_s"] / x["compute_s"] <= 1.1},
-        {"target": "compression + decompression <= 5% of round time",
-         "value": x["compress_s"] / x["rounds_wall_s"], "met": x["compress_s"] / x["rounds_wall_s"] <= 0.05},
-        {"target": "extra memory <= 4x parameter bytes", "value": x["extra_memory_x"],
-         "met": x["extra_memory_x"] <= 4},
-    ]
-
-
-def render(summary: list[dict], targets: list[dict], args, seeds, paper_bw: float, step_s: float) -> str:
-    lines = [
-        f"model d={args.d_model} L={args.layers} T_seq={args.seq_len}, R={args.replicas} x S={args.stages}, "
-        f"batch {args.batch}/replica, {args.rounds} rounds x H={args.inner_steps}, seeds {seeds}",
-        f"links: 1gbps = {args.link} {args.gbps:g} Gbit/s, MEASURED runs; paper = {paper_bw * 8 / 1e6:.3f} Mbit/s "
-        f"(one all-reduce = {args.paper_steps:g} compute steps of {step_s * 1e3:.1f} ms, the mean measured), "
-        "MODELLED from that compute, each run's measured compression time and exact bytes",
-        f"delay-1 methods use outer lr {args.overlap_lr:g}, momentum {args.overlap_momentum:g}; "
-        "the others 0.7 / 0.9 Nesterov; adaptive energy target "
-        f"{args.energy:g}, max rank {args.max_rank}",
-        "",
-        "| method | link | bytes/rank | bytes/token | wall s | tokens/s | eval loss (sd) | peak RSS MB "
-        "| bytes/token x | tokens/s x | loss x |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in summary:
-        lines.append(
-            f"| {r['name']} | {r['link']} | {r['bytes_sent_per_rank']:.3g} | {r['bytes_per_token']:.4g} "
-            f"| {r['wall_s']:.1f} | {r['tokens_per_s']:.4g} | {r['eval_loss']:.4f} ({r['loss_sd']:.3f}) "
-            f"| {r['peak_rss_mb']:.0f} | {r['bytes_x']:.0f}x | {r['tokens_per_s'] and r['tps_x']:.3g}x "
-            f"| {r['loss_x']:.3f} |"
-        )
-    lines += ["", "| compressed method | rel. error | mean rank | mean bits | compress s | extra mem x |",
-              "|---|---:|---:|---:|---:|---:|"]
-    for r in summary:
-        if r["link"] == "1gbps" and r["name"] != "allreduce":
-            lines.append(f"| {r['name']} | {r['rel_error']:.3f} | {r['rank_mean']:.1f} | {r['bits_mean']:.1f} "
-                         f"| {r['compress_s']:.2f} | {r['extra_memory_x']:.2f} |")
-    lines += ["", "| target | value | met |", "|---|---:|---|"]
-    for t in targets:
-        lines.append(f"| {t['target']} | {t['value']:.3g} | {'yes' if t['met'] else 'NO'} |")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def test_a_capped_adaptive_payload_records_its_budget_and_an_uncapped_one_does_n
     shapes = {"w": torch.Size([32, 32])}
     w = {"w": torch.randn(32, 32, generator=torch.Generator().manual_seed(1))}
     assert payload_budget(Compressor(cfg, shapes, seed=0).compress(w, 1, budget_bytes=1e9)) is None
-    assert payload_budget(Compressor(cfg, shapes, seed=0).compress(w, 1, budget_bytes=150.5)) == 150.5
+    assert payload_budget(Compressor(cfg, shapes, seed=0).compress(w, 1, budget_bytes=100.5)) == 100.5
 
 
 def test_round_state_round_trips_weights_inner_state_and_compressor() -> None:
@@ -138,13 +138,26 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
 # --- one-step delay, adaptive compression with a budget that bites, and tampering ------------
 
 
-@pytest.fixture(scope="module")
-def delayed_run(tmp_path_factory, small_job):
-    """A 2x2 run with delay 1 and adaptive compression over a link so slow (100 bit/s)
-    that the byte budget caps every payload: the decisions depend on wall-clock time."""
+# Every overlap rule, and every compression kind under one of them. The partial rule with
+# tau = auto over this link (100 bit/s) merges after a round's last inner step; tau = 1
+# merges in the middle of one.
+DELAYED = {
+    "partial-auto-adaptive": ('overlap = "partial"\n', 'kind = "adaptive"\nmax_rank = 8\n'),
+    "partial-tau1-quantize": ('overlap = "partial"\ntau = 1\n', 'kind = "quantize"\nbits = 4\n'),
+    "partial-mix-none": ('overlap = "partial"\ntau = 2\nalpha = 0.5\n', 'kind = "none"\n'),
+    "eager-sparse": ('overlap = "eager"\n', 'kind = "sparse"\ndensity = 0.1\nchunk = 64\nbits = 4\n'),
+    "restart-lowrank": ('overlap = "restart"\n', 'kind = "lowrank"\nrank = 2\n'),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(DELAYED))
+def delayed_run(request, tmp_path_factory, small_job):
+    """A 2x2 run with delay 1 over a link so slow (100 bit/s) that an adaptive payload's
+    byte budget caps it: the decisions depend on wall-clock time."""
+    rule, kind = DELAYED[request.param]
     root = tmp_path_factory.mktemp("replay")
     job = root / "job.toml"
-    job.write_text(small_job("replay", extra="delay = 1\n[outer.compression]\nkind = \"adaptive\"\nmax_rank = 8\n"
+    job.write_text(small_job("replay", extra=f"delay = 1\n{rule}[outer.compression]\n{kind}"
                                              "[transport]\nbandwidth_mbps = 0.0001\n"))
     run_dir = root / "run"
     res = dlx("train", str(job), "--run-dir", str(run_dir))
@@ -155,7 +168,7 @@ def delayed_run(tmp_path_factory, small_job):
     for t in (3, 2, 1):
         steps[t] = get_manifest(store, cps[t])
         cps[t - 1] = steps[t].parent
-    return store, steps, cps
+    return store, steps, cps, request.param, run_dir
 
 
 def _put_tensors(store, tensors) -> object:
@@ -174,12 +187,19 @@ def _with(manifest, **cells):
 
 
 @pytest.mark.slow
-def test_delay1_adaptive_replays_exactly_and_tampering_is_caught(delayed_run, tmp_path) -> None:
-    store, steps, cps = delayed_run
+def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run, tmp_path) -> None:
+    store, steps, cps, name, run_dir = delayed_run
+    # The user's command: every level, every round of every replica replayed, bit for bit.
+    res = dlx("verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json")
+    assert res.returncode == 0, res.stderr + res.stdout
+    report = json.loads(res.stdout)
+    assert report["ok"] and [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "replay"]] * 3
+    assert all(s["exact"] for r in report["replay"] for s in r["stages"]) and len(report["replay"]) == 6
     m2, m3 = steps[2], steps[3]
     assert [len(row) for row in m2.replay] == [2, 2]
-    capped = [payload_budget(read_bytes(store, c)) for m in steps.values() for row in m.contributions for c in row]
-    assert all(b is not None for b in capped)  # the budget bit: replay must re-use it to be exact
+    if "adaptive" in name:
+        capped = [payload_budget(read_bytes(store, c)) for m in steps.values() for row in m.contributions for c in row]
+        assert all(b is not None for b in capped)  # the budget bit: replay must re-use it to be exact
 
     # A copy of the store holding tampered variants of step 2 (and of step 3's start state).
     tampered = Blockstore(tmp_path / "blocks")
@@ -208,7 +228,10 @@ def test_delay1_adaptive_replays_exactly_and_tampering_is_caught(delayed_run, tm
     assert not moment_r.stages[0].exact and moment_r.stages[0].rel_l2 > 0
     assert "step 2 replica 1 stage 0: replayed contribution" in moment_r.failure()
 
-    assert not weight_r.ok and "start weights are not the outer weights of step 1 or 0" in weight_r.stages[0].reason
+    expected = {"partial": "start weights are not the end of round 1",
+                "eager": "start weights are neither step 1's outer weights nor the eager step",
+                "restart": "start weights are not the outer weights of step 1 or 0"}[name.split("-")[0]]
+    assert not weight_r.ok and expected in weight_r.stages[0].reason, weight_r.stages[0].reason
 
     assert not claim_r.ok and claim_r.stages[0].exact
     assert not claim_r.stages[1].exact and claim_r.stages[1].rel_l2 > 0.05

@@ -18,6 +18,7 @@ import torch
 from trainer import tensorbytes
 
 __all__ = [
+    "MERGE_STEP_KEY",
     "Contribution",
     "GenesisArtifacts",
     "Progress",
@@ -56,15 +57,18 @@ class Contribution:
       value = (stored - (2**(b-1)-1)) * scale of its row; a low-rank tensor is
       sum_k outer(u_k, v_k), summed in k order.
     The new shard of step t is `apply_outer_step(shard of step t-1, [data of r = 0..R-1])`.
-    With `outer.delay = 1` the round that produced step t's contribution started from the
-    shard of step t-2 (genesis for t <= 2), and the contribution carries that round's data
-    shard and loss. Under `parallel.sync = "allreduce"` (the baseline) `data` is an empty
+    With `outer.delay = 1` the round that produced step t's contribution started, under
+    the restart rule, from the shard of step t-2 (genesis for t <= 2); under the eager and
+    partial rules from weights derived from committed data (trainer/diloco.py; the
+    verifier re-derives them). The contribution carries that round's data shard and loss. Under `parallel.sync = "allreduce"` (the baseline) `data` is an empty
     safetensors blob: there is no outer step to recompute. An adaptive payload whose byte
     budget capped it also holds ``adaptive/budget`` (float64 (1,)), which replay re-uses.
 
     `start_state` is what replay verification starts from: this rank's state at the start
     of the round that produced `data` (`trainer.engine.round_state`: local weights, inner
-    optimizer state, compressor state; safetensors, sorted keys). Empty for the baseline.
+    optimizer state, compressor state; safetensors, sorted keys; under the partial rule
+    also ``round/merge_step``, int64 (1,), the inner step the round merged before, -1 for
+    none). Empty for the baseline.
     """
 
     replica: int
@@ -107,6 +111,9 @@ class StepSink(Protocol):
     def on_genesis(self, genesis: GenesisArtifacts) -> None: ...
     def on_step(self, step: StepArtifacts) -> None: ...
     def on_progress(self, progress: Progress) -> None: ...
+
+
+MERGE_STEP_KEY = "round/merge_step"  # a partial-rule round state: the inner step it merged before
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

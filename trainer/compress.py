@@ -1,4 +1,4 @@
-"""Pseudo-gradient compression with error feedback: one interface, four kinds.
+"""Pseudo-gradient compression with error feedback: one interface, five kinds.
 
 A replica compresses its pseudo-gradient delta once per outer step. What it sends is a
 safetensors blob (the `Contribution` it publishes); every replica, and later a verifier,
@@ -12,11 +12,54 @@ Kinds (`[outer.compression] kind`):
   M ~ P Q^T with P orthonormal (m, r) and Q (n, r); both factors are stored transposed,
   (r, m) and (r, n), quantised to b bits with one scale per row (per rank component).
   1-D tensors are quantised only;
-- ``adaptive``: rank and bits picked per tensor each outer step (rule below).
+- ``sparse``: chunked top-k (SparseLoCo, Sarfi et al., 2025, arXiv 2508.15706: top-k
+  sparsification of the error-feedback pseudo-gradient, values at 2 bits, chunked top-k
+  so that indices are local and short). The tensor is flattened and split into chunks of
+  C = min(`chunk`, numel) consecutive values (the last chunk may be short; it is padded
+  with zeros, logically only); each chunk keeps its k = max(1, ceil(`density` * C)) values
+  of largest magnitude, ties going to the lower index (a threshold on the k-th largest
+  magnitude, then the tied values in index order: never `torch.topk`'s unspecified tie
+  order), indices stored ascending within the chunk; the kept values are quantised to
+  b = `bits` bits, symmetric round-to-nearest with one float32 scale per chunk, scale =
+  max |kept| / (2**(b-1) - 1) (`quantize_rows` on the (chunks, k) matrix of kept values).
+  Padding is only ever kept when k exceeds the last chunk's real length, and then
+  carries the value 0. 1-D tensors (norms, biases) are quantised whole at 8 bits
+  (``ONE_D_BITS``), as under ``adaptive``;
+- ``adaptive``: low rank, sparse or whole quantisation, with rank, k and bits, picked per
+  tensor each outer step (rule below).
+
+Payload keys per tensor ``<name>`` (viewed as (m, n) by `_as_matrix_shape`; N = m * n):
+- every compressed kind: ``meta/<name>`` int32 [codec, bits, rank] (quantize: rank 0),
+  or [codec, bits, k, C] for sparse; codecs: 1 quantised (``CODEC_QUANT``), 2 low rank
+  (``CODEC_LOWRANK``), 3 sparse (``CODEC_SPARSE``);
+- quantised: ``q/<name>`` uint8 (m, ceil(n b / 8)), ``q_scale/<name>`` float32 (m,);
+- low rank: ``u/<name>`` uint8 (r, ceil(m b / 8)), ``u_scale/<name>`` float32 (r,),
+  ``v/<name>`` uint8 (r, ceil(n b / 8)), ``v_scale/<name>`` float32 (r,);
+- sparse, with G = ceil(N / C) chunks and w = max(1, ceil(log2 C)) index bits:
+  ``sp/<name>`` uint8 (G, ceil(k b / 8)), the kept values of each chunk in index order,
+  packed as `quantize_rows` packs a row; ``sp_scale/<name>`` float32 (G,);
+  ``sp_idx/<name>`` uint8 (ceil(G k w / 8),), the G * k in-chunk indices, chunk by chunk,
+  packed by `pack_bits` at w bits each (little-endian bit order: bit j of index i is bit
+  i * w + j of the stream, and stream bit s is bit s % 8 of byte s // 8; the last byte is
+  zero-padded). A sparse tensor's data is therefore G * ceil(k b / 8) + 4 G +
+  ceil(G k w / 8) + 16 bytes (`sparse_payload_bytes`); the blob adds safetensors' 8-byte
+  length and its JSON header (padded to a multiple of 8).
+Decoding a sparse tensor starts from zeros and writes each dequantised value at its index
+(indices strictly ascending within a chunk, so unique: no write order to depend on); an
+index outside its chunk, a nonzero value in the padding, or a size that disagrees with
+meta is a ValueError.
 
 Error feedback (Seide et al., 2014; Karimireddy et al., 2019): with M = e + delta,
 send C(M) and keep e <- M - D(C(M)), the exact decoded value, so nothing is lost for
-good, only delayed.
+good, only delayed. For ``sparse``, top-k alone is a contraction: each chunk keeps at
+least the fraction k / C >= density of its energy, so ||M - topk(M)||^2 <= (1 - k / C)
+||M||^2, and with q = sqrt(1 - k / C) the residual stays within q / (1 - q) < 2 C / k
+times the largest ||delta||. Quantising the kept values adds at most scale / 2 per kept
+value (at 2 bits only a chunk's largest value is exact in the worst case), so that bound
+is not a theorem for the quantised codec; tests/test_compress_sparse.py measures the
+residual under error feedback over 100 steps of unit-norm random deltas and holds it to
+2 C / k (worst seen 1.41 C / k, ternary values at density 1; at most 0.29 C / k
+otherwise) and to 2 sqrt(C / k) (worst seen 1.41 sqrt(C / k)), times max ||delta||.
 
 The adaptive rule (ours; the DiLoCoX paper gives none). Per 2-D tensor, each outer step t:
 1. Power-iterate M at r_cap = min(max_rank, m, n) from the warm start and rotate the
@@ -27,27 +70,36 @@ The adaptive rule (ours; the DiLoCoX paper gives none). Per 2-D tensor, each out
    early, when pseudo-gradients are large and quickly corrected, eased later. If the
    replica's round loss did not improve on the previous round, tau eases by 0.05 more
    (kept until the loss improves again; the loss trend asks for fidelity).
-3. Rank k = the smallest rank capturing tau_t of ||M||^2 (at most r_cap). If k factors cost
-   at least as many bytes as quantising the whole tensor, the tensor is quantised whole
-   instead (a high-rank pseudo-gradient is not worth factorising).
+3. Three candidates, each sized in bytes: (a) low rank at the smallest rank k capturing
+   tau_t of ||M||^2 (at most r_cap), at the tensor's current bits; (b) sparse (chunk C =
+   min(`chunk`, N)) at the smallest k per chunk whose kept values capture tau_t of
+   ||M||^2, measured exactly (the squared values sorted within each chunk, cumulative
+   sums per chunk, summed over chunks: the energy E(k) of every common k at once), at the
+   tensor's current bits; (c) the whole tensor quantised at 4 bits. The cheaper of (a)
+   and (b) is sent (low rank on a tie), unless (c) costs no more bytes than it: then the
+   tensor is quantised whole (a pseudo-gradient that is neither low-rank nor sparse is
+   not worth factorising or indexing).
 4. Bits: 4 to start; a tensor whose measured error after quantisation exceeds its
-   low-rank error by more than 10% of ||M|| goes to 8 bits the next step (and back to 4
-   when it no longer does).
+   low-rank (or, when sent sparse, its top-k) error by more than 10% of ||M|| goes to 8
+   bits the next step (and back to 4 when it no longer does).
 5. Bandwidth cap: if the payload would exceed `budget_bytes` (the bytes the link moves
    within the overlap window, computed by the engine from the round's measured compute
-   time and the configured bandwidth), whole-quantised matrices go back to their factors
-   and ranks are halved, largest tensor first, until it fits or every rank is 1. The
-   budget is a wall-clock measurement nobody can re-derive, so a payload whose cap bit
-   records it (``adaptive/budget``, float64, ignored by the decoder): a replay re-runs the
-   rule with the recorded budget and gets the same decisions (`payload_budget`).
+   time and the configured bandwidth), whole-quantised matrices go back to the cheaper
+   of their factors (at r_cap) and their sparse plan, at 4 bits, and ranks (and sparse k
+   per chunk) are halved, largest tensor first, until it fits or every rank and k is 1.
+   The budget is a wall-clock measurement nobody can re-derive, so a payload whose cap
+   bit records it (``adaptive/budget``, float64, ignored by the decoder): a replay re-runs
+   the rule with the recorded budget and gets the same decisions (`payload_budget`).
 1-D tensors (norms, biases) are quantised whole at 8 bits.
 
-Reconstruction is pure elementwise float32 arithmetic in a fixed order (no matmul), so
-decoding gives the same bits whatever the thread count.
+Reconstruction is pure elementwise float32 arithmetic in a fixed order (no matmul), and
+the sparse scatter writes each position at most once, so decoding gives the same bits
+whatever the thread count.
 
 A compressor's whole state (residuals, warm starts, adaptive bits and loss trend, the
 generator of first warm starts) round-trips through `state_tensors` / `load_state_tensors`,
-so a replay can start a round's compression exactly where training did.
+so a replay can start a round's compression exactly where training did. The sparse kind
+needs nothing beyond the residual.
 """
 
 from __future__ import annotations
@@ -59,30 +111,42 @@ from dataclasses import dataclass, field
 import torch
 
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
-from trainer.config import CompressionConfig
+from trainer.config import CHUNK_MAX, CompressionConfig
 
 __all__ = [
     "CODEC_LOWRANK",
     "CODEC_NONE",
     "CODEC_QUANT",
+    "CODEC_SPARSE",
     "Compressor",
     "decode_contribution",
     "dequantize_rows",
     "lowrank_reconstruct",
+    "pack_bits",
     "payload_budget",
     "quantize_rows",
+    "sparse_decode",
+    "sparse_encode",
+    "sparse_k",
+    "sparse_payload_bytes",
+    "unpack_bits",
 ]
 
-CODEC_NONE, CODEC_QUANT, CODEC_LOWRANK = 0, 1, 2
+CODEC_NONE, CODEC_QUANT, CODEC_LOWRANK, CODEC_SPARSE = 0, 1, 2, 3
+_CODEC_NAMES = {CODEC_QUANT: "quantize", CODEC_LOWRANK: "lowrank", CODEC_SPARSE: "sparse"}
+MAX_CHUNK = CHUNK_MAX  # the largest sparse chunk (65536): 16-bit indices
 ONE_D_BITS = 8  # norms and biases: few values, quantised whole
 _EASE_STEP = 0.05
 BUDGET_KEY = "adaptive/budget"  # the byte budget that capped an adaptive payload
 
 
+BITS = (1, 2, 4, 8)
+
+
 def _levels(bits: int) -> int:
-    """Largest magnitude of a symmetric b-bit integer: 127, 7 or 1."""
-    assert bits in (2, 4, 8), f"bits ({bits}) must be 2, 4 or 8"
-    return 2 ** (bits - 1) - 1
+    """Largest magnitude of a symmetric b-bit integer: 127, 7 or 1 (1 bit: the sign)."""
+    assert bits in BITS, f"bits ({bits}) must be 1, 2, 4 or 8"
+    return max(1, 2 ** (bits - 1) - 1)
 
 
 def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
@@ -112,10 +176,15 @@ def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     """(rows, cols) float -> (packed uint8, float32 scale per row).
 
     Symmetric round-to-nearest: |x - dequantize(quantize(x))| <= scale / 2 per element,
-    with scale = max|row| / (2**(bits-1) - 1).
+    with scale = max|row| / (2**(bits-1) - 1). One bit is the sign (Seide et al. 2014's
+    1-bit quantisation): x -> +scale if x >= 0 else -scale, scale = mean |row|, the
+    L1-optimal magnitude; error feedback carries the rest.
     """
-    levels = _levels(bits)
     x = x.float()
+    if bits == 1:
+        scale = x.abs().mean(dim=1)  # (rows,)
+        return _pack((x >= 0).to(torch.uint8), 1), scale
+    levels = _levels(bits)
     scale = x.abs().amax(dim=1) / levels  # (rows,)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(x / safe[:, None]).clamp_(-levels, levels)  # (rows, cols)
@@ -126,6 +195,8 @@ def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     levels = _levels(bits)
     u = _unpack(packed, bits, cols).float()  # (rows, cols)
+    if bits == 1:
+        return (u * 2 - 1) * scale[:, None]
     return (u - levels) * scale[:, None]
 
 
@@ -137,6 +208,154 @@ def lowrank_reconstruct(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(u.size(1), v.size(1))
     for k in range(u.size(0)):
         out.add_(u[k][:, None] * v[k][None, :])
+    return out
+
+
+def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Integers in [0, 2**width), any shape (read flat), -> uint8 (ceil(count * width / 8),).
+
+    Little-endian bit order: bit j of value i is bit i * width + j of the stream, stream
+    bit s is bit s % 8 of byte s // 8, and the last byte's unused high bits are zero.
+    `width` is 1 to 16.
+    """
+    if not 1 <= width <= 16:
+        raise ValueError(f"pack_bits: width {width} is not 1 to 16")
+    v = values.reshape(-1).to(torch.int32)
+    if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << width):
+        raise ValueError(f"pack_bits: values outside [0, 2**{width})")
+    bits = ((v[:, None] >> torch.arange(width, dtype=torch.int32)) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits.numel()) % 8
+    if pad:
+        bits = torch.cat([bits, torch.zeros(pad, dtype=torch.uint8)])
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32)
+    return (bits.view(-1, 8).to(torch.int32) * weights).sum(dim=1).to(torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: the first `count` values, int64 (count,). ValueError unless
+    `packed` is a 1-D uint8 of exactly ceil(count * width / 8) bytes."""
+    if not 1 <= width <= 16:
+        raise ValueError(f"unpack_bits: width {width} is not 1 to 16")
+    want = math.ceil(count * width / 8)
+    if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != want:
+        raise ValueError(f"unpack_bits: want {want} uint8 bytes for {count} values of {width} bits, "
+                         f"got {packed.dtype} {tuple(packed.shape)}")
+    bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1  # (bytes, 8)
+    bits = bits.reshape(-1)[: count * width].view(count, width)
+    return (bits << torch.arange(width, dtype=torch.int32)).sum(dim=1, dtype=torch.int64)
+
+
+def _index_bits(chunk: int) -> int:
+    """Bits per in-chunk index: ceil(log2(chunk)), at least 1."""
+    return max(1, (chunk - 1).bit_length())
+
+
+def sparse_k(density: float, chunk: int) -> int:
+    """Values kept per chunk: max(1, ceil(density * chunk)) (a product within 1e-9 of an
+    integer counts as that integer, so 0.1 * 640 keeps 64, not 65), at most `chunk`."""
+    return min(chunk, max(1, math.ceil(density * chunk - 1e-9)))
+
+
+def sparse_payload_bytes(numel: int, chunk: int, k: int, bits: int) -> int:
+    """Data bytes of one sparse tensor: values, scales, indices and its meta (16 bytes)."""
+    return _sparse_bytes(numel, chunk, k, bits) + 16
+
+
+def _sparse_bytes(numel: int, chunk: int, k: int, bits: int) -> int:
+    groups = math.ceil(numel / chunk)
+    return groups * math.ceil(k * bits / 8) + 4 * groups + math.ceil(groups * k * _index_bits(chunk) / 8)
+
+
+def _chunks(M: torch.Tensor, chunk: int) -> torch.Tensor:
+    """M flattened, zero-padded to whole chunks: (groups, chunk) float32."""
+    flat = M.reshape(-1).float()
+    pad = (-flat.numel()) % chunk
+    if pad:
+        flat = torch.cat([flat, torch.zeros(pad)])
+    return flat.view(-1, chunk)
+
+
+def _topk_sorted(X: torch.Tensor, k: int) -> torch.Tensor:
+    """(groups, chunk) -> (groups, k) int64: per row the k largest |x|, ties to the lower
+    index, ascending. The k-th largest magnitude t is a value (whatever order topk finds it
+    in); all |x| > t are kept, then the |x| == t in index order until k."""
+    a = X.abs().nan_to_num_(nan=math.inf, posinf=math.inf)  # NaN: kept like inf
+    top = a.topk(k, dim=1, sorted=False)
+    t = top.values.amin(dim=1, keepdim=True)  # (groups, 1)
+    at_least = (a >= t).sum(dim=1)
+    if bool((at_least == k).all()):  # no row has a tie it must break: topk's set is the set
+        return top.indices.sort(dim=1).values
+    above = a > t
+    tied = a == t
+    need = k - above.sum(dim=1, keepdim=True)  # >= 1
+    keep = above | (tied & (torch.cumsum(tied, dim=1) <= need))
+    return keep.nonzero()[:, 1].view(X.size(0), k)  # row-major: ascending per row
+
+
+def sparse_encode(M: torch.Tensor, chunk: int, k: int, bits: int):
+    """M (any shape, read flat) -> (packed values (G, ceil(k b / 8)), scales (G,), packed
+    indices (ceil(G k w / 8),)); see the module docstring."""
+    X = _chunks(M, chunk)
+    idx = _topk_sorted(X, k)  # (G, k)
+    values, scale = quantize_rows(X.gather(1, idx), bits)
+    return values, scale, pack_bits(idx, _index_bits(chunk))
+
+
+def sparse_decode(values: torch.Tensor, scale: torch.Tensor, packed_idx: torch.Tensor, bits: int,
+                  k: int, chunk: int, numel: int) -> torch.Tensor:
+    """Inverse of `sparse_encode` (up to quantisation): float32 (numel,). ValueError on a
+    payload that does not fit (sizes, indices out of their chunk or not ascending, values
+    in the padding)."""
+    if not 1 <= chunk <= MAX_CHUNK or not 1 <= k <= chunk:
+        raise ValueError(f"k {k} and chunk {chunk} must satisfy 1 <= k <= chunk <= {MAX_CHUNK}")
+    groups = math.ceil(numel / chunk)
+    per = math.ceil(k * bits / 8)
+    if values.dtype != torch.uint8 or tuple(values.shape) != (groups, per):
+        raise ValueError(f"values are {values.dtype} {tuple(values.shape)}, want uint8 {(groups, per)}")
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (groups,):
+        raise ValueError(f"scales are {scale.dtype} {tuple(scale.shape)}, want float32 {(groups,)}")
+    idx = unpack_bits(packed_idx, _index_bits(chunk), groups * k).view(groups, k)
+    if int(idx.max()) >= chunk:
+        raise ValueError(f"index {int(idx.max())} out of range for chunk {chunk}")
+    if k > 1 and not bool((idx[:, 1:] > idx[:, :-1]).all()):
+        raise ValueError("indices not strictly ascending within a chunk")
+    out = torch.zeros(groups, chunk)
+    out.scatter_(1, idx, dequantize_rows(values, scale, bits, k))
+    flat = out.view(-1)
+    if bool(flat[numel:].ne(0).any()):
+        raise ValueError(f"index out of range: a nonzero value past the tensor's {numel} values")
+    return flat[:numel]
+
+
+def _sparse_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]]:
+    """Encode the sparse plans that share (chunk, k, bits) in one pass each (one top-k and
+    one quantisation over their stacked chunks): name -> (payload tensors, M - decoded).
+    Row-wise operations only, so the bytes and the residual are those of `_encode` and
+    `_decode_one` one tensor at a time (tested); it only saves the per-tensor overhead."""
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for n in sorted(plans):
+        p = plans[n]
+        if p["codec"] == CODEC_SPARSE:
+            groups.setdefault((p["chunk"], p["k"], p["bits"]), []).append(n)
+    out: dict[str, tuple[dict, torch.Tensor]] = {}
+    for (chunk, k, bits), names in groups.items():
+        if len(names) < 2:
+            continue
+        blocks = [_chunks(plans[n]["M"], chunk) for n in names]
+        X = torch.cat(blocks)  # (G, chunk)
+        idx = _topk_sorted(X, k)  # (G, k)
+        kept = X.gather(1, idx)
+        q, scale = quantize_rows(kept, bits)
+        err = X.scatter(1, idx, kept - dequantize_rows(q, scale, bits, k))
+        row, width = 0, _index_bits(chunk)
+        for n, block in zip(names, blocks, strict=True):
+            rows = slice(row, row + block.size(0))
+            row += block.size(0)
+            M = plans[n]["M"]
+            enc = {f"meta/{n}": torch.tensor([CODEC_SPARSE, bits, k, chunk], dtype=torch.int32),
+                   f"sp/{n}": q[rows], f"sp_scale/{n}": scale[rows],
+                   f"sp_idx/{n}": pack_bits(idx[rows], width)}
+            out[n] = (enc, err[rows].reshape(-1)[: M.numel()].reshape(M.shape))
     return out
 
 
@@ -155,11 +374,16 @@ def _lowrank_bytes(m: int, n: int, rank: int, bits: int) -> int:
     return _quant_bytes(rank, m, bits) + _quant_bytes(rank, n, bits)
 
 
-def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None) -> dict:
-    """Payload tensors for one tensor viewed as (m, n); `factors` = (P (m, r), Q (n, r))."""
+def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None, sparse=None) -> dict:
+    """Payload tensors for one tensor viewed as (m, n); `factors` = (P (m, r), Q (n, r)),
+    `sparse` = (k, chunk)."""
     out = {f"meta/{name}": torch.tensor([codec, bits, 0], dtype=torch.int32)}
     if codec == CODEC_QUANT:
         out[f"q/{name}"], out[f"q_scale/{name}"] = quantize_rows(M, bits)
+    elif codec == CODEC_SPARSE:
+        k, chunk = sparse
+        out[f"meta/{name}"] = torch.tensor([codec, bits, k, chunk], dtype=torch.int32)
+        out[f"sp/{name}"], out[f"sp_scale/{name}"], out[f"sp_idx/{name}"] = sparse_encode(M, chunk, k, bits)
     else:
         P, Q = factors
         out[f"meta/{name}"][2] = P.size(1)
@@ -176,12 +400,24 @@ def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) 
         return t.float()
     if f"meta/{name}" not in payload:
         raise ValueError(f"contribution: no delta/{name} or meta/{name}")
-    codec, bits, rank = (int(v) for v in payload[f"meta/{name}"].tolist())
-    if bits not in (2, 4, 8):
+    meta = payload[f"meta/{name}"]
+    if meta.dtype != torch.int32 or meta.dim() != 1 or meta.numel() not in (3, 4):
+        raise ValueError(f"contribution: meta/{name} is {meta.dtype} {tuple(meta.shape)}, want int32 (3,) or (4,)")
+    values = [int(v) for v in meta.tolist()]
+    codec, bits, rank = values[:3]
+    if (meta.numel() == 4) != (codec == CODEC_SPARSE):
+        raise ValueError(f"contribution: meta/{name} has {meta.numel()} entries for codec {codec}")
+    if bits not in BITS:
         raise ValueError(f"contribution: meta/{name} has bits {bits}")
     m, n = _as_matrix_shape(shape)
     try:
-        if codec == CODEC_QUANT:
+        if codec == CODEC_SPARSE:
+            try:
+                M = sparse_decode(payload[f"sp/{name}"], payload[f"sp_scale/{name}"],
+                                  payload[f"sp_idx/{name}"], bits, rank, values[3], m * n).view(m, n)
+            except ValueError as exc:
+                raise ValueError(f"contribution: sparse {name}: {exc}") from None
+        elif codec == CODEC_QUANT:
             M = dequantize_rows(payload[f"q/{name}"], payload[f"q_scale/{name}"], bits, n)
         elif codec == CODEC_LOWRANK:
             u = dequantize_rows(payload[f"u/{name}"], payload[f"u_scale/{name}"], bits, m)
@@ -289,7 +525,7 @@ class Compressor:
                                      f"want {tuple(st.residual.shape)} float32")
                 st.residual = residual.clone()
                 st.bits = int(tensors[f"compress/bits/{n}"].reshape(-1)[0])
-                if st.bits not in (2, 4, 8):
+                if st.bits not in BITS:
                     raise ValueError(f"compress/bits/{n} is {st.bits}")
                 warm = tensors.get(f"compress/warm/{n}")
                 if warm is not None and (warm.dim() != 2 or warm.size(0) != _as_matrix_shape(st.shape)[1]):
@@ -326,18 +562,26 @@ class Compressor:
         payload: dict[str, torch.Tensor] = {}
         if budget_bytes is not None and cfg.kind == "adaptive" and self._fit_budget(plans, budget_bytes):
             payload[BUDGET_KEY] = torch.tensor([budget_bytes], dtype=torch.float64)
+        batched = _sparse_batch(plans)
+        plans_done = set(batched)
         sq_err = sq_norm = 0.0
         for n in self.names:
             st, plan = self.state[n], plans[n]
             M = plan["M"]
-            if plan["codec"] == CODEC_LOWRANK:
+            if n in batched:
+                enc, err = batched.pop(n)
+                payload.update(enc)
+            elif plan["codec"] == CODEC_LOWRANK:
                 k = plan["rank"]
                 enc = _encode(n, M, CODEC_LOWRANK, plan["bits"], (plan["P"][:, :k], plan["Q"][:, :k]))
+            elif plan["codec"] == CODEC_SPARSE:
+                enc = _encode(n, M, CODEC_SPARSE, plan["bits"], sparse=(plan["k"], plan["chunk"]))
             else:
                 enc = _encode(n, M, CODEC_QUANT, plan["bits"])
-            payload.update(enc)
-            decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
-            err = M - decoded
+            if n not in plans_done:
+                payload.update(enc)
+                decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
+                err = M - decoded
             if cfg.error_feedback:
                 st.residual = err.reshape(st.shape)
             e2, m2 = float(err.pow(2).sum()), float(M.pow(2).sum())
@@ -348,17 +592,24 @@ class Compressor:
                 # Step 4: quantisation that adds > 10% of ||M|| over the low-rank error
                 # moves the tensor to 8 bits next step.
                 st.bits = 8 if rel > plan["lowrank_error"] + 0.10 else 4
+            elif cfg.kind == "adaptive" and plan["codec"] == CODEC_SPARSE:
+                st.bits = 8 if rel > plan["sparse_error"] + 0.10 else 4  # step 4, top-k error
             rank = plan["rank"] if plan["codec"] == CODEC_LOWRANK else 0
-            st.last = {"rank": rank, "bits": plan["bits"], "rel_error": rel}
+            st.last = {"codec": _CODEC_NAMES[plan["codec"]], "rank": rank, "bits": plan["bits"],
+                       "rel_error": rel}
+            if plan["codec"] == CODEC_SPARSE:
+                st.last["density"] = plan["k"] / plan["chunk"]  # kept fraction of each chunk
         data = tensors_to_bytes(payload)
         ranks = [self.state[n].last["rank"] for n in self.names if self.state[n].last["rank"]]
         bits = [self.state[n].last["bits"] for n in self.names if len(self.state[n].shape) >= 2]
+        densities = [self.state[n].last["density"] for n in self.names if "density" in self.state[n].last]
         self.last_stats = {
             "compress_s": time.perf_counter() - start,
             "rel_error": math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0,
             "rank_mean": sum(ranks) / len(ranks) if ranks else 0.0,
             "rank_max": float(max(ranks)) if ranks else 0.0,
             "bits_mean": sum(bits) / len(bits) if bits else 0.0,
+            "density_mean": sum(densities) / len(densities) if densities else 0.0,
             "energy_target": tau,
             "residual_norm": math.sqrt(sum(float(s.residual.pow(2).sum()) for s in self.state.values())),
         }
@@ -366,7 +617,9 @@ class Compressor:
         return data
 
     def per_tensor(self) -> dict[str, dict]:
-        """Rank, bits and relative compression error of each tensor at the latest step."""
+        """Codec ("quantize", "lowrank" or "sparse"), rank (0 unless low rank), bits,
+        relative compression error and, for sparse tensors, density (k / chunk) of each
+        tensor at the latest step."""
         return {n: dict(self.state[n].last) for n in self.names}
 
     # -- the rule ------------------------------------------------------------------------
@@ -385,9 +638,13 @@ class Compressor:
     def _plan(self, name: str, M: torch.Tensor, tau: float) -> dict:
         cfg, st = self.cfg, self.state[name]
         m, n = M.shape
-        if len(st.shape) < 2 or cfg.kind == "quantize":
+        if len(st.shape) < 2 or cfg.kind == "quantize" or M.numel() == 0:
             bits = ONE_D_BITS if (len(st.shape) < 2 and cfg.kind != "quantize") else cfg.bits
             return {"M": M, "codec": CODEC_QUANT, "bits": bits}
+        if cfg.kind == "sparse":
+            chunk = min(cfg.chunk, M.numel())
+            return {"M": M, "codec": CODEC_SPARSE, "bits": cfg.bits, "chunk": chunk,
+                    "k": sparse_k(cfg.density, chunk)}
         r_cap = min(cfg.rank if cfg.kind == "lowrank" else cfg.max_rank, m, n)
         P, Q = self._power_iterate(st, M, r_cap)
         if cfg.kind == "lowrank":
@@ -402,9 +659,21 @@ class Compressor:
         k = max(1, min(k, r_cap))
         bits = st.bits
         lowrank_error = math.sqrt(max(0.0, 1.0 - float(captured[k - 1])))
+        # Step 3 (b): sparse at the smallest common k per chunk capturing tau.
+        chunk = min(cfg.chunk, M.numel())
+        sq = _chunks(M, chunk).double().pow(2).sort(dim=1, descending=True).values  # (G, chunk)
+        energy = torch.cumsum(sq, dim=1).sum(dim=0)  # (chunk,): E(k) at index k - 1
+        sp_captured = energy / max(float(energy[-1]), 1e-30)
+        ks = int(torch.searchsorted(sp_captured, torch.tensor([tau], dtype=sp_captured.dtype)).item()) + 1
+        ks = max(1, min(ks, chunk))
         plan = {"M": M, "codec": CODEC_LOWRANK, "bits": bits, "P": P, "Q": Q, "rank": k,
-                "captured": captured, "lowrank_error": lowrank_error}
-        if _lowrank_bytes(m, n, k, bits) >= _quant_bytes(m, n, 4):  # step 3: not worth it
+                "captured": captured, "lowrank_error": lowrank_error,
+                "k": ks, "chunk": chunk, "sp_captured": sp_captured,
+                "sparse_error": math.sqrt(max(0.0, 1.0 - float(sp_captured[ks - 1])))}
+        lr_bytes, sp_bytes = _lowrank_bytes(m, n, k, bits), _sparse_bytes(m * n, chunk, ks, bits)
+        if sp_bytes < lr_bytes:
+            plan["codec"] = CODEC_SPARSE
+        if min(lr_bytes, sp_bytes) >= _quant_bytes(m, n, 4):  # step 3 (c): neither is worth it
             plan.update(codec=CODEC_QUANT, bits=4, rank=r_cap)
         return plan
 
@@ -429,15 +698,19 @@ class Compressor:
                 m, c = p["M"].shape
                 if p["codec"] == CODEC_LOWRANK:
                     total += _lowrank_bytes(m, c, p["rank"], p["bits"])
+                elif p["codec"] == CODEC_SPARSE:
+                    total += _sparse_bytes(m * c, p["chunk"], p["k"], p["bits"])
                 else:
                     total += _quant_bytes(m, c, p["bits"])
             return total
 
         if size() <= budget:
             return False
-        for p in plans.values():  # whole-quantised matrices go back to their factors
-            if "P" in p and p["codec"] != CODEC_LOWRANK:
-                p.update(codec=CODEC_LOWRANK, bits=4)
+        for p in plans.values():  # whole-quantised matrices go back to factors or sparse
+            if "P" in p and p["codec"] == CODEC_QUANT:
+                m, c = p["M"].shape
+                sparse = _sparse_bytes(m * c, p["chunk"], p["k"], 4) < _lowrank_bytes(m, c, p["rank"], 4)
+                p.update(codec=CODEC_SPARSE if sparse else CODEC_LOWRANK, bits=4)
         while size() > budget:
             lowered = False
             for n in sorted(plans, key=lambda k: -plans[k]["M"].numel()):
@@ -447,9 +720,14 @@ class Compressor:
                     p["lowrank_error"] = math.sqrt(
                         max(0.0, 1.0 - float(p["captured"][p["rank"] - 1]))
                     )
-                    lowered = True
-                    if size() <= budget:
-                        return True
+                elif p["codec"] == CODEC_SPARSE and "sp_captured" in p and p["k"] > 1:
+                    p["k"] = max(1, p["k"] // 2)
+                    p["sparse_error"] = math.sqrt(max(0.0, 1.0 - float(p["sp_captured"][p["k"] - 1])))
+                else:
+                    continue
+                lowered = True
+                if size() <= budget:
+                    return True
             if not lowered:
                 return True
         return True

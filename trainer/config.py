@@ -235,7 +235,8 @@ class InnerConfig(_Section):
     warmup: int = Field(10, ge=0, description="Inner steps of linear LR warmup.")
 
 
-ALLOWED_BITS = (2, 4, 8)
+ALLOWED_BITS = (1, 2, 4, 8)
+CHUNK_MIN, CHUNK_MAX = 64, 65536  # sparse chunk sizes: indices fit 6 to 16 bits
 
 
 class CompressionConfig(_Section):
@@ -245,14 +246,17 @@ class CompressionConfig(_Section):
     compression dropped this round is added to the next round's pseudo-gradient.
     """
 
-    kind: Literal["none", "quantize", "lowrank", "adaptive"] = Field(
+    kind: Literal["none", "quantize", "lowrank", "sparse", "adaptive"] = Field(
         "none",
         description="none: float32; quantize: `bits`-bit integers with per-row scales; "
         "lowrank: rank-`rank` factors (PowerSGD-style power iteration, warm start) quantised "
-        "to `bits`, 1-D tensors quantised only; adaptive: rank and bits chosen each outer step "
-        "(trainer/compress.py documents the rule).",
+        "to `bits`, 1-D tensors quantised only; sparse: the top `density` of each `chunk` "
+        "consecutive values by magnitude, quantised to `bits` (SparseLoCo-style), 1-D tensors "
+        "quantised only; adaptive: low rank, sparse or whole quantisation, rank, density and "
+        "bits chosen per tensor each outer step (trainer/compress.py documents the rule).",
     )
-    bits: int = Field(8, description="Bits per quantised value: 2, 4 or 8.")
+    bits: int = Field(8, description="Bits per quantised value: 1 (the sign, scaled by the mean magnitude), "
+                      "2, 4 or 8.")
     rank: int = Field(4, ge=1, description="Low-rank factor rank (kind = lowrank).")
     power_iters: int = Field(1, ge=1, le=8, description="Power iterations per outer step.")
     error_feedback: bool = Field(True, description="Carry the compression error to the next round.")
@@ -273,12 +277,37 @@ class CompressionConfig(_Section):
         "value to `energy` (more aggressive early).",
     )
 
+    density: float = Field(
+        0.02,
+        description="sparse: fraction of each chunk's values kept (top-k by magnitude, "
+        "k = max(1, ceil(density * chunk length))), in (0, 1].",
+    )
+    chunk: int = Field(
+        4096,
+        description="sparse, adaptive: values per top-k chunk, a power of two from 64 to 65536 "
+        "(indices are sent at log2(chunk) bits).",
+    )
+
     @field_validator("bits")
     @classmethod
     def _valid_bits(cls, bits: int) -> int:
         if bits not in ALLOWED_BITS:
-            raise ValueError(f"must be one of 2, 4, 8 (got {bits})")
+            raise ValueError(f"must be one of 1, 2, 4, 8 (got {bits})")
         return bits
+
+    @field_validator("density")
+    @classmethod
+    def _valid_density(cls, density: float) -> float:
+        if not 0.0 < density <= 1.0:  # also refuses NaN
+            raise ValueError(f"must be in (0, 1] (got {density})")
+        return density
+
+    @field_validator("chunk")
+    @classmethod
+    def _valid_chunk(cls, chunk: int) -> int:
+        if not (CHUNK_MIN <= chunk <= CHUNK_MAX and chunk & (chunk - 1) == 0):
+            raise ValueError(f"must be a power of two between {CHUNK_MIN} and {CHUNK_MAX} (got {chunk})")
+        return chunk
 
 
 class OuterConfig(_Section):
@@ -291,8 +320,28 @@ class OuterConfig(_Section):
     inner_steps: int = Field(ge=1, description="H: inner steps per outer step.")
     delay: int = Field(
         0,
-        description="One-step-delay overlap: 1 applies mean(delta_{t-1}) at the end of round t "
-        "while delta_t is exchanged in the background; 0 is synchronous DiLoCo.",
+        description="0: synchronous DiLoCo (every replica waits for the exchange at the end of "
+        "each round); 1: the exchange of round t overlaps computation (`overlap` says how).",
+    )
+    overlap: Literal["partial", "eager", "restart"] = Field(
+        "partial",
+        description="delay = 1 only. partial: the exchange of round t runs during the first "
+        "`tau` inner steps of round t+1, then the outer step and a merge (Streaming DiLoCo); "
+        "eager: round t+1 starts from an outer step that uses the replica's own fresh "
+        "pseudo-gradient in place of its stale share (Kale et al. 2025); restart: a whole round "
+        "of delay, round t+1 restarts from the outer copy (trainer/diloco.py documents each).",
+    )
+    tau: int | Literal["auto"] = Field(
+        "auto",
+        description="overlap = partial: inner steps of round t+1 the exchange may take, 0..H "
+        "(0 waits at once: synchronous DiLoCo's result); auto: derived each round from the "
+        "measured exchange and inner-step times so that the exchange stays hidden.",
+    )
+    alpha: float | None = Field(
+        None,
+        description="overlap = partial: unset merges exactly (local <- new outer weights + the "
+        "progress made since the send); a value in [0, 1] mixes instead, as Streaming DiLoCo "
+        "does: local <- alpha * local + (1 - alpha) * new outer weights.",
     )
     compression: CompressionConfig = Field(
         default_factory=CompressionConfig, description="Pseudo-gradient compression."
@@ -310,6 +359,56 @@ class OuterConfig(_Section):
         if delay not in (0, 1):
             raise ValueError(f"must be 0 or 1 (got {delay})")
         return delay
+
+    @field_validator("tau", mode="before")
+    @classmethod
+    def _int_or_auto(cls, tau: Any) -> Any:
+        if tau == "auto" or (isinstance(tau, int) and not isinstance(tau, bool)):
+            return tau
+        raise ValueError(f'must be an integer in [0, inner_steps] or "auto" (got {tau!r})')
+
+    @field_validator("alpha")
+    @classmethod
+    def _valid_alpha(cls, alpha: float | None) -> float | None:
+        if alpha is not None and not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"must be in [0, 1] (got {alpha:g})")
+        return alpha
+
+    @model_validator(mode="after")
+    def _overlap_settings(self) -> OuterConfig:
+        given = self.model_fields_set
+        if self.delay == 0:
+            for name in ("overlap", "tau", "alpha"):
+                if name in given:
+                    raise ValueError(f"{name} needs delay = 1 (an overlapped exchange); "
+                                     "delay = 0 is synchronous")
+            return self
+        for name in ("tau", "alpha"):
+            if name in given and self.overlap != "partial":
+                raise ValueError(f"{name} is a setting of overlap = \"partial\" "
+                                 f"(overlap is \"{self.overlap}\")")
+        if isinstance(self.tau, int) and not 0 <= self.tau <= self.inner_steps:
+            raise ValueError(f"tau ({self.tau}) must be in [0, inner_steps = {self.inner_steps}]")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _overlap_only_when_delayed(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A synchronous job dumps (and hashes) as before the overlap rules existed; a
+        delayed one records its rule (and the rule's own settings) explicitly."""
+        data = handler(self)
+        if not isinstance(data, dict):
+            return data
+        drop = {"overlap", "tau", "alpha"} if self.delay == 0 else set()
+        if self.delay == 1 and self.overlap != "partial":
+            drop |= {"tau", "alpha"}
+        if self.alpha is None:
+            drop.add("alpha")
+        return {k: v for k, v in data.items() if k not in drop}
+
+    @property
+    def rule(self) -> str:
+        """The exchange rule in force: "sync" (delay 0) or the overlap rule."""
+        return "sync" if self.delay == 0 else self.overlap
 
 
 class TransportConfig(_Section):

@@ -1,5 +1,5 @@
 """DiLoCo's outer loop: pseudo-gradients, their exchange, the outer optimizer, and the
-one-step-delay overlap.
+rules that overlap the exchange with computation.
 
 DiLoCo (Douillard et al., 2023, "DiLoCo: Distributed Low-Communication Training of
 Language Models"; DiLoCoX, 2025, adds pipelining, overlap and compression): each replica
@@ -15,13 +15,16 @@ Pieces here are small and swappable:
   from the published contribution bytes (any compression kind) with exactly the code the
   trainer ran;
 - `DiLoCo` ties a stage's local module to its outer copy and runs the round-end protocol,
-  synchronous (delay 0) or one step behind (delay 1).
+  synchronous (delay 0) or overlapped (delay 1) under one of three rules (`partial`,
+  `eager`, `restart`; documented on the class), with `eager_start` and `merge_weights`
+  the two pieces a replay and a verifier re-run to derive a round's start weights.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +41,9 @@ __all__ = [
     "DiLoCo",
     "OuterOptimizer",
     "apply_outer_step",
+    "eager_start",
     "mean_in_order",
+    "merge_weights",
 ]
 
 
@@ -113,6 +118,21 @@ class OuterOptimizer:
                 grad = grad.add(buf, alpha=mu) if nesterov else buf
             p.add_(grad, alpha=-lr)
 
+    @torch.no_grad()
+    def lookahead(self, mean_delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The weights `step(mean_delta)` would give, without moving this optimizer: the
+        same operations out of place, so the same bits."""
+        assert sorted(mean_delta) == self.names, "delta names do not match the outer params"
+        lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
+        out = {}
+        for n, p in self.params.items():
+            grad = mean_delta[n].to(p.dtype)
+            if mu != 0:
+                buf = self._momentum[n].mul(mu).add(grad, alpha=1)
+                grad = grad.add(buf, alpha=mu) if nesterov else buf
+            out[n] = p.add(grad, alpha=-lr)
+        return out
+
     def to_bytes(self) -> bytes:
         tensors = {f"param/{n}": p for n, p in self.params.items()}
         tensors.update({f"momentum/{n}": m for n, m in self.momentum().items()})
@@ -145,6 +165,42 @@ def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig)
     return outer.to_bytes()
 
 
+def eager_start(
+    outer: OuterOptimizer, stale: list[dict[str, torch.Tensor]] | None, own: dict[str, torch.Tensor],
+    replica: int, replicas: int,
+) -> dict[str, torch.Tensor]:
+    """The eager rule's start weights of round t+1 for replica `replica` (Kale et al. 2025):
+    one outer step from the committed state `outer` (after step t-1) with the mean over
+    replicas in replica order of the decoded contributions, this replica's fresh one
+    (`own`, round t) in place of its stale share, the others' stale ones (`stale`, round
+    t-1; None when round t was the first this run computed: they count as zero). A
+    lookahead: `outer` itself does not move."""
+    names = outer.names
+    zero = {n: torch.zeros_like(own[n]) for n in names} if stale is None else None
+    shares = [own if j == replica else (stale[j] if stale is not None else zero) for j in range(replicas)]
+    mean = mean_in_order([[d[n] for n in names] for d in shares])  # type: ignore[index]
+    return outer.lookahead(dict(zip(names, mean, strict=True)))
+
+
+@torch.no_grad()
+def merge_weights(
+    local: dict[str, torch.Tensor], outer: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
+    alpha: float | None,
+) -> None:
+    """The partial rule's merge, in place on `local` (its tensors may live on any device; the
+    arithmetic runs in float32 on the CPU, so a replay anywhere gets the same bits):
+    alpha None: local <- outer + (local - anchor), the new outer weights plus the progress
+    made since the send (`anchor`: the weights the round's pseudo-gradient was sent from);
+    alpha a number: local <- alpha * local + (1 - alpha) * outer (Streaming DiLoCo's mix)."""
+    for n, p in local.items():
+        here = p.detach().to("cpu", torch.float32)
+        if alpha is None:
+            merged = outer[n] + (here - anchor[n])
+        else:
+            merged = here.mul(alpha).add(outer[n], alpha=1.0 - alpha)
+        p.copy_(merged)
+
+
 @dataclass(frozen=True)
 class AppliedStep:
     """An outer step that was just applied: the round whose pseudo-gradients it averaged,
@@ -160,20 +216,46 @@ class DiLoCo:
 
     Args:
         module: this rank's stage (theta_local, trained by the inner optimizer).
-        cfg: the outer optimizer (lr = eta, momentum = mu, Nesterov) and `delay` (the
-            one-step-delay overlap: 0 synchronous, 1 one step behind).
+        cfg: the outer optimizer (lr = eta, momentum = mu, Nesterov), `delay` and the overlap
+            rule (`cfg.rule`: sync, partial, eager or restart).
         transport: the stage's cross-replica exchange (counts and shapes every byte).
         compressor: this replica-stage's compressor (error feedback state lives there).
 
-    One-step-delay overlap (delay 1), at the end of round t:
-      1. compute delta_t against theta_outer (not yet updated) and compress it;
-      2. wait for the exchange of delta_{t-1} started at the end of round t-1;
-      3. step the outer optimizer with mean(delta_{t-1});
-      4. copy theta_outer into the local model and start exchanging delta_t in the
-         background, while round t+1's inner steps run.
-    Round 1 has no pending exchange (step 3 is skipped; the local model still restarts from
-    theta_outer); `flush()` after the last round applies the last pending exchange. So
-    round t's contribution is applied, and published, at outer step t either way.
+    In every rule the committed outer state is the same function of the published data:
+    outer step t = the ordered mean of round t's decoded contributions applied to the
+    state after step t-1 (`apply_outer_step`). The rules differ only in when a replica
+    waits for the exchange and where its local weights go next. Symbols: theta_t the outer
+    weights after step t, L_t replica r's local weights at the end of round t, delta_t^r
+    its pseudo-gradient of round t (reference - L_t), D(.) a decoded contribution.
+
+    sync (delay 0; DiLoCo, Douillard et al. 2023): at the end of round t compress delta_t =
+      theta_{t-1} - L_t, all-gather, step, restart round t+1 from theta_t.
+
+    restart (delay 1, a whole round of delay; the DiLoCoX paper's one-step delay): at the
+      end of round t compress delta_t, wait for round t-1's exchange, step to theta_{t-1},
+      restart round t+1 from theta_{t-1} and exchange delta_t during all of round t+1. Its
+      pseudo-gradient is one step stale when applied; it needs a damped outer loop.
+
+    eager (delay 1; Kale et al. 2025, "Eager Updates For Overlapped Communication and
+      Computation in DiLoCo", arXiv 2502.12996): as restart, but round t+1 starts from a
+      lookahead outer step from theta_{t-1} with the mean of this replica's fresh D(delta_t)
+      and the others' stale D(delta_{t-1}) (`eager_start`); the pseudo-gradient of round
+      t+1 is measured from that start.
+
+    partial (delay 1; Streaming DiLoCo, Douillard et al. 2025, arXiv 2501.18512, with tau
+      overlapped inner steps): at the end of round t compress delta_t = theta_{t-1} - L_t
+      and start its exchange, but keep training from L_t. Before inner step tau of round
+      t+1 (`merge_step`; tau = H: after the last), wait for the exchange, step to theta_t
+      and merge (`merge_weights`): local <- theta_t + (local - L_t), so round t+1's
+      pseudo-gradient delta_{t+1} = theta_t - L_{t+1} counts all H of its inner steps and
+      only the first tau of them ran from stale weights; or with `alpha`, Streaming
+      DiLoCo's mix local <- alpha * local + (1 - alpha) * theta_t. tau = 0 is synchronous
+      DiLoCo bit for bit (the merge adds local - L_t = 0).
+
+    Round 1 (and the first round after a resume) has no exchange in flight: it applies
+    nothing. `flush()` after the last round applies the last exchange and leaves the local
+    weights at the outer ones, in every rule. Round t's contribution is applied, and
+    published, at outer step t either way.
 
     On failure of any replica the collective inside the transport raises (gloo reports the
     closed peer); the round is lost and the job resumes from the last committed shard.
@@ -184,24 +266,41 @@ class DiLoCo:
     ):
         self.module = module
         self.cfg = cfg
+        self.rule = cfg.rule
         self.transport = transport
         self.compressor = compressor
         self.local = dict(module.named_parameters())
         self.outer = OuterOptimizer(self.local, cfg)
         self.shapes = {n: p.shape for n, p in self.outer.params.items()}
         self._pending: tuple[Pending, int, bytes, Any] | None = None
+        self._reference: dict[str, torch.Tensor] | None = None  # eager: the round's start weights
+        self.merge_step: int | None = None  # partial: the inner step of this round to merge before
         self.decode_s = 0.0  # time spent decoding received contributions
+        self.exchange_s = 0.0  # how long the latest completed exchange took, start to finish
         # Test-only (trainer/cheat.py): (round, honest delta) -> the delta published and sent.
         self.tamper: Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Whether an exchange is in flight (not yet applied)."""
+        return self._pending is not None
+
+    @property
+    def pending_payload(self) -> bytes:
+        """This replica's payload in the exchange in flight (b"" when none is)."""
+        return b"" if self._pending is None else self._pending[2]
+
     def extra_memory_bytes(self) -> int:
-        """Bytes DiLoCo holds beyond the model: outer weights, momentum, compressor state."""
+        """Bytes DiLoCo holds beyond the model: outer weights, momentum, compressor state
+        (and the eager rule's start weights)."""
         outer = sum(4 * p.numel() for p in self.outer.params.values())
-        return 2 * outer + self.compressor.state_bytes()
+        return (3 if self.rule == "eager" else 2) * outer + self.compressor.state_bytes()
 
     def pseudo_gradient(self) -> dict[str, torch.Tensor]:
-        """delta = theta_outer - theta_local (points where the inner steps did not go)."""
-        return {n: (self.outer.params[n] - self.local[n].detach().cpu()) for n in self.outer.names}
+        """delta = reference - theta_local (points where the inner steps did not go); the
+        reference is theta_outer, or under the eager rule the round's start weights."""
+        ref = self.outer.params if self._reference is None else self._reference
+        return {n: (ref[n] - self.local[n].detach().cpu()) for n in self.outer.names}
 
     @torch.no_grad()
     def end_round(
@@ -211,42 +310,93 @@ class DiLoCo:
         loss: float | None = None,
         budget_bytes: float | None = None,
     ) -> AppliedStep | None:
-        """The round-end protocol; returns the outer step it applied, if any (delay 1
-        applies round t-1's exchange, so round 1 returns None)."""
+        """The round-end protocol; returns the outer step it applied, if any (sync: round
+        t's; restart and eager: round t-1's, so round 1 returns None; partial: None, its
+        steps are applied by `merge` during the next round)."""
         delta = self.pseudo_gradient()
         delta = delta if self.tamper is None else self.tamper(round_t, delta)
         payload = self.compressor.compress(delta, round_t, loss, budget_bytes)
-        if self.cfg.delay == 0:
-            self._apply(self.transport.all_gather(payload))
-            return AppliedStep(round_t, payload, tag)
-        applied = self.flush()
-        if applied is None:
+        if self.rule == "sync":
+            self._step(self.transport.all_gather(payload))
             self._reset_local()
+            return AppliedStep(round_t, payload, tag)
+        if self.rule == "partial":
+            assert self._pending is None, "partial: the previous exchange was not merged"
+            self._pending = (self.transport.start_all_gather(payload), round_t, payload, tag)
+            return None
+        applied, stale = self._wait_and_step()
+        if self.rule == "restart":
+            self._reset_local()
+        else:  # eager
+            own = decode_contribution(payload, self.shapes)
+            start = eager_start(self.outer, stale, own, self.transport.replica, self.transport.R)
+            for n in self.outer.names:
+                self.local[n].copy_(start[n])
+            self._reference = start
         self._pending = (self.transport.start_all_gather(payload), round_t, payload, tag)
         return applied
 
     @torch.no_grad()
+    def merge(self, anchor: dict[str, torch.Tensor]) -> AppliedStep:
+        """partial: wait for the exchange in flight, step the outer optimizer and merge the
+        local weights (`merge_weights`; `anchor` = the weights the exchanged pseudo-gradient
+        was measured from, this round's start weights)."""
+        applied, _ = self._wait_and_step()
+        assert applied is not None, "merge: no exchange in flight"
+        merge_weights(self.local, self.outer.params, anchor, self.cfg.alpha)
+        self.merge_step = None
+        return applied
+
+    @torch.no_grad()
     def flush(self) -> AppliedStep | None:
-        """Wait for the exchange in flight (if any) and apply it."""
+        """Wait for the exchange in flight (if any), apply it and leave the local weights at
+        the outer ones."""
+        applied, _ = self._wait_and_step()
+        if applied is not None:
+            self._reset_local()
+            self._reference = None
+            self.merge_step = None
+        return applied
+
+    def _wait_and_step(self) -> tuple[AppliedStep | None, list[dict[str, torch.Tensor]] | None]:
+        """Apply the exchange in flight, if any: (the step applied, the decoded contributions)."""
         if self._pending is None:
-            return None
+            return None, None
         pending, round_t, payload, tag = self._pending
         self._pending = None
         start = time.perf_counter()
         blobs = pending.wait()
         self.transport.wait_s += time.perf_counter() - start
-        self._apply(blobs)
-        return AppliedStep(round_t, payload, tag)
+        self.exchange_s = pending.seconds
+        decoded = self._step(blobs)
+        return AppliedStep(round_t, payload, tag), decoded
 
-    def _apply(self, blobs: list[bytes]) -> None:
+    def _step(self, blobs: list[bytes]) -> list[dict[str, torch.Tensor]]:
         start = time.perf_counter()
         decoded = [decode_contribution(b, self.shapes) for b in blobs]
         self.decode_s += time.perf_counter() - start
         names = self.outer.names
         mean = mean_in_order([[d[n] for n in names] for d in decoded])
         self.outer.step(dict(zip(names, mean, strict=True)))
-        self._reset_local()
+        return decoded
 
     def _reset_local(self) -> None:
         for n in self.outer.names:
             self.local[n].copy_(self.outer.params[n])
+
+    @contextmanager
+    def outer_weights(self) -> Iterator[None]:
+        """Run the body (an evaluation) with theta_outer in the module, then put the local
+        weights back: under eager and partial they differ when a step is published."""
+        if self.rule in ("sync", "restart"):
+            yield
+            return
+        with torch.no_grad():
+            saved = {n: p.detach().clone() for n, p in self.local.items()}
+            self._reset_local()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, p in self.local.items():
+                    p.copy_(saved[n])

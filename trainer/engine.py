@@ -22,6 +22,7 @@ is bit-identical on the same machine.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import resource
@@ -39,6 +40,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from trainer import cheat
 from trainer.artifacts import (
+    MERGE_STEP_KEY,
     Contribution,
     GenesisArtifacts,
     Progress,
@@ -50,7 +52,7 @@ from trainer.artifacts import (
 from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.data import derive_seed, load_corpus
-from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
+from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, merge_weights
 from trainer.errors import TrainingError
 from trainer.model import build_stage
 from trainer.transport import Transport
@@ -63,6 +65,7 @@ __all__ = [
     "Topology",
     "inner_round",
     "load_round_state",
+    "merge_step_of",
     "rerun_round",
     "round_state",
     "run_rank",
@@ -110,6 +113,7 @@ class Cancelled(Exception):
     """The launcher asked the ranks to stop; raised on every rank at the same inner step."""
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
 LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
 PROGRESS_EVERY = 5  # inner steps between progress reports
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -347,17 +351,22 @@ def round_state(
     first_step: int,
     *,
     weights: bool = True,
+    merge_step: int | None = None,
 ) -> bytes:
     """This rank's state at the start of round `round_t`, as safetensors (sorted keys, so
     the same state gives the same bytes): ``param/<name>`` the local weights (theta_outer
     at round start, also the pseudo-gradient's reference), ``inner/<key>/<name>`` the inner
     optimizer's per-parameter state (absent before its first step), ``compress/...`` the
     compressor's state, ``round/outer_step`` and ``round/inner_step`` (the warmup counter).
-    `weights=False` leaves the weights out (the state a round leaves for the next one)."""
+    `weights=False` leaves the weights out (the state a round leaves for the next one).
+    `merge_step` (the partial overlap rule only): ``round/merge_step``, the inner step
+    before which the round merges the previous round's exchange (-1: none in flight)."""
     tensors: dict[str, torch.Tensor] = {
         "round/outer_step": torch.tensor([round_t], dtype=torch.int64),
         "round/inner_step": torch.tensor([first_step], dtype=torch.int64),
     }
+    if merge_step is not None:
+        tensors[MERGE_STEP_KEY] = torch.tensor([merge_step], dtype=torch.int64)
     named = dict(module.named_parameters())
     by_param = {id(p): n for n, p in named.items()}
     for p, state in inner.state.items():
@@ -405,6 +414,18 @@ def load_round_state(
         return int(tensors["round/outer_step"][0]), int(tensors["round/inner_step"][0])
     except KeyError as exc:
         raise ValueError(f"start state: missing {exc.args[0]}") from None
+
+
+def merge_step_of(state: bytes) -> int | None:
+    """The inner step before which a partial-rule round merged (`round/merge_step`), or None
+    (no merge, or another rule). ValueError for bytes that are not a round state."""
+    try:
+        tensors = bytes_to_tensors(state)
+    except Exception as exc:  # safetensors raises its own error type for bad bytes
+        raise ValueError(f"start state is not safetensors: {exc}") from None
+    t = tensors.get(MERGE_STEP_KEY)
+    step = None if t is None else int(t.reshape(-1)[0])
+    return None if step is None or step < 0 else step
 
 
 def run_rank(
@@ -499,18 +520,36 @@ def _catch_up(start: ResumePoint, job: JobConfig, topo: Topology, module: nn.Mod
 
 def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimizer, params: list[torch.Tensor],
                 compressor: Compressor, job: JobConfig, corpus: Any, replica: int, round_t: int, first_step: int,
-                budget: float | None) -> tuple[bytes, float, bytes]:
+                budget: float | None, *, outer: dict[str, torch.Tensor] | None = None,
+                merge_step: int | None = None) -> tuple[bytes, float, bytes]:
     """Round `round_t` of `replica` once more, from the start state already loaded into
     `module`, `inner` and `compressor` (`load_round_state`): the same inner steps on the
     same data shard, then the pseudo-gradient compressed under `budget` (the one the
     published payload recorded, or None), as `DiLoCo.end_round` does. Returns (payload,
     the round's loss, the data shard's digest); the state it leaves stays in the three.
-    Replay verification and an exact resume both run it."""
+    Replay verification and an exact resume both run it.
+
+    The partial overlap rule: `outer` = the committed outer weights of step round_t - 1
+    (the round's pseudo-gradient reference) and `merge_step` = the inner step before which
+    the round merged them (`trainer.diloco.merge_weights`, anchored at the start weights;
+    None: no merge, as in a run's first round). Otherwise the reference is the start
+    weights."""
     H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
-    # theta_outer of the round, on the CPU as DiLoCo's outer copy is.
-    reference = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
+    # The round's start weights, on the CPU as DiLoCo's outer copy is.
+    start = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
+    reference = start if outer is None else outer
+    local = dict(module.named_parameters())
+
+    def merge(h: int) -> None:
+        if h == merge_step:
+            assert outer is not None
+            merge_weights(local, outer, start, job.outer.alpha)
+
     data = corpus.shard(job.seed, replica, round_t, H, B, L)
-    loss = inner_round(pipeline, inner, params, job, replica, round_t, data.tokens, first_step)
+    loss = inner_round(pipeline, inner, params, job, replica, round_t, data.tokens, first_step,
+                       before_step=merge if merge_step is not None else None)
+    if merge_step == H:
+        merge(H)
     with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
         delta = {n: reference[n] - p.detach().cpu() for n, p in module.named_parameters()}
         payload = compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss, budget)
@@ -574,7 +613,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
     start = time.perf_counter()
     # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
     # compress_s: compression + decoding of every contribution.
-    clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0}
+    # report_s: publishing steps mid-round (partial rule), kept out of the other two.
+    clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0}
 
     def shard_bytes() -> bytes:
         if allreduce:  # the weights, zero momentum: the baseline has no outer optimizer
@@ -598,7 +638,10 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
         )
         if control.emit_contributions:  # so this rank's node can check what it attests
             emit("contribution", (t, contribution))
-        eval_loss = pipeline.eval_loss(eval_batches) if topo.replica == 0 else None
+        eval_loss = None
+        if topo.replica == 0:  # the committed weights, whatever the local ones are now
+            with contextlib.nullcontext() if allreduce else diloco.outer_weights():
+                eval_loss = pipeline.eval_loss(eval_batches)
         shard = StageShard(topo.stage, shard_bytes()) if topo.replica == 0 else None
         stats = {
             **clock,
@@ -657,26 +700,63 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
     def sync_grads(grads: list[torch.Tensor]) -> None:
         transport.all_reduce_mean_(grads)
 
+    def merge(start_state: bytes) -> None:
+        """partial: apply the previous round's exchange mid-round, then publish its step."""
+        began = time.perf_counter()
+        anchor = {k.removeprefix("param/"): v for k, v in bytes_to_tensors(start_state).items()
+                  if k.startswith("param/")}
+        applied = diloco.merge(anchor)
+        del anchor
+        report(applied)
+        clock["report_s"] += time.perf_counter() - began
+
+    def next_tau(compute: float, payload_len: int) -> int:
+        """tau = auto: enough inner steps to hide the exchange just started, from the link
+        model of its bytes and the latest measured exchange; every rank takes the largest."""
+        if job.outer.tau != "auto":
+            return int(job.outer.tau)
+        per_rank = (R - 1) * (payload_len + 8)
+        estimate = max(transport.link.seconds(per_rank, R - 1), diloco.exchange_s) * TAU_MARGIN
+        tau = torch.tensor([min(H, max(1, math.ceil(estimate / max(compute / H, 1e-9))))], dtype=torch.int64)
+        dist.all_reduce(tau, op=dist.ReduceOp.MAX)
+        return int(tau.item())
+
+    partial = not allreduce and job.outer.rule == "partial"
     lr = job.inner.lr
     for t in range(first_round, T + 1):
         first_step = (t - 1) * H  # warmup is not repeated on resume
         state_start = time.perf_counter()
+        merge_at = diloco.merge_step if diloco.pending else None
         # Serialised once per round, before any inner step: what a replay starts from.
-        start_state = b"" if allreduce else round_state(module, inner, compressor, t, first_step)
+        start_state = b"" if allreduce else round_state(
+            module, inner, compressor, t, first_step,
+            merge_step=(-1 if merge_at is None else merge_at) if partial else None)
         round_start = time.perf_counter()
         data = corpus.shard(job.seed, topo.replica, t, H, B, L)
-        wait_before = transport.wait_s
+        wait_before, report_before = transport.wait_s, clock["report_s"]
+
+        def before_step(h: int, merge_at: int | None = merge_at, start_state: bytes = start_state) -> None:
+            if control.cancellable:
+                check_stop(h)
+            if h == merge_at:
+                merge(start_state)
+
         if skips_work(t):  # test-only cheat (trainer/cheat.py): claim the round, skip the work
             round_loss = 0.0
+            if merge_at is not None:
+                merge(start_state)
         else:
             round_loss = inner_round(
                 pipeline, inner, params, job, topo.replica, t, data.tokens, first_step,
-                before_step=check_stop if control.cancellable else None,
+                before_step=before_step if control.cancellable or merge_at is not None else None,
                 sync_grads=sync_grads if allreduce else None,
                 after_step=progress,
             )
+            if merge_at == H:
+                merge(start_state)
         lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + H - 1)
-        compute = time.perf_counter() - round_start - (transport.wait_s - wait_before)
+        compute = (time.perf_counter() - round_start - (transport.wait_s - wait_before)
+                   - (clock["report_s"] - report_before))
         clock["compute_s"] += compute
 
         tag = (data.digest, round_loss, start_state)
@@ -687,7 +767,9 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
             # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
             budget = transport.link.bandwidth * compute / max(1, R - 1)
             applied = diloco.end_round(t, tag, round_loss, budget)
-        clock["rounds_wall_s"] += time.perf_counter() - state_start
+            if partial and t < T:
+                diloco.merge_step = next_tau(compute, len(diloco.pending_payload))
+        clock["rounds_wall_s"] += time.perf_counter() - state_start - (clock["report_s"] - report_before)
         clock["compress_s"] = compressor.total_s + diloco.decode_s
         if applied is not None:
             report(applied)

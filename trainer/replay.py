@@ -7,8 +7,15 @@ a rank's local weights, inner optimizer state and compressor state at the start 
 round. Replaying starts S local processes (spawn, gloo; stage s = rank s), loads those
 states and runs the same `inner_round` training runs, on the same data shard
 `corpus.shard(seed, replica, t, H, B, L)`, with one thread and deterministic algorithms;
-then it compresses theta_start - theta_local exactly as `DiLoCo.end_round` does. On the
+then it compresses reference - theta_local exactly as `DiLoCo.end_round` does (the
+reference is the start weights, or under the partial overlap rule the committed shard of
+the step before, which the round also merged at its recorded `round/merge_step`). On the
 machine class that trained, the payloads are bit-identical to the published ones.
+
+Start weights that no checkpoint holds (the eager and partial rules) are derived from
+committed data and checked rather than trusted: `eager_start_matches` recomputes the eager
+lookahead, `partial_start_reason` re-compresses the previous round from its published
+compressor state and requires its published contribution, byte for byte.
 
 The adaptive rule's bandwidth cap depends on a wall-clock budget nobody can re-measure:
 pass the claimed payloads (`claimed`) and the replay re-runs the rule with the budget the
@@ -33,7 +40,18 @@ from typing import Any
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
 
-__all__ = ["ReplayItem", "ReplayResult", "fresh_state_core", "replay_round", "replay_rounds", "state_core"]
+__all__ = [
+    "ReplayItem",
+    "ReplayResult",
+    "eager_start_matches",
+    "fresh_state_core",
+    "param_tensors",
+    "partial_start_reason",
+    "replay_round",
+    "replay_rounds",
+    "same_tensors",
+    "state_core",
+]
 
 POLL_S = 0.2
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -48,6 +66,7 @@ class ReplayItem:
     replica: int
     start_states: list[bytes]
     claimed: list[bytes] | None = None
+    outer: list[bytes] | None = None  # the partial rule: each stage's committed shard of step - 1
 
 
 @dataclass
@@ -95,8 +114,11 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
+    if job.outer.rule == "partial" and any(it.outer is None or len(it.outer) != S for it in items):
+        raise ValueError("the partial overlap rule needs each stage's committed shard of the step before")
     per_rank = [
-        [(it.step, it.replica, it.start_states[s], None if it.claimed is None else it.claimed[s]) for it in items]
+        [(it.step, it.replica, it.start_states[s], None if it.claimed is None else it.claimed[s],
+          None if it.outer is None else it.outer[s]) for it in items]
         for s in range(S)
     ]
     procs = [
@@ -172,6 +194,7 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
 
     from trainer.compress import Compressor, payload_budget
     from trainer.data import derive_seed, load_corpus
+    from trainer.diloco import OuterOptimizer
     from trainer.engine import (
         Pipeline,
         Topology,
@@ -179,6 +202,7 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
         build_inner_optimizer,
         gpu_usable,
         load_round_state,
+        merge_step_of,
         rerun_round,
         round_state,
     )
@@ -200,17 +224,24 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
         pipeline = Pipeline(module, topo, group, job, device)
         params = [p for p in module.parameters() if p.requires_grad]
         shapes = {n: p.shape for n, p in module.named_parameters()}
-        for i, (step, replica, state, claimed) in enumerate(items):
+        partial = job.outer.rule == "partial"
+        for i, (step, replica, state, claimed, shard) in enumerate(items):
             start = time.perf_counter()
             inner = build_inner_optimizer(module, job)
             compressor = Compressor(job.outer.compression, shapes,
                                     derive_seed("compress", job.seed, replica, rank))
             error = ""
+            outer, merge_step = None, None
             try:
                 outer_step, first_step = load_round_state(state, module, inner, compressor)
                 if outer_step != step:
                     raise ValueError(f"start state is for round {outer_step}, not {step}")
                 budget = None if claimed is None else payload_budget(claimed)
+                if partial:
+                    outer = OuterOptimizer.from_bytes(shard, job.outer).params
+                    merge_step = merge_step_of(state)
+                    if merge_step is not None and merge_step > H:
+                        raise ValueError(f"start state merges at inner step {merge_step} of {H}")
             except Exception as exc:  # safetensors and torch raise their own types too
                 error = f"step {step} replica {replica} stage {rank}: {' '.join(str(exc).split())}"
             bad = torch.tensor([1 if error else 0], dtype=torch.int32)
@@ -220,7 +251,8 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
                                              error or f"step {step} replica {replica}: another stage's start state is invalid")))
                 continue
             payload, loss, digest = rerun_round(module, pipeline, inner, params, compressor, job, corpus,
-                                                replica, step, first_step, budget)
+                                                replica, step, first_step, budget, outer=outer,
+                                                merge_step=merge_step)
             end = round_state(module, inner, compressor, step + 1, first_step + H, weights=False)
             events.put(("result", rank, (i, payload, end, digest, loss, time.perf_counter() - start, "")))
     finally:
@@ -230,9 +262,10 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
 def state_core(state: bytes) -> bytes:
     """A round state without its weights (the part one round hands to the next), as bytes
     comparable with a replay's `end_states`."""
-    from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
+    from trainer.artifacts import MERGE_STEP_KEY, bytes_to_tensors, tensors_to_bytes
 
-    return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items() if not k.startswith("param/")})
+    return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items()
+                             if not k.startswith("param/") and k != MERGE_STEP_KEY})
 
 
 def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> bytes:
@@ -251,3 +284,79 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
     inner = build_inner_optimizer(module, job)
     with torch.no_grad():
         return round_state(module, inner, compressor, round_t, (round_t - 1) * job.outer.inner_steps, weights=False)
+
+
+def param_tensors(state: bytes) -> dict[str, Any]:
+    """The ``param/`` tensors of a round state or stage shard, by parameter name."""
+    from trainer.artifacts import bytes_to_tensors
+
+    return {k.removeprefix("param/"): v for k, v in bytes_to_tensors(state).items() if k.startswith("param/")}
+
+
+def same_tensors(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Same names, dtypes, shapes and bits."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)
+
+
+def eager_start_matches(job: JobConfig, replica: int, start_state: bytes, shard_before: bytes,
+                        own_claimed: bytes, stale_claimed: list[bytes] | None) -> bool:
+    """The eager rule: whether a round's start weights are `trainer.diloco.eager_start` of
+    the committed state two steps back (`shard_before`), this replica's contribution of the
+    previous round and every replica's of the round before it (None when the previous
+    round was the first its run computed)."""
+    from trainer.compress import decode_contribution
+    from trainer.diloco import OuterOptimizer, eager_start
+
+    outer = OuterOptimizer.from_bytes(shard_before, job.outer)
+    shapes = {n: p.shape for n, p in outer.params.items()}
+    own = decode_contribution(own_claimed, shapes)
+    stale = None if stale_claimed is None else [decode_contribution(c, shapes) for c in stale_claimed]
+    expected = eager_start(outer, stale, own, replica, job.parallel.replicas)
+    return same_tensors(param_tensors(start_state), expected)
+
+
+def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: bytes, prev_state: bytes,
+                         prev_claimed: bytes, prev_reference: bytes) -> str:
+    """The partial rule: a round's start weights W are the previous round's end weights,
+    which no checkpoint holds. They are bound to committed data instead: compressing
+    `prev_reference`'s weights (the previous round's reference, its committed parent
+    shard) minus W from the previous round's published compressor state must give exactly
+    the contribution it published (`prev_claimed`) and exactly the compressor state this
+    round published. "" when both hold, else why not."""
+    import torch
+
+    from trainer.artifacts import bytes_to_tensors
+    from trainer.compress import Compressor, payload_budget
+    from trainer.data import derive_seed
+
+    reference = param_tensors(prev_reference)
+    weights = param_tensors(start_state)
+    if weights.keys() != reference.keys() or any(weights[k].shape != reference[k].shape for k in weights):
+        return "start weights do not match the stage's parameters"
+    shapes = {n: p.shape for n, p in reference.items()}
+    compressor = Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage))
+    try:
+        compressor.load_state_tensors(bytes_to_tensors(prev_state))
+        mine = bytes_to_tensors(start_state)
+    except Exception as exc:  # safetensors raises its own error type for bad bytes
+        return f"start state does not load: {' '.join(str(exc).split())}"
+    prev_loss = mine.get("compress/prev_loss")
+    loss = None if prev_loss is None else float(prev_loss.reshape(-1)[0])
+    step = int(bytes_to_tensors(prev_state)["round/outer_step"][0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks compress: a matmul's bits follow the thread count
+    try:
+        with torch.no_grad():
+            delta = {n: reference[n] - weights[n] for n in sorted(reference)}
+            payload = compressor.compress(delta, step, loss, payload_budget(prev_claimed))
+    finally:
+        torch.set_num_threads(threads)
+    if payload != prev_claimed:
+        return (f"start weights are not the end of round {step}: compressing them against step {step - 1}'s "
+                f"shard does not give the contribution round {step} published")
+    after = compressor.state_tensors()
+    published = {k: v for k, v in mine.items() if k.startswith("compress/")}
+    if not same_tensors(after, published):
+        return f"the compressor state does not follow from round {step}'s"
+    return ""

@@ -84,6 +84,13 @@ class Pending:
     _result: list = field(default_factory=list)
     _error: list = field(default_factory=list)
     _booked: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    finished: float | None = None  # perf_counter when the exchange completed
+
+    @property
+    def seconds(self) -> float:
+        """How long the exchange took, start to finish (0 before it finishes)."""
+        return 0.0 if self.finished is None else self.finished - self.started
 
     def wait(self) -> list[bytes]:
         self._done.wait()
@@ -139,6 +146,7 @@ class Transport:
         pending = Pending(threading.Event(), self._book_all_gather)
         if self.R == 1:
             pending._result.append([payload])
+            pending.finished = pending.started
             pending._done.set()
             return pending
 
@@ -164,6 +172,7 @@ class Transport:
             except BaseException as exc:  # surfaced by wait() in the caller's thread
                 pending._error.append(exc)
             finally:
+                pending.finished = time.perf_counter()
                 pending._done.set()
 
         threading.Thread(target=exchange, name="dlx-transport", daemon=True).start()
