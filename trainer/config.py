@@ -309,6 +309,16 @@ class CompressionConfig(_Section):
             raise ValueError(f"must be a power of two between {CHUNK_MIN} and {CHUNK_MAX} (got {chunk})")
         return chunk
 
+    @model_serializer(mode="wrap")
+    def _sparse_fields_when_sparse(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The top-k settings are dumped (and hashed) only for the kinds that use them, so a
+        job of another kind records what it recorded before they existed."""
+        data = handler(self)
+        if isinstance(data, dict) and self.kind not in ("sparse", "adaptive"):
+            data.pop("density", None)
+            data.pop("chunk", None)
+        return data
+
 
 class OuterConfig(_Section):
     """Outer optimizer: Nesterov SGD on the outer copy, gradient = mean pseudo-gradient."""

@@ -677,6 +677,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
                 metrics[key] = max(st[key] for st in rank_stats)  # the slowest rank
             for key in ("extra_memory_bytes", "param_bytes"):  # one replica's stages
                 metrics[key] = sum(st[key] for st in rank_stats[:S])
+            if taus:  # the partial rule: the tau each round merged at, mean so far
+                metrics["tau_mean"] = sum(taus) / len(taus)
             for key in ("rel_error", "rank_mean", "bits_mean", "residual_norm"):
                 if key in rank_stats[0]:
                     metrics[key] = sum(st[key] for st in rank_stats) / len(rank_stats)
@@ -722,6 +724,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
         return int(tau.item())
 
     partial = not allreduce and job.outer.rule == "partial"
+    taus: list[int] = []
     lr = job.inner.lr
     for t in range(first_round, T + 1):
         first_step = (t - 1) * H  # warmup is not repeated on resume
@@ -769,6 +772,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
             applied = diloco.end_round(t, tag, round_loss, budget)
             if partial and t < T:
                 diloco.merge_step = next_tau(compute, len(diloco.pending_payload))
+                taus.append(diloco.merge_step)
         clock["rounds_wall_s"] += time.perf_counter() - state_start - (clock["report_s"] - report_before)
         clock["compress_s"] = compressor.total_s + diloco.decode_s
         if applied is not None:
