@@ -367,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="+", default=None, help="run only these methods (and allreduce, diloco)")
     ap.add_argument("--long", nargs="+", default=LONG, help="methods that run to the largest budget")
     ap.add_argument("--no-torchft", action="store_true", help="leave out torchft's rows")
+    ap.add_argument("--load", nargs="+", default=[], metavar="JSON",
+                    help="include the runs of earlier --json files (their methods are not run again)")
     ap.add_argument("--gbps", type=float, default=1.0)
     ap.add_argument("--paper-steps", type=float, default=300.0)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -394,10 +396,23 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"budget {b} is not a multiple of H = {args.inner_steps}")
 
     runs: list[dict] = []
+    for path in args.load:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            r["per_step"] = {int(t): m for t, m in r["per_step"].items()}
+            runs.append(r)
+    done = {(r["model"], r["seed"], r["name"]) for r in runs}
     paper_mbps: dict[tuple[str, int], float] = {}
+    for r in runs:
+        if r["name"] == "allreduce":
+            m = r["per_step"][max(r["per_step"])]
+            per_step_bytes = m["bytes_sent"] / args.replicas / (r["rounds"] * args.inner_steps)
+            step_s = m["compute_s"] / (r["rounds"] * args.inner_steps)
+            paper_mbps[(r["model"], r["seed"])] = per_step_bytes / (args.paper_steps * step_s) * 8 / 1e6
     for model in args.models:
         for seed in args.seeds:
             for name in names:
+                if (model, seed, name) in done:
+                    continue
                 budget = args.budgets[-1] if name in args.long else args.budgets[0]
                 rounds = budget // args.inner_steps
                 if name in PEERS:
