@@ -95,6 +95,20 @@ def test_quantize_round_trip_is_within_half_a_step(rows, cols, bits, seed, scale
     assert torch.equal(y, dequantize_rows(packed.clone(), s.clone(), bits, cols))  # deterministic
 
 
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 6), cols=st.integers(1, 37), seed=st.integers(0, 2**16), scale=st.floats(1e-6, 1e3))
+def test_one_bit_sends_the_sign_scaled_by_the_mean_magnitude(rows, cols, seed, scale) -> None:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * scale
+    packed, s = quantize_rows(x, 1)
+    assert packed.dtype == torch.uint8 and packed.shape == (rows, math.ceil(cols / 8))
+    y = dequantize_rows(packed, s, 1, cols)
+    assert torch.allclose(s, x.abs().mean(dim=1))
+    assert torch.equal(y, torch.where(x >= 0, 1.0, -1.0) * s[:, None])
+    # Of all sign patterns scaled per row, mean |x| is the one nearest x in L2 too.
+    for c in (0.5, 2.0):
+        assert ((x - y) ** 2).sum() <= ((x - c * y) ** 2).sum() * (1 + 1e-6)
+
+
 def test_quantize_zero_rows_stay_zero() -> None:
     x = torch.zeros(3, 5)
     x[1] = torch.arange(5.0)
@@ -120,6 +134,7 @@ def test_lowrank_recovers_a_low_rank_matrix_and_reconstructs_like_matmul() -> No
         CompressionConfig(kind="quantize", bits=8),
         CompressionConfig(kind="quantize", bits=4),
         CompressionConfig(kind="quantize", bits=2),
+        CompressionConfig(kind="quantize", bits=1),
         CompressionConfig(kind="lowrank", rank=2, bits=4),
         CompressionConfig(kind="lowrank", rank=4, bits=8),
         CompressionConfig(kind="adaptive", max_rank=8),
