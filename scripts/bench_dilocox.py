@@ -82,6 +82,8 @@ OURS: dict[str, dict] = {
     "int2-sgd1": {"outer": {**SGD1, "compression": {"kind": "quantize", "bits": 2}}},
     "int1-sgd1": {"outer": {**SGD1, "compression": {"kind": "quantize", "bits": 1}}},
     "lowrank16-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
+    "lowrank16-1b-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 1}}},
+    "lowrank32-1b-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 32, "bits": 1}}},
     "adaptive-sgd1": {"outer": {**SGD1, "compression": {"kind": "adaptive"}}},
     "sparse-5%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.05, "bits": 4}}},
     "sparse-1%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.01, "bits": 4}}},
@@ -241,9 +243,12 @@ def targets(rows: list[dict], args) -> list[dict]:
         return next((r for r in rows if r["model"] == model and r["name"] == name and r["budget"] == budget), None)
 
     out = []
-    lo, hi = min(args.budgets), max(args.budgets)
-    for model in args.models:
-        for budget in (lo, hi):
+    for model in dict.fromkeys(r["model"] for r in rows):
+        budgets = sorted({r["budget"] for r in rows if r["model"] == model and r["name"] == "dilocox"})
+        if not budgets:
+            continue
+        hi = budgets[-1]
+        for budget in dict.fromkeys((budgets[0], hi)):
             x = get(model, "dilocox", budget)
             if x is None:
                 continue
@@ -292,7 +297,7 @@ def render(rows: list[dict], goals: list[dict], args, links: dict) -> str:
         "steps (modelled from each run's exact bytes and measured compression time)",
         f"DiLoCoX = {json.dumps(DILOCOX_OUTER)}",
     ]
-    for model in args.models:
+    for model in links:
         lines += ["", f"model {model}: {json.dumps(MODELS[model])}, "
                   f"compute step {links[model]['compute_step_s'] * 1e3:.1f} ms (mean measured)"]
         for budget in args.budgets:
@@ -369,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-torchft", action="store_true", help="leave out torchft's rows")
     ap.add_argument("--load", nargs="+", default=[], metavar="JSON",
                     help="include the runs of earlier --json files (their methods are not run again)")
+    ap.add_argument("--no-run", action="store_true", help="only render the --load-ed runs")
     ap.add_argument("--gbps", type=float, default=1.0)
     ap.add_argument("--paper-steps", type=float, default=300.0)
     ap.add_argument("--seq-len", type=int, default=64)
@@ -411,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models:
         for seed in args.seeds:
             for name in names:
-                if (model, seed, name) in done:
+                if (model, seed, name) in done or args.no_run:
                     continue
                 budget = args.budgets[-1] if name in args.long else args.budgets[0]
                 rounds = budget // args.inner_steps
@@ -430,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"bytes {m['bytes_sent']:.4g}, {run['process_s']:.0f} s", file=sys.stderr, flush=True)
     rows, links = [], {}
     for model in args.models:
+        if not any(r["model"] == model for r in runs):
+            continue
         model_rows, links[model] = summarise(runs, args, model)
         rows += model_rows
     goals = targets(rows, args)
