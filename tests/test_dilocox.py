@@ -295,7 +295,8 @@ JOB = {
     "parallel": {"replicas": 2, "stages": 2, "microbatches": 2},
     "data": {"batch_size": 4, "eval_batches": 2, "max_bytes": 300_000},
     "inner": {"warmup": 2},
-    "outer": {"steps": 3, "inner_steps": 3, "delay": 1,
+    # tau fixed: `auto` is a wall-clock decision (recorded for replay), so two runs may differ.
+    "outer": {"steps": 3, "inner_steps": 3, "delay": 1, "overlap": "partial", "tau": 1,
               "compression": {"kind": "adaptive", "max_rank": 8}},
 }
 
