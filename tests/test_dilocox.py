@@ -308,6 +308,9 @@ def job_with(**patch) -> dict:
             job.setdefault(section, {}).update(values)
         else:
             job[section] = values
+    if job["outer"].get("delay", 0) == 0:  # the overlap settings belong to delay = 1 only
+        job["outer"].pop("overlap", None)
+        job["outer"].pop("tau", None)
     return job
 
 
@@ -435,7 +438,7 @@ def test_overlap_hides_the_exchange_behind_compute() -> None:
               "outer": {"steps": T, "inner_steps": 40, "compression": {"kind": "none"}},
               "transport": {"link": "simulated", "latency_ms": E * 1000}}
     sync = run(job_with(**{**common, "outer": {**common["outer"], "delay": 0}}))
-    overlap = run(job_with(**{**common, "outer": {**common["outer"], "delay": 1}}))
+    overlap = run(job_with(**{**common, "outer": {**common["outer"], "delay": 1, "tau": "auto"}}))
     ms, mo = sync.steps[-1].metrics, overlap.steps[-1].metrics
     # delay 0 pays every exchange after its round's compute: sum (C_t + E);
     # delay 1 pays about sum max(C_t, E) + E, so it saves about sum min(C_t, E) - E.
