@@ -114,6 +114,7 @@ class Cancelled(Exception):
 
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
+TAU_AUTO_MAX_FRACTION = 0.25  # tau = auto overlaps at most this share of a round
 LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
 PROGRESS_EVERY = 5  # inner steps between progress reports
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
@@ -714,12 +715,15 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
 
     def next_tau(compute: float, payload_len: int) -> int:
         """tau = auto: enough inner steps to hide the exchange just started, from the link
-        model of its bytes and the latest measured exchange; every rank takes the largest."""
+        model of its bytes and the latest measured exchange, but at most a quarter of the
+        round (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, README "DiLoCoX
+        benchmark"; past that the round waits); every rank takes the largest."""
         if job.outer.tau != "auto":
             return int(job.outer.tau)
         per_rank = (R - 1) * (payload_len + 8)
         estimate = max(transport.link.seconds(per_rank, R - 1), diloco.exchange_s) * TAU_MARGIN
-        tau = torch.tensor([min(H, max(1, math.ceil(estimate / max(compute / H, 1e-9))))], dtype=torch.int64)
+        cap = max(1, int(H * TAU_AUTO_MAX_FRACTION))
+        tau = torch.tensor([min(cap, max(1, math.ceil(estimate / max(compute / H, 1e-9))))], dtype=torch.int64)
         dist.all_reduce(tau, op=dist.ReduceOp.MAX)
         return int(tau.item())
 
