@@ -23,7 +23,7 @@ tensors is what a `tolerance` judges.
 
 `check_continuity` closes the chain between rounds: the state a replayed round leaves
 (inner optimizer, compressor) must be the next round's published start state, or a fresh
-one (a resumed one-step-delay run restarts both; a synchronous one resumes exactly).
+one (a resumed overlapped run, delay 1, restarts both; a synchronous one resumes exactly).
 """
 
 from __future__ import annotations
@@ -298,7 +298,7 @@ def _judge(p: _Prepared, out: Any) -> None:
 def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | str) -> None:
     """Compare the state `result`'s round left (inner optimizer, compressor) with the start
     states the next step published for the same replica; a mismatch becomes the stage's
-    `reason`. A fresh state (a resumed one-step-delay run restarts both) also passes. With a tolerance the
+    `reason`. A fresh state (a resumed overlapped run, delay 1, restarts both) also passes. With a tolerance the
     float tensors may differ by that relative L2."""
     from trainer.replay import fresh_state_core, state_core
 

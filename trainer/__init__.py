@@ -1,5 +1,5 @@
-"""trainer: the DiLoCoX engine (model, data, pipeline, DiLoCo outer loop with one-step-delay
-overlap, compression with error feedback, the Transport, the local launcher).
+"""trainer: the DiLoCoX engine (model, data, pipeline, DiLoCo outer loop with its exchange
+overlapped with computation, compression with error feedback, the Transport, the local launcher).
 
 It imports neither `lineage` nor `workers`; it reports every outer step through a
 `StepSink` (see `trainer.artifacts`).

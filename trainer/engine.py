@@ -3,8 +3,8 @@
 World = R replicas x S stages, rank = r*S + s. Each replica's S ranks run a
 torch.distributed.pipelining schedule (1F1B or GPipe) over M microbatches; stage s of
 every replica forms the data-parallel group that exchanges stage s's (compressed)
-pseudo-gradients at each outer step through a `Transport`, synchronously or one step
-behind (`outer.delay`). `parallel.sync = "allreduce"` runs the AllReduce-DDP baseline
+pseudo-gradients at each outer step through a `Transport`, synchronously or overlapped
+with computation (`outer.delay`, `outer.overlap`: trainer/diloco.py). `parallel.sync = "allreduce"` runs the AllReduce-DDP baseline
 instead: the same model, pipeline, data order and inner optimizer, with gradients
 all-reduced through the same Transport every inner step. Only global rank 0 reports,
 through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step some
