@@ -210,12 +210,8 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
       contributions of rounds t-1 (this replica's) and t-2 (every replica's);
     - partial: or the end of round t-1, bound to its published contribution and compressor
       state (`trainer.replay.partial_start_reason`)."""
-    from trainer.replay import (
-        eager_start_matches,
-        param_tensors,
-        partial_start_reason,
-        same_tensors,
-    )
+    from trainer.artifacts import param_tensors, same_tensors
+    from trainer.replay import eager_start_matches, partial_start_reason
 
     assert m.parent is not None
     rule = job.outer.rule

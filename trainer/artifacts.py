@@ -27,6 +27,8 @@ __all__ = [
     "StepSink",
     "bytes_to_tensors",
     "code_hash",
+    "param_tensors",
+    "same_tensors",
     "tensors_to_bytes",
 ]
 
@@ -138,3 +140,14 @@ def code_hash() -> bytes:
         blob = path.read_bytes()
         h.update(len(rel).to_bytes(4, "big") + rel + len(blob).to_bytes(8, "big") + blob)
     return h.digest()
+
+
+def param_tensors(data: bytes) -> dict[str, torch.Tensor]:
+    """The ``param/`` tensors of a round state or stage shard, by parameter name."""
+    return {k.removeprefix("param/"): v for k, v in bytes_to_tensors(data).items() if k.startswith("param/")}
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Same names, dtypes, shapes and bits."""
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)

@@ -47,6 +47,7 @@ from trainer.artifacts import (
     StageShard,
     StepArtifacts,
     bytes_to_tensors,
+    param_tensors,
     tensors_to_bytes,
 )
 from trainer.compress import Compressor
@@ -55,7 +56,7 @@ from trainer.data import derive_seed, load_corpus
 from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, merge_weights
 from trainer.errors import TrainingError
 from trainer.model import build_stage
-from trainer.transport import Transport
+from trainer.transport import Transport, all_gather_bytes_sent
 
 __all__ = [
     "Cancelled",
@@ -557,6 +558,18 @@ def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimi
     return payload, loss, data.digest
 
 
+def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: float, H: int) -> int:
+    """tau = auto: enough inner steps to hide the exchange just started, from the link model
+    of its ring all-gather and the latest measured exchange (padded by `TAU_MARGIN`), but
+    at most a quarter of the round (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality,
+    README "DiLoCoX benchmark"; past that the round waits)."""
+    R = transport.R
+    modelled = transport.link.seconds(all_gather_bytes_sent([payload_len] * R, 0), R - 1)
+    estimate = max(modelled, measured_s) * TAU_MARGIN
+    cap = max(1, int(H * TAU_AUTO_MAX_FRACTION))
+    return min(cap, max(1, math.ceil(estimate / max(step_s, 1e-9))))
+
+
 def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, device: torch.device) -> None:
     R, S = topo.R, topo.S
     H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
@@ -706,24 +719,17 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
     def merge(start_state: bytes) -> None:
         """partial: apply the previous round's exchange mid-round, then publish its step."""
         began = time.perf_counter()
-        anchor = {k.removeprefix("param/"): v for k, v in bytes_to_tensors(start_state).items()
-                  if k.startswith("param/")}
+        anchor = param_tensors(start_state)
         applied = diloco.merge(anchor)
         del anchor
         report(applied)
         clock["report_s"] += time.perf_counter() - began
 
     def next_tau(compute: float, payload_len: int) -> int:
-        """tau = auto: enough inner steps to hide the exchange just started, from the link
-        model of its bytes and the latest measured exchange, but at most a quarter of the
-        round (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, README "DiLoCoX
-        benchmark"; past that the round waits); every rank takes the largest."""
+        """The tau of the next round; under `auto` every rank takes the largest estimate."""
         if job.outer.tau != "auto":
             return int(job.outer.tau)
-        per_rank = (R - 1) * (payload_len + 8)
-        estimate = max(transport.link.seconds(per_rank, R - 1), diloco.exchange_s) * TAU_MARGIN
-        cap = max(1, int(H * TAU_AUTO_MAX_FRACTION))
-        tau = torch.tensor([min(cap, max(1, math.ceil(estimate / max(compute / H, 1e-9))))], dtype=torch.int64)
+        tau = torch.tensor([auto_tau(transport, payload_len, diloco.exchange_s, compute / H, H)], dtype=torch.int64)
         dist.all_reduce(tau, op=dist.ReduceOp.MAX)
         return int(tau.item())
 

@@ -45,11 +45,9 @@ __all__ = [
     "ReplayResult",
     "eager_start_matches",
     "fresh_state_core",
-    "param_tensors",
     "partial_start_reason",
     "replay_round",
     "replay_rounds",
-    "same_tensors",
     "state_core",
 ]
 
@@ -286,25 +284,13 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
         return round_state(module, inner, compressor, round_t, (round_t - 1) * job.outer.inner_steps, weights=False)
 
 
-def param_tensors(state: bytes) -> dict[str, Any]:
-    """The ``param/`` tensors of a round state or stage shard, by parameter name."""
-    from trainer.artifacts import bytes_to_tensors
-
-    return {k.removeprefix("param/"): v for k, v in bytes_to_tensors(state).items() if k.startswith("param/")}
-
-
-def same_tensors(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Same names, dtypes, shapes and bits."""
-    return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)
-
-
 def eager_start_matches(job: JobConfig, replica: int, start_state: bytes, shard_before: bytes,
                         own_claimed: bytes, stale_claimed: list[bytes] | None) -> bool:
     """The eager rule: whether a round's start weights are `trainer.diloco.eager_start` of
     the committed state two steps back (`shard_before`), this replica's contribution of the
     previous round and every replica's of the round before it (None when the previous
     round was the first its run computed)."""
+    from trainer.artifacts import param_tensors, same_tensors
     from trainer.compress import decode_contribution
     from trainer.diloco import OuterOptimizer, eager_start
 
@@ -326,7 +312,7 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     round published. "" when both hold, else why not."""
     import torch
 
-    from trainer.artifacts import bytes_to_tensors
+    from trainer.artifacts import bytes_to_tensors, param_tensors, same_tensors
     from trainer.compress import Compressor, payload_budget
     from trainer.data import derive_seed
 
