@@ -46,12 +46,21 @@ class RunRecord:
     @classmethod
     def load(cls, run_dir: Path) -> RunRecord:
         path = Path(run_dir) / RUN_FILE
+        if Path(run_dir).exists() and not Path(run_dir).is_dir():
+            raise ConfigError(f"not a run directory (a file, not a directory): {run_dir}")
         try:
-            return cls(**json.loads(path.read_text()))
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                raise TypeError("expected a JSON object")
+            return cls(**data)
         except FileNotFoundError:
             raise ConfigError(f"not a run directory (no {RUN_FILE}): {run_dir}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"malformed {path}: not UTF-8 text") from None
         except (json.JSONDecodeError, TypeError) as exc:
-            raise ConfigError(f"malformed {path}: {exc}") from None
+            raise ConfigError(f"malformed {path}: {str(exc).removeprefix('RunRecord.__init__() ')}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
 
     def open_store(self, run_dir: Path) -> Any:
         """The run's block store: the IPFS daemon it used, or its blockstore directory."""

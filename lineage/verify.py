@@ -138,6 +138,8 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             except (_Fail, DlxError) as exc:
                 chain.append(str(exc))
     report = RunReport(record.run_id, [])
+    if not steps:  # nothing to vouch for: a run that committed no step is not "verified"
+        report.run_failures.append(f"no committed steps (run.json status: {record.status})")
     for i, rec in enumerate(steps):
         sr = StepReport(rec.step, str(checkpoints[i]))
         for level in levels:

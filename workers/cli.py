@@ -33,22 +33,30 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of 
 ReadRpcOption = Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")]
 
 
-def _fail(message: str, code: int = 2) -> None:
+#: Exit codes (README, "Exit codes"): every command keeps this table.
+EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERNAL = 0, 1, 2, 3
+
+
+def _fail(message: str, code: int = EXIT_USER) -> None:
+    """One line on stderr, then exit with `code` (default: a user error)."""
     sys.stderr.write(f"dlx: error: {message}\n")
     raise typer.Exit(code)
 
 
 def user_errors(fn: Any) -> Any:
-    """Turn the project's errors into one line and exit code 2 (no traceback)."""
+    """Turn the project's errors into one line and exit code 2 (no traceback); anything
+    else is a bug of ours, exit code 3, so scripts can tell it from a failed check (1)."""
 
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from trainer.errors import DlxError
+        from trainer.errors import DlxError, TrainingError
 
         try:
             return fn(*args, **kwargs)
+        except TrainingError as exc:  # the job ran and failed: not the user's input
+            _fail(_first_line(exc), EXIT_FAILED)
         except DlxError as exc:
-            _fail(str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
+            _fail(_first_line(exc))
         except KeyboardInterrupt:
             _fail("interrupted", 130)
         except (typer.Exit, typer.Abort, SystemExit):
@@ -56,10 +64,15 @@ def user_errors(fn: Any) -> Any:
         except Exception as exc:
             if os.environ.get("DLX_DEBUG"):
                 raise
-            _fail(f"internal error: {exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                  " (set DLX_DEBUG=1 for the traceback)", 1)
+            _fail(f"internal error: {exc.__class__.__name__}: {_first_line(exc)}"
+                  " (set DLX_DEBUG=1 for the traceback)", EXIT_INTERNAL)
 
     return wrapper
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 @app.command()
@@ -159,7 +172,7 @@ def verify(
             console.print(f"[red]run:[/] {failure}")
         console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
     if not report.ok:
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _queue_replayer(run_dir: Path, stack_dir: Path):
