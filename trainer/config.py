@@ -39,10 +39,19 @@ __all__ = [
 ]
 
 TOKENIZER_VOCAB = 256  # the byte tokenizer: token = byte value
+SEED_MAX = 2**63 - 1
+#: The largest model a job may describe: past 2^37 (137 B) parameters one copy of the outer
+#: state (float32 weights and momentum) passes a TiB, beyond any machine a rank runs on.
+MAX_PARAMS = 2**37
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A job-file section: unknown keys refused, and strict types: a string is never read as
+    a number or a boolean, nor a number as a boolean (`d_model = "128"`, `nesterov = "yes"`
+    and `nesterov = 1` are errors). An integer is still a valid float (`lr = 1`); inf and nan
+    are not."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 _GPT_ONLY = ("mlp_ratio", "dropout")
@@ -109,6 +118,11 @@ class ModelConfig(_Section):
             )
         if self.family == "gpt" and self.init is not None:
             raise ValueError("init (a Hugging Face directory) needs family = 'llama'")
+        if self.n_params() > MAX_PARAMS:
+            raise ValueError(
+                f"{self.n_params() / 1e9:.0f}B parameters exceed the {MAX_PARAMS / 1e9:.0f}B a job may "
+                f"have (the outer state alone would take {8 * self.n_params() / 2**40:.1f} TiB)"
+            )
         if self.family == "llama":
             if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads != 0:
                 raise ValueError(
@@ -230,9 +244,25 @@ class InnerConfig(_Section):
     )
     lr: float = Field(1e-3, gt=0.0, description="Peak AdamW learning rate.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay (matrices only).")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2).")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1) (torch's AdamW refuses others)."
+    )
     clip: float = Field(1.0, gt=0.0, description="Max global grad norm over the whole pipeline.")
     warmup: int = Field(10, ge=0, description="Inner steps of linear LR warmup.")
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _pair(cls, betas: Any) -> Any:
+        """TOML and JSON give a list; strict mode wants the tuple."""
+        return tuple(betas) if isinstance(betas, list) else betas
+
+    @field_validator("betas")
+    @classmethod
+    def _valid_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        for i, beta in enumerate(betas):
+            if not 0.0 <= beta < 1.0:  # also refuses NaN
+                raise ValueError(f"beta{i + 1} must be in [0, 1) (got {beta:g})")
+        return betas
 
 
 ALLOWED_BITS = (1, 2, 4, 8)
@@ -477,7 +507,10 @@ class JobConfig(_Section):
     name: str = Field(
         pattern=r"^[A-Za-z0-9_.-]+$", description="Job name (letters, digits, _ . -)."
     )
-    seed: int = Field(0, ge=0, description="Run seed; every other seed derives from it.")
+    seed: int = Field(
+        0, ge=0, le=SEED_MAX, description="Run seed; every other seed derives from it. At most "
+        "2^63 - 1: torch's generators take 64-bit seeds and the manifest stores 64-bit integers."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig, description="Replicas x stages layout."
@@ -588,6 +621,9 @@ def one_line(err: ValidationError, prefix: str = "") -> str:
     first = errors[0]
     loc = ".".join(str(part) for part in ([prefix] if prefix else []) + list(first["loc"]))
     msg = first["msg"].removeprefix("Value error, ")
+    given = first.get("input")
+    if first["type"] != "value_error" and isinstance(given, str | int | float | bool):
+        msg += f" (got {json.dumps(given)})"  # TOML's spelling: "128" is a string, 128 a number
     line = f"{loc}: {msg}" if loc else msg
     if len(errors) > 1:
         line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
