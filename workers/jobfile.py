@@ -12,27 +12,47 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from trainer.config import JobConfig, ModelConfig, _Section, load_job, one_line
 from trainer.errors import ConfigError
 
 ETHER = 10**18
+#: Arbiters per run: createRun stores each one (about 45,000 gas apiece, measured on anvil),
+#: so 256 cost about 12M gas, well inside a 30M-gas block with the rest of the run.
+MAX_ARBITERS = 256
+#: What anvil gives each of its development accounts (the embedded chain's node keys).
+ANVIL_BALANCE_WEI = 10_000 * ETHER
+#: The ledger keeps every challenge window below the registry's unbonding delay, which
+#: `Ledger.deploy` sets to a week (lineage.chain.DEFAULT_UNBONDING_DELAY).
+MAX_CHALLENGE_WINDOW_S = 7 * 24 * 3600 - 1
 
 
 class ChainConfig(_Section):
     """Where outer steps are recorded."""
 
-    rpc: str | None = Field(None, description="JSON-RPC URL; unset starts an embedded anvil.")
+    rpc: str | None = Field(None, description="JSON-RPC URL (http:// or https://); unset starts an embedded anvil.")
     chain_id: int | None = Field(None, ge=1, description="Expected chain id; a mismatch is refused.")
     stake_wei: int = Field(ETHER, ge=1, description="Stake each node holds before the run starts.")
     min_stake_wei: int = Field(ETHER, ge=1, description="Minimum stake a node needs to attest in this run.")
-    challenge_window_s: int = Field(3600, ge=0, description="Seconds a committed step stays challengeable.")
+    challenge_window_s: int = Field(
+        3600, ge=0, le=MAX_CHALLENGE_WINDOW_S,
+        description="Seconds a committed step stays challengeable (below a week: the unbonding delay)."
+    )
     arbiters: list[str] = Field(
         default_factory=list,
-        description="Addresses whose verdicts resolve replay challenges; none: steps cannot be challenged.",
+        max_length=MAX_ARBITERS,
+        description=f"Addresses whose verdicts resolve replay challenges (at most {MAX_ARBITERS}); none: steps "
+        "cannot be challenged.",
     )
     quorum: int = Field(0, ge=0, description="Verdicts needed to resolve a challenge (1..len(arbiters)).")
+
+    @field_validator("rpc")
+    @classmethod
+    def _http_url(cls, rpc: str | None) -> str | None:
+        if rpc is not None and not rpc.startswith(("http://", "https://")):
+            raise ValueError(f"must be an http:// or https:// JSON-RPC URL (got {rpc!r})")
+        return rpc
 
     @model_validator(mode="after")
     def _stake_covers_minimum(self) -> ChainConfig:
