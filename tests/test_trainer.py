@@ -370,7 +370,11 @@ def test_train_local_reports_genesis_steps_and_slots_in_order(two_runs) -> None:
             assert key in step.metrics
     assert sink.steps[-1].metrics["inner_steps"] == 6
     assert sink.steps[-1].metrics["tokens"] == 2 * 3 * 2 * 4 * 32
-    assert sink.progress and sink.progress[-1] == Progress(2, 3, sink.progress[-1].loss, 2, 3)
+    # Every inner step is reported once, in order, with its lr and a rate (S = 2: in batches).
+    assert [(p.outer_step, p.inner_step, p.outer_steps, p.inner_steps) for p in sink.progress] == [
+        (t, h, 2, 3) for t in (1, 2) for h in (1, 2, 3)]
+    assert all(p.lr > 0 and p.tokens_per_s > 0 and p.eta_s >= 0 and p.loss > 0 for p in sink.progress)
+    assert sink.progress[-1].eta_s == 0 and sink.progress[-1].global_step == 6
 
 
 @pytest.mark.slow

@@ -102,11 +102,30 @@ class StepArtifacts:
 
 @dataclass(frozen=True)
 class Progress:
+    """One inner step of replica 0, reported by global rank 0 (every inner step; with
+    pipeline stages in batches of `trainer.engine.PROGRESS_EVERY`). Only what the step
+    already computed: reporting adds no synchronisation beyond that batch's broadcast."""
+
     outer_step: int  # 1-based outer step being trained
     inner_step: int  # 1-based inner step within it
     loss: float  # replica 0's training loss at that inner step
     outer_steps: int  # T
     inner_steps: int  # H
+    lr: float = 0.0  # the inner learning rate of that step (after warmup)
+    tokens_per_s: float = 0.0  # tokens all replicas trained per second over the last report's steps
+    bytes_sent: float = 0.0  # cumulative bytes rank 0 sent to other replicas (step records sum every rank)
+    eta_s: float = 0.0  # seconds left at the run's average pace so far
+
+    @property
+    def global_step(self) -> int:
+        """1-based inner step of the whole run."""
+        return (self.outer_step - 1) * self.inner_steps + self.inner_step
+
+    def record(self) -> dict[str, float | int | str]:
+        """The line `metrics.jsonl` holds for this inner step (the keys `workers.sink` documents)."""
+        return {"kind": "inner", "step": self.outer_step, "inner_step": self.inner_step,
+                "global_step": self.global_step, "loss": self.loss, "lr": self.lr,
+                "tokens_per_s": self.tokens_per_s, "rank0_bytes_sent": self.bytes_sent, "eta_s": self.eta_s}
 
 
 class StepSink(Protocol):

@@ -705,13 +705,33 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
         if stop_now():
             raise Cancelled(f"stopped at outer step {t}, inner step {h + 1}")
 
+    unreported: list[float] = []  # replica 0: inner losses (last stage) or step marks not yet reported
+    window = {"since": time.perf_counter()}  # rank 0: when the last report went out
+
     def progress(h: int, loss: float | None) -> None:
-        if topo.replica == 0 and (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
-            # Replica 0's pipeline only; its stages are in lock step here anyway.
-            value = _broadcast_scalar(loss, last_of_replica0, pipe_group) if S > 1 else loss
-            if topo.rank == 0:
-                assert value is not None
-                emit("progress", Progress(t, h + 1, value, T, H))
+        """Replica 0 reports every inner step's loss. With S > 1 the loss lives on the last
+        stage; it sends the losses of the last PROGRESS_EVERY steps to rank 0 in one
+        broadcast (the one sync progress costs), so rank 0 reports them in a batch."""
+        if topo.replica != 0:
+            return
+        unreported.append(0.0 if loss is None else loss)
+        if S > 1 and not (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
+            return
+        values = torch.tensor(unreported, dtype=torch.float64)
+        if S > 1:
+            dist.broadcast(values, src=last_of_replica0, group=pipe_group)
+        unreported.clear()
+        if topo.rank == 0:
+            now = time.perf_counter()
+            rate = len(values) * R * B * L / max(now - window["since"], 1e-9)
+            window["since"] = now
+            done = (t - first_round) * H + h + 1  # inner steps this process has run
+            eta = (now - start) / done * ((T - t) * H + H - h - 1)
+            first = h + 1 - len(values)
+            for k, value in enumerate(values.tolist()):
+                emit("progress", Progress(
+                    t, first + k + 1, value, T, H, lr=warmup_lr(job.inner.lr, job.inner.warmup, (t - 1) * H + first + k),
+                    tokens_per_s=rate, bytes_sent=float(transport.bytes_sent), eta_s=eta))
 
     def sync_grads(grads: list[torch.Tensor]) -> None:
         transport.all_reduce_mean_(grads)

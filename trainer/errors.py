@@ -7,7 +7,7 @@ working. The `dlx` CLI turns any `DlxError` into one line and exit code 2.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DlxError", "TrainingError"]
+__all__ = ["ConfigError", "DlxError", "TrainingDiverged", "TrainingError"]
 
 
 class DlxError(Exception):
@@ -20,3 +20,9 @@ class ConfigError(DlxError, ValueError):
 
 class TrainingError(DlxError, RuntimeError):
     """A training run failed (a rank died or raised, or the run timed out)."""
+
+
+class TrainingDiverged(TrainingError):
+    """The loss became NaN or infinite: raised before anything of that step is stored or
+    committed, so the run keeps exactly the steps before it (a job failure, as every
+    TrainingError)."""

@@ -334,13 +334,17 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         if as_json:
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
             return
-        from rich.console import Console
         from rich.table import Table
+
+        from workers.console import cid_column, console
 
         what = f"checkpoint {result.target} of run" if result.target else "run"
         table = Table(title=f"{what} {result.run_id} ({result.name}) on chain {result.chain_id}, ledger {result.ledger}")
         for col in ("step", "status", "checkpoint", "parent", "eval loss", "nodes", "tx"):
-            table.add_column(col, overflow="fold")
+            if col in ("checkpoint", "parent", "nodes", "tx"):
+                cid_column(table, col)
+            else:
+                table.add_column(col, overflow="fold")
         colors = {"finalized": "green", "rejected": "red", "uncommitted": "yellow"}
         for s in result.steps:
             status = s.status + (f" (challenge {s.rejected_by})" if s.rejected_by is not None else "")
@@ -348,10 +352,10 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                 status = f"[{colors[s.status]}]{status}[/]"
             table.add_row(str(s.step), status, s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
                           "\n".join(s.nodes), s.tx)
-        console = Console()
-        console.print(table)
+        out = console()
+        out.print(table)
         if html is not None:
-            console.print(f"report written to {html}")
+            out.print(f"report written to {html}")
 
     @lineage_app.command("diff")
     @user_errors
@@ -374,10 +378,11 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         if as_json:
             sys.stdout.write(json.dumps(result.as_json(), indent=2) + "\n")
             return
-        from rich.console import Console
         from rich.table import Table
 
-        console = Console()
+        from workers.console import console as make_console
+
+        console = make_console()
         console.print(f"A  step {result.step_a}  {result.a}\nB  step {result.step_b}  {result.b}\n{result.relation}; "
                       f"parameters ||B - A|| = {result.total_l2:.6g}")
         table = Table(title="tensors (B - A)")

@@ -107,38 +107,34 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         rec = store.reconcile(job_id)
         if as_json:
             keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
-                    "bytes_sent", "error", "attempt", "nodes", "run_dir")
+                    "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir")
             sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
             return
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+        from workers.console import Ticker, console, is_tty
 
         T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
-        bar = Progress(TextColumn("[bold]{task.fields[state]}"), TextColumn("outer {task.fields[o]}/{task.fields[T]}"),
-                       TextColumn("inner {task.fields[i]}/{task.fields[H]}"), BarColumn(),
-                       TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[sent]}"),
-                       TimeRemainingColumn(), console=Console(stderr=True), transient=False)
-
-        def fields(rec: dict[str, Any]) -> dict[str, Any]:
-            o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
-            done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
-            loss = rec.get("loss")
-            return {"completed": done, "state": rec["state"], "o": o, "T": T, "i": i, "H": H,
-                    "loss": "-" if loss is None else f"{loss:.3f}",
-                    "sent": f"{(rec.get('bytes_sent') or 0) / 1e6:.2f} MB sent"}
-
-        with bar:
-            task = bar.add_task("job", total=T * H, **fields(rec))
-            while follow and rec["state"] not in TERMINAL:
+        out = console()
+        if follow and not is_tty():  # a pipe or a log: one line per committed outer step
+            seen = None
+            while True:
+                if rec.get("step") != seen and rec.get("step"):
+                    seen = rec["step"]
+                    out.print(step_line(job_id, rec, T), markup=False)
+                if rec["state"] in TERMINAL:
+                    break
                 time.sleep(0.5)
                 rec = store.get(job_id)
-                bar.update(task, **fields(rec))
-            bar.update(task, **fields(rec))
-        out = Console()
+        else:
+            with Ticker(f"job {job_id}", T * H) as bar:
+                bar.update(*job_progress(rec, T, H))
+                while follow and rec["state"] not in TERMINAL:
+                    time.sleep(0.5)
+                    rec = store.get(job_id)
+                    bar.update(*job_progress(rec, T, H))
         out.print(f"job {job_id}: {rec['state']}" + (f", run {rec['run_id']}" if rec.get("run_id") else "")
-                  + (f", head {rec['head']}" if rec.get("head") else ""))
+                  + (f", head {rec['head']}" if rec.get("head") else ""), markup=False)
         if rec.get("error"):
-            out.print(f"[red]error:[/] {rec['error']}")
+            out.print(f"error: {rec['error']}", markup=False)
 
     @app.command()
     @user_errors
@@ -251,6 +247,32 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
     store.update(job_id, run_dir=str(stack.runs / job_id))
     _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)
     return job_id
+
+
+def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
+    """(inner steps done, the rest as text) of a job record, for `dlx status`'s bar."""
+    from workers.console import human_seconds, megabytes
+
+    o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
+    done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
+    text = f"{rec['state']} outer {o}/{T} inner {i}/{H}"
+    if rec.get("loss") is not None:
+        text += f" loss {rec['loss']:.3f}"
+    if rec.get("lr") is not None:
+        text += f" lr {rec['lr']:.2e} {rec.get('tokens_per_s') or 0:,.0f} tok/s"
+    text += f" sent {megabytes(rec.get('bytes_sent') or 0)}"
+    if rec.get("eta_s") is not None and rec["state"] == "running":
+        text += f" left {human_seconds(rec['eta_s'])}"
+    return done, text
+
+
+def step_line(job_id: str, rec: dict[str, Any], T: int) -> str:
+    """One committed outer step of a job as a plain line (`dlx status --follow` off a terminal)."""
+    from workers.console import megabytes
+
+    loss = rec.get("eval_loss")
+    return (f"job {job_id}: step {rec['step']}/{T} eval_loss {'-' if loss is None else f'{loss:.4f}'} "
+            f"sent {megabytes(rec.get('bytes_sent') or 0)} head {rec.get('head')}")
 
 
 def interface_of(address: str) -> str | None:

@@ -8,12 +8,16 @@ above), links them in a DAG-CBOR manifest whose parent is the previous checkpoin
 the ledger.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
+Every inner step's progress and every committed step's metrics also go to
+`<run dir>/metrics.jsonl` and the job's trackers (workers/tracking.py). A NaN or infinite
+loss or metric stops the run (`TrainingDiverged`) before anything of its step is stored.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +36,9 @@ from lineage.unixfs import file_cid, import_bytes
 from trainer import cheat
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
-from trainer.errors import TrainingError
+from trainer.errors import TrainingDiverged, TrainingError
+
+from .tracking import open_trackers
 
 #: Wall-clock measurements: reported, but kept out of manifests (they are not reproducible).
 TIMING_METRICS = frozenset({"wall_s", "compute_s", "rounds_wall_s", "compress_s", "comm_wait_s", "peak_rss_mb"})
@@ -77,9 +83,11 @@ class LedgerSink:
         signer: Signer | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         on_committed: Callable[[int, CID, StepArtifacts], None] | None = None,
+        tracking: object | None = None,
     ) -> None:
         """Either `slot_keys` (one local key per slot: `dlx train`) or `slot_nodes` and a
-        `signer` that obtains each slot's signature from its own node (the job queue)."""
+        `signer` that obtains each slot's signature from its own node (the job queue).
+        `tracking`: the job file's `[tracking]` section (workers.jobfile.TrackingConfig)."""
         if slot_keys is not None:
             slot_nodes = [k.address for k in slot_keys]
             signer = local_signer(slot_keys, Domain(ledger.chain.chain_id, ledger.ledger.address))
@@ -104,6 +112,8 @@ class LedgerSink:
         self._committed = on_committed
         self._config_cid: CID | None = None
         self._head: CID | None = None
+        self.trackers = open_trackers(run_dir, tracking, record.name, config.get("job", {}),
+                                      {"dlx.run_dir": str(run_dir)})
 
     def resume_from(self, checkpoint: CID | str) -> None:
         """Continue the run recorded in `record` from a committed checkpoint."""
@@ -148,6 +158,7 @@ class LedgerSink:
         R = self.job.parallel.replicas
         if len(step.contributions) != R * S:
             raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
+        self._refuse_divergence(step)
         stages = [self._put_file(cheat.coordinator_shard(self.job, step.step, s)) for s in step.stages]
         parent_cid = self._head
         if cheat.stale_parent(self.job, step.step):  # test-only cheat: fork from an older step
@@ -206,8 +217,27 @@ class LedgerSink:
         self.record.head, self.record.steps = str(checkpoint), step.step
         self.record.save(self.run_dir)
         self._pin(checkpoint)
+        for tracker in self.trackers:
+            tracker.outer(step.step, str(checkpoint), step.metrics)
+            if step.step == self.job.outer.steps:
+                tracker.finish(True)
         if self._committed:
             self._committed(step.step, checkpoint, step)
+
+    def _refuse_divergence(self, step: StepArtifacts) -> None:
+        """Raise `TrainingDiverged` (trackers ended as failed) if any loss or metric of the
+        step is not finite: DAG-CBOR cannot hold it, and nothing trained on it is worth keeping."""
+        values = {"eval loss": step.metrics.get("eval_loss", 0.0), "train loss": step.metrics.get("train_loss", 0.0)}
+        values.update({f"replica {c.replica} loss": c.loss for c in step.contributions})
+        values.update({k: v for k, v in step.metrics.items() if k not in ("eval_loss", "train_loss")})
+        for what, value in values.items():
+            if not math.isfinite(value):
+                self._diverged(f"training diverged at step {step.step} ({what} {value})")
+
+    def _diverged(self, message: str) -> None:
+        for tracker in self.trackers:
+            tracker.finish(False)
+        raise TrainingDiverged(message)
 
     def _already_committed(self, step: int, checkpoint: CID) -> bool:
         _, head_step = self.ledger.head(self.record.run_id)
@@ -231,5 +261,11 @@ class LedgerSink:
         self.store.pin(name, [head])
 
     def on_progress(self, progress: Progress) -> None:
+        if not math.isfinite(progress.loss):
+            self._diverged(f"training diverged at step {progress.outer_step} "
+                           f"(inner loss {progress.loss} at inner step {progress.inner_step})")
+        record = progress.record()
+        for tracker in self.trackers:
+            tracker.inner(record)
         if self._progress:
             self._progress(progress)

@@ -260,9 +260,11 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 store.update(job_id, step=payload.step, head=sink.record.head, run_id=sink.record.run_id,
                              eval_loss=payload.metrics.get("eval_loss"),
                              bytes_sent=payload.metrics.get("bytes_sent", 0))
-            elif kind == "progress" and rank == 0:
+            elif kind == "progress" and sink is not None:
+                sink.on_progress(payload)  # metrics.jsonl, trackers, divergence
                 store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
-                             loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps)
+                             loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps,
+                             lr=payload.lr, tokens_per_s=payload.tokens_per_s, eta_s=payload.eta_s)
             elif kind == "cancelled":
                 beat.stop(final_ttl_s=3600)  # ended, not lost: peers may still be finishing the step
                 # Steps gathered before the stop still get committed: attest them first.
@@ -385,6 +387,7 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
                 nodes: list[str]) -> Any:
     from lineage.blockstore import Blockstore
     from lineage.chain import Chain, Ledger
+    from lineage.retention import Retention
     from lineage.runrecord import RunRecord
     from trainer.artifacts import code_hash
     from trainer.data import corpus_digest
@@ -400,7 +403,7 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"])
     training = job.training_config()
-    config = {"job": job.model_dump(mode="json", exclude={"storage", "cheat"}),  # a cheat stays unrecorded
+    config = {"job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),  # a cheat stays unrecorded
               "corpus": corpus_digest(training.data), "code": code_hash()}
     domain = Domain(chain.chain_id, ledger.ledger.address)
     sink = LedgerSink(
@@ -408,6 +411,8 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain),
         record=record, run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
+        tracking=job.tracking,
+        on_committed=Retention.for_job(job, Blockstore(record.blocks_dir(run_dir)), ledger, record),
     )
     if rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])
@@ -417,17 +422,10 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
 def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
     from lineage.blockstore import Blockstore
     from lineage.manifest import get_manifest
-    from lineage.unixfs import read_bytes
-    from trainer.engine import ResumePoint
+    from workers.local import resume_point
 
     store = Blockstore(Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"])
-    manifest = get_manifest(store, rec["resume_from"]["checkpoint"])
-    replica, stage = divmod(rank, job.parallel.stages)
-    shard = read_bytes(store, manifest.stages[stage])
-    if not manifest.replay or job.outer.delay != 0:  # no start states to re-run the round from
-        return ResumePoint(step=manifest.step, shard=shard)
-    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[replica][stage]),
-                       claimed=read_bytes(store, manifest.contributions[replica][stage]))
+    return resume_point(store, get_manifest(store, rec["resume_from"]["checkpoint"]), job, rank)
 
 
 @app.task(name="workers.tasks.replay", acks_late=True)
