@@ -33,7 +33,7 @@ class RunRecord:
     head: str = ""           # CID of the last committed checkpoint
     steps: int = 0
     nodes: list[str] = field(default_factory=list)
-    status: str = "created"  # created | running | completed | failed
+    status: str = "created"  # created | running | completed | stopped (SIGINT, SIGTERM) | failed
     ipfs_api: str | None = None  # set: blocks live in this IPFS daemon, not in `blocks`
 
     def save(self, run_dir: Path) -> None:

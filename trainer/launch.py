@@ -7,6 +7,11 @@ Rank 0's `emit` puts events on a multiprocessing queue; the parent takes them of
 calls the sink, so the sink (a chain client, a blockstore) need not be picklable. A rank
 that raises sends its exception text through the same queue; the parent then stops the
 others and raises one `TrainingError` naming the rank and the cause.
+
+Stops are cooperative, as the job queue's cancel: setting the `stop` event makes rank 0
+(`RankControl.stop_requested`) stop every rank at the next inner-step boundary, after the
+steps already reported; `train_local` then returns "stopped". `start` resumes each rank
+from a committed checkpoint (`RankControl.start`).
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Literal
 
 from trainer.artifacts import StepSink
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, TrainingError
 
-__all__ = ["check_local", "free_port", "train_local"]
+__all__ = ["check_local", "free_port", "stop_event", "train_local"]
 
 MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no such limit
 RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's buffers
@@ -127,6 +132,9 @@ def _rank_main(
         control = replace(control or RankControl(), gpu=gpu)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # A Ctrl-C at the terminal reaches the whole process group: the launcher decides how
+    # ranks stop (at an inner-step boundary), so a rank never dies of one mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     if netns is not None:  # before any socket: the replica's shaped namespace
         from trainer.netns import enter_netns
@@ -163,6 +171,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+class StopFlag:
+    """Picklable: rank 0 polls it at inner-step boundaries; true once the launcher set `event`."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def __call__(self) -> bool:
+        return bool(self.event.is_set())
 
 
 def _exit_quietly(events: Any, code: int) -> None:
@@ -212,9 +230,21 @@ def _pick_cause(errors: dict[int, str]) -> tuple[int, str]:
     return min(errors.items(), key=rank_of)  # min is stable: earliest report wins ties
 
 
-def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = None) -> None:
+Outcome = Literal["completed", "stopped"]
+
+
+def stop_event() -> Any:
+    """An event `train_local(stop=...)` can pass to its ranks (they are spawned)."""
+    return mp.get_context("spawn").Event()
+
+
+def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = None,
+                stop: Any = None, start: list[Any] | None = None) -> Outcome:
     """Train `job` in R*S local processes (gloo over 127.0.0.1), reporting to `sink`.
 
+    `stop` (from `stop_event()`): once set, every rank stops at the next inner-step boundary
+    and this returns "stopped". `start`: one `trainer.engine.ResumePoint` per rank, to
+    continue a run from a committed checkpoint.
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
     raised by the sink stops the ranks and propagates unchanged. With
     `transport.link = "netns"` (root only) each replica's ranks run in their own network
@@ -233,7 +263,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             netns = [None] * job.world_size
-        _train_local(job, sink, timeout_s, init_method, netns)
+        return _train_local(job, sink, timeout_s, init_method, netns, stop, start)
 
 
 def _train_local(
@@ -242,15 +272,25 @@ def _train_local(
     timeout_s: float | None,
     init_method: str,
     netns: list[str | None],
-) -> None:
+    stop: Any,
+    start: list[Any] | None,
+) -> Outcome:
+    from trainer.engine import RankControl
+
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     world = job.world_size
     cuda = check_local(job).startswith("cuda")
+    # Every rank gets the same `cancellable` (RankControl's deadlock hazard).
+    controls = [
+        RankControl(stop_requested=StopFlag(stop) if stop is not None and rank == 0 else None,
+                    cancellable=stop is not None, start=start[rank] if start else None)
+        for rank in range(world)
+    ]
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world, init_method, job, events),
+            args=(rank, world, init_method, job, events, controls[rank]),
             kwargs={"netns": netns[rank], "gpu": rank if cuda else None},
             name=f"dlx-rank-{rank}",
             daemon=True,
@@ -259,12 +299,13 @@ def _train_local(
     ]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     done: set[int] = set()
+    stopped: set[int] = set()
     errors: dict[int, str] = {}
     failed_at: float | None = None
     try:
         for p in procs:
             p.start()
-        while len(done) < world:
+        while len(done | stopped) < world:
             now = time.monotonic()
             if failed_at is not None and (
                 now - failed_at > GRACE_S or len(errors) + len(done) == world
@@ -282,6 +323,8 @@ def _train_local(
                     failed_at = failed_at or time.monotonic()
                 elif kind == "done":
                     done.add(rank)
+                elif kind == "cancelled":
+                    stopped.add(rank)
                 elif failed_at is None:
                     _dispatch(sink, kind, payload)
             for rank, p in enumerate(procs):
@@ -296,6 +339,7 @@ def _train_local(
             raise TrainingError(f"rank {rank} failed: {cause}")
         for p in procs:
             p.join()
+        return "stopped" if stopped else "completed"
     finally:
         _stop(procs)
         events.close()
@@ -320,7 +364,7 @@ def _dispatch(sink: StepSink, kind: str, payload: Any) -> None:
         sink.on_step(payload)
     elif kind == "progress":
         sink.on_progress(payload)
-    elif kind in ("contribution", "cancelled"):
-        pass  # only launchers that ask for them (RankControl) act on these
+    elif kind == "contribution":
+        pass  # only launchers that ask for them (RankControl.emit_contributions) act on these
     else:
         raise TrainingError(f"unknown event kind from rank 0: {kind!r}")

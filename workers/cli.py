@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from functools import wraps
 from pathlib import Path
@@ -78,41 +79,44 @@ def _first_line(exc: BaseException) -> str:
 @app.command()
 @user_errors
 def train(
-    job_file: Annotated[Path, typer.Argument(help="Job file (TOML), e.g. examples/tiny.toml.")],
+    job_file: Annotated[Path | None, typer.Argument(help="Job file (TOML), e.g. examples/tiny.toml; none with --resume.")] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="Where the run's blocks, chain state and run.json go (default runs/<name>-<time>).")] = None,
     rpc: Annotated[str | None, typer.Option("--rpc", help="JSON-RPC URL of an EVM chain; default: start a local anvil.")] = None,
+    resume: Annotated[Path | None, typer.Option("--resume", metavar="RUN_DIR", help="Continue this stopped, failed or crashed run from the last step committed on its chain, with its own job file.")] = None,
 ) -> None:
-    """Train a job as local processes; every outer step is stored and committed on chain."""
+    """Train a job as local processes; every outer step is stored and committed on chain.
+    SIGINT or SIGTERM stops every rank at the next inner-step boundary (a second one at once);
+    the run then resumes with --resume."""
+    from lineage.runrecord import RunRecord
+    from trainer.errors import ConfigError
     from workers.jobfile import load_job_file
 
-    job = load_job_file(job_file)  # validated before anything heavy is imported or started
+    if (job_file is None) == (resume is None):
+        raise ConfigError("give a job file, or --resume RUN_DIR (not both)")
+    if resume is not None and run_dir is not None:
+        raise ConfigError("--run-dir: not with --resume (a resumed run stays in its directory)")
+    if resume is not None:
+        RunRecord.load(resume)  # a run directory, before its job file is looked for
+    job = load_job_file(job_file or resume / "job.toml")  # validated before anything heavy is imported or started
 
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from trainer.launch import check_local
+    from workers.console import Ticker, console, human_seconds, megabytes
+    from workers.local import Callbacks, default_run_dir, preflight, resume_job, run_job
 
-    from workers.local import Callbacks, default_run_dir, preflight, run_job
-
-    run_dir = run_dir or default_run_dir(job)
-    device = preflight(job, run_dir, rpc)
-    err = Console(stderr=True)
-    out = Console()
+    run_dir = resume or run_dir or default_run_dir(job)
+    device = check_local(job) if resume else preflight(job, run_dir, rpc)
+    err, out = console(stderr=True), console()
     T, H = job.outer.steps, job.outer.inner_steps
-    bar = Progress(
-        TextColumn("[bold]outer {task.fields[outer]}/{task.fields[T]}"),
-        TextColumn("inner {task.fields[inner]}/{task.fields[H]}"),
-        BarColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TimeElapsedColumn(),
-        console=err,
-    )
-    task = bar.add_task("train", total=T * H, outer=1, T=T, inner=0, H=H, loss="-")
+    bar = Ticker("train", T * H)
+    sent = [0.0]  # bytes every rank sent, as of the last committed step
 
     def progress(p: Any) -> None:
-        bar.update(task, completed=(p.outer_step - 1) * H + p.inner_step, outer=p.outer_step,
-                   inner=p.inner_step, loss=f"{p.loss:.3f}")
+        bar.update(p.global_step, f"outer {p.outer_step}/{T} inner {p.inner_step}/{H} loss {p.loss:.3f} "
+                   f"lr {p.lr:.2e} {p.tokens_per_s:,.0f} tok/s sent {megabytes(sent[0])} left {human_seconds(p.eta_s)}")
 
     def committed(step: int, cid: Any, art: Any) -> None:
-        bar.console.print(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
+        sent[0] = art.metrics.get("bytes_sent", 0.0)
+        bar.note(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
 
     cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
     m = job.model
@@ -121,8 +125,18 @@ def train(
     err.print(f"training {job.name}: {m.family} {size} parameters, "
               f"{job.parallel.replicas} replicas x {job.parallel.stages} stages on {device}, "
               f"{T} outer steps x {H} inner steps; run directory {run_dir}")
+    signalled: list[int] = []
+
+    def stopping(name: str) -> None:
+        signalled.append(getattr(signal, name))
+        bar.console.print(f"{name}: stopping at the next inner step (again: at once)")
+
+    cb.stopping = stopping
     with bar:
-        record = run_job(job, job_file, run_dir, rpc, cb)
+        record = resume_job(run_dir, rpc, cb) if resume else run_job(job, job_file, run_dir, rpc, cb)
+    if record.status == "stopped":
+        err.print(f"stopped at step {record.steps}/{T}, head {record.head}; continue with: dlx train --resume {run_dir}")
+        raise typer.Exit(128 + signalled[0])
     out.print(f"run id   {record.run_id} (ledger {record.ledger}, chain {record.chain_id})")
     out.print(f"head     {record.head}")
     out.print(f"run dir  {run_dir}")
@@ -149,8 +163,9 @@ def verify(
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:
-        from rich.console import Console
         from rich.table import Table
+
+        from workers.console import console as make_console
 
         levels = (*LEVELS, REPLAY) if replay > 0 else LEVELS
         table = Table(title=f"verify run {report.run_id}")
@@ -159,10 +174,10 @@ def verify(
             table.add_column(level)
         table.add_column("reason", overflow="fold")
         for s in report.steps:
-            marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" if lv in s.failures else "-"
-                     for lv in levels]
-            table.add_row(str(s.step), *marks, "; ".join(f"{k}: {v}" for k, v in s.failures.items()))
-        console = Console()
+            marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" if lv in s.failures
+                     else "n/a" if lv in s.unavailable else "-" for lv in levels]
+            table.add_row(str(s.step), *marks, "; ".join(f"{k}: {v}" for k, v in {**s.failures, **s.unavailable}.items()))
+        console = make_console()
         console.print(table)
         if report.replay:
             exact = sum(all(st.exact for st in r.stages) and r.ok for r in report.replay)

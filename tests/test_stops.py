@@ -1,0 +1,182 @@
+"""Stops, crashes and resume of `dlx train`, with real processes (the CLI, its ranks, anvil).
+
+Covers: SIGTERM, then SIGINT during a resumed run, each stop every rank at an inner-step
+boundary, stop the embedded anvil and leave run.json `stopped` at the chain's head, with no
+process of the run left (checked by PID); the stopped run verifies, and `dlx train --resume`
+completes it. An embedded anvil killed with SIGKILL after step 3 loses no committed step
+(its state file is rewritten after every transaction): the run fails, the restarted chain
+holds steps 1-3, verify passes and resume continues; SIGKILL of the `dlx train` parent
+leaves no rank or anvil behind and the run resumes to completion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import DLX, small_job_toml
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+
+
+def train(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as fh:
+        return subprocess.Popen([DLX, "train", *args], stdout=fh, stderr=subprocess.STDOUT)
+
+
+def dlx(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=300)
+
+
+def record(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def wait_steps(run_dir: Path, proc: subprocess.Popen[bytes], steps: int, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while record(run_dir).get("steps", 0) < steps:
+        assert proc.poll() is None, f"dlx train exited with {proc.returncode} before step {steps}"
+        assert time.monotonic() < deadline, f"no step {steps} within {timeout} s"
+        time.sleep(0.1)
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every live process below `pid` (from /proc), with its command line."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = {}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                found[child] = (Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+            todo.append(child)
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_gone(pids: dict[int, str], timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [cmd for p, cmd in pids.items() if running(p)], "processes left behind"
+
+
+def run_processes(proc: subprocess.Popen[bytes]) -> dict[int, str]:
+    """The run's anvil and its ranks, once all are up."""
+    deadline = time.monotonic() + 60
+    while True:
+        procs = descendants(proc.pid)
+        anvils = [p for p, cmd in procs.items() if "anvil" in cmd.split(" ", 1)[0]]
+        ranks = [p for p, cmd in procs.items() if "spawn_main" in cmd]
+        if anvils and len(ranks) >= 2:
+            return procs
+        assert time.monotonic() < deadline, procs
+        time.sleep(0.1)
+
+
+def verified(run_dir: Path) -> dict:
+    res = dlx("verify", "--run-dir", str(run_dir), "--json")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr
+    return json.loads(res.stdout)
+
+
+def chain_steps(run_dir: Path) -> list[int]:
+    res = dlx("lineage", "--run-dir", str(run_dir), "--json")
+    assert res.returncode == 0, res.stderr
+    return [s["step"] for s in json.loads(res.stdout)["steps"]]
+
+
+@pytest.fixture()
+def job(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(small_job_toml("stops", steps=STEPS, inner_steps=6, replicas=2, stages=1))
+    return path
+
+
+def stop_with(proc: subprocess.Popen[bytes], run_dir: Path, sig: signal.Signals, after: int) -> int:
+    """Send `sig` once step `after` is committed; check the stop; returns the step reached."""
+    wait_steps(run_dir, proc, after)
+    procs = run_processes(proc)
+    proc.send_signal(sig)
+    assert proc.wait(timeout=120) == 128 + sig
+    wait_gone(procs)
+    rec = record(run_dir)
+    assert rec["status"] == "stopped"
+    assert after <= rec["steps"] < STEPS
+    assert chain_steps(run_dir)[-1] == rec["steps"]
+    report = verified(run_dir)
+    assert report["ok"] and len(report["steps"]) == rec["steps"]
+    return rec["steps"]
+
+
+def test_sigterm_and_sigint_stop_at_a_step_boundary_and_resume_completes(job: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = train(str(job), "--run-dir", str(run_dir), log=tmp_path / "train.log")
+    first = stop_with(proc, run_dir, signal.SIGTERM, after=1)
+    assert "continue with: dlx train --resume" in (tmp_path / "train.log").read_text()
+
+    proc = train("--resume", str(run_dir), log=tmp_path / "resume.log")
+    second = stop_with(proc, run_dir, signal.SIGINT, after=first + 1)
+
+    res = dlx("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = record(run_dir)
+    assert (rec["status"], rec["steps"]) == ("completed", STEPS)
+    assert second < STEPS
+    assert chain_steps(run_dir) == list(range(1, STEPS + 1))  # each step committed once
+    assert verified(run_dir)["ok"]
+
+
+def test_a_killed_anvil_keeps_its_steps_and_a_killed_parent_leaves_nothing_behind(job: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = train(str(job), "--run-dir", str(run_dir), log=tmp_path / "train.log")
+    wait_steps(run_dir, proc, 3)
+    procs = run_processes(proc)
+    (anvil,) = [p for p, cmd in procs.items() if "anvil" in cmd.split(" ", 1)[0]]
+    os.kill(anvil, signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0  # the next commit finds no chain
+    wait_gone(procs)
+    rec = record(run_dir)
+    assert rec["status"] == "failed"
+    assert chain_steps(run_dir) == list(range(1, rec["steps"] + 1))  # every committed step came back
+    assert rec["steps"] >= 3
+    assert verified(run_dir)["ok"]
+
+    proc = train("--resume", str(run_dir), log=tmp_path / "resume.log")
+    wait_steps(run_dir, proc, rec["steps"] + 1)
+    procs = run_processes(proc)
+    proc.kill()
+    proc.wait(timeout=30)
+    wait_gone(procs)  # ranks (PDEATHSIG) and anvil (SIGTERM when its parent dies)
+
+    res = dlx("train", "--resume", str(run_dir))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert record(run_dir)["status"] == "completed"
+    assert chain_steps(run_dir) == list(range(1, STEPS + 1))
+    assert verified(run_dir)["ok"]
