@@ -9,6 +9,9 @@ re-hashes the bytes against the CID.
 Pins: `<root>/.pins/<name>` lists root CIDs, one a line; a run pins its head under its
 own name. `gc` deletes every block not reachable from a pin, except blocks younger than
 `grace_s` (so a writer that stored blocks but has not pinned them yet keeps them).
+Retention (lineage/retention.py) removes files a pinned run no longer keeps with `prune`,
+which first records each removed root under `<root>/.pruned/`; walks from a pin pass over
+a recorded root that is gone.
 `batch()` stages blocks in a private directory and moves them in only when the whole
 batch succeeded (CAR import uses it: a broken CAR leaves the store unchanged).
 
@@ -48,6 +51,7 @@ from .cid import (
 from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 PIN_DIR = ".pins"
+PRUNED_DIR = ".pruned"
 _PIN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 # -- fast CIDs for our own blocks ---------------------------------------------------------------
@@ -147,6 +151,13 @@ class Blockstore:
     def has(self, cid: CID | str | bytes) -> bool:
         return self._path(cid).exists()
 
+    def size(self, cid: CID | str | bytes) -> int:
+        """The block's size in bytes (0 if it is not there)."""
+        try:
+            return self._path(cid).stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def delete(self, cid: CID | str) -> bool:
         """Remove a block; False if it was not there."""
         try:
@@ -217,10 +228,12 @@ class Blockstore:
         return {p.name: [parse_cid(line) for line in p.read_text().split()]
                 for p in sorted(pin_dir.iterdir()) if not p.name.startswith(".")}
 
-    def gc(self, grace_s: float = 600.0) -> list[CID]:
-        """Delete blocks not reachable from any pin and older than `grace_s`; returns them.
+    def gc(self, grace_s: float = 600.0, *, dry_run: bool = False, sizes: dict[str, int] | None = None) -> list[CID]:
+        """Delete blocks not reachable from any pin and older than `grace_s`; returns them
+        (`dry_run`: only lists them). `sizes`, if given, gets each one's bytes by CID.
 
-        A pinned DAG with a missing or corrupt block is an error: nothing is deleted.
+        A pinned DAG with a missing (and not pruned) or corrupt block is an error: nothing
+        is deleted.
         """
         from .dag import reachable
 
@@ -234,13 +247,54 @@ class Blockstore:
                 continue
             path = self._path(cid)
             try:
-                if path.stat().st_mtime > cutoff:
+                st = path.stat()
+                if st.st_mtime > cutoff:
                     continue
-                path.unlink()
+                if not dry_run:
+                    path.unlink()
             except FileNotFoundError:
                 continue
             removed.append(cid)
+            if sizes is not None:
+                sizes[str(cid)] = st.st_size
         return removed
+
+    # -- retention -------------------------------------------------------------------------
+
+    def pruned(self) -> set[str]:
+        """The names of the roots retention removed (recorded by `prune`)."""
+        try:
+            return {n for n in os.listdir(self.root / PRUNED_DIR) if not n.startswith(".")}
+        except FileNotFoundError:
+            return set()
+
+    def prune(self, roots: list[CID], blocks: list[CID]) -> int:
+        """Record `roots` as removed by retention, then delete `blocks` (lineage.retention
+        lists each root before the blocks under it); returns the bytes freed.
+
+        The records are on disk (fsynced) before the first unlink, and each unlink is atomic:
+        a crash leaves whole blocks only, some of them unreferenced (the pin gc's to take)."""
+        if not blocks:
+            return 0
+        record_dir = self.root / PRUNED_DIR
+        record_dir.mkdir(parents=True, exist_ok=True)
+        for root in roots:
+            (record_dir / block_name(root)[0]).touch()
+        fd = os.open(record_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        freed = 0
+        for cid in blocks:
+            path = self._path(cid)
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            freed += size
+        return freed
 
 
 def corrupt_blocks(store: Any) -> list[CID]:

@@ -11,7 +11,7 @@ from dag_cbor.decoding.err import CBORDecodingError
 from multiformats import CID
 
 from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, parse_cid
-from .errors import StorageError
+from .errors import BlockNotFoundError, StorageError
 from .unixfs import BlockReader, PBNode
 
 
@@ -43,7 +43,9 @@ def _cbor_links(node: Any) -> Iterator[CID]:
 
 def walk(store: BlockReader, roots: Iterable[CID]) -> Iterator[tuple[CID, bytes]]:
     """Every block reachable from `roots`, once each, depth first in link order (the CAR
-    order Kubo's `dag export` uses); each read is re-hashed by `store.get`."""
+    order Kubo's `dag export` uses); each read is re-hashed by `store.get`. A block the
+    store records as removed by retention (`Blockstore.pruned`) is passed over if gone."""
+    pruned = store.pruned() if hasattr(store, "pruned") else set()
     seen: set[str] = set()
     stack = list(reversed([parse_cid(r) for r in roots]))
     while stack:
@@ -52,7 +54,12 @@ def walk(store: BlockReader, roots: Iterable[CID]) -> Iterator[tuple[CID, bytes]
         if key in seen:
             continue
         seen.add(key)
-        block = store.get(cid)
+        try:
+            block = store.get(cid)
+        except BlockNotFoundError:
+            if key in pruned:
+                continue
+            raise
         yield cid, block
         stack.extend(reversed(links_of(cid, block)))
 

@@ -18,6 +18,14 @@ Levels, per committed step (DESIGN.md section 7):
    published start state reproduces its contributions (lineage/replay.py: exact on the
    machine class that trained, else within `tolerance` relative L2), its start weights are
    a committed checkpoint's, and the state its round leaves is the next round's start state.
+
+Retention (`[storage] keep`, lineage/retention.py) may have removed round-start states and
+superseded shards. Such a file, gone where the run's policy (or the store's record of a
+`dlx cas gc --keep`) allows it, is not a failure: level 2 checks what is kept, level 3
+recomputes a removed shard forward from the last kept one (the genesis at worst) and checks
+it against the CID its manifest names, and a replay that lacks its inputs is reported as
+not possible (`StepReport.unavailable`). A file an open challenge window needs, or one the
+policy keeps, is still a failure when gone.
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from .errors import DlxError
 from .manifest import Manifest, get_manifest
 from .query import open_ledger
 from .runrecord import RunRecord
-from .unixfs import check_file, read_bytes
+from .unixfs import check_file, file_cid, read_bytes
 
 LEVELS = ("chain", "content", "aggregate")
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
@@ -63,6 +71,7 @@ class StepReport:
     checkpoint: str
     failures: dict[str, str] = field(default_factory=dict)  # level -> first reason
     passed: list[str] = field(default_factory=list)
+    unavailable: dict[str, str] = field(default_factory=dict)  # level -> why the kept blocks do not allow it
 
     @property
     def ok(self) -> bool:
@@ -70,7 +79,7 @@ class StepReport:
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "checkpoint": self.checkpoint, "ok": self.ok,
-                "passed": self.passed, "failures": self.failures}
+                "passed": self.passed, "failures": self.failures, "unavailable": self.unavailable}
 
 
 @dataclass
@@ -122,11 +131,13 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             calldata = {s.step: calls[s.tx] for s in steps}
             stakes = ledger.stakes_at((a["node"], s.block) for s in steps for a in s.attestations)
         domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+        checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
+        pruned = _pruned(store, run_dir, checkpoints[-1] if steps else None, ledger, record.run_id)
     genesis = cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)
-    checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
     work = _Work(store, steps, [genesis, *checkpoints], record.run_id,
                  cid_from_digest(bytes(created["configDigest"]), DAG_CBOR),
-                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv != "chain"))
+                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv != "chain"),
+                 pruned.blocks)
     members = set(created["nodes"])
     with _levels_2_3_started(work) as results:  # in worker processes, while level 1 runs here
         chain: list[str | None] = []
@@ -141,7 +152,7 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if not steps:  # nothing to vouch for: a run that committed no step is not "verified"
         report.run_failures.append(f"no committed steps (run.json status: {record.status})")
     for i, rec in enumerate(steps):
-        sr = StepReport(rec.step, str(checkpoints[i]))
+        sr = StepReport(rec.step, str(checkpoints[i]), unavailable=dict(pruned.unavailable.get(rec.step, {})))
         for level in levels:
             failure = chain[i] if level == "chain" else results[i][level]
             if failure is None:
@@ -152,8 +163,54 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if record.head and steps and str(checkpoints[-1]) != record.head:
         report.run_failures.append(f"run.json head {record.head} is not the chain's head at step {steps[-1].step}")
     if replay > 0 and steps:
-        _verify_replay(store, report, steps, work.R, replay, tolerance, replayer)
+        _verify_replay(store, report, steps, work.R, replay, tolerance, replayer, pruned.starts_gone)
     return report
+
+
+@dataclass(frozen=True)
+class _Pruned:
+    """What retention removed from a run, as far as its policy allows."""
+
+    blocks: frozenset[str] = frozenset()  # names of the removed start-state and shard files
+    unavailable: dict[int, dict[str, str]] = field(default_factory=dict)  # step -> level -> why not
+    starts_gone: frozenset[int] = frozenset()  # steps whose start states are gone
+
+
+def _pruned(store: Any, run_dir: Path, head: Any, ledger: Any, run_id: int) -> _Pruned:
+    """The start-state and shard files retention removed and was allowed to, and per step
+    the levels that leaves impossible, with why."""
+    from .retention import ALL, allowed_missing, history, open_steps, run_policy
+
+    policy = run_policy(run_dir)
+    if head is None or (policy == ALL and not (store.pruned() if hasattr(store, "pruned") else set())):
+        return _Pruned()
+    try:
+        hist = history(store, head)
+    except DlxError:  # a manifest is missing: level 2 says which
+        return _Pruned()
+    allowed = allowed_missing(store, hist, policy, open_steps(ledger, run_id, hist[-1].step))
+    gone = frozenset(name for name in allowed if not store.has(name))
+    if not gone:
+        return _Pruned()
+    from .replay import job_of
+
+    sync = job_of(store, hist[-1].config).outer.rule == "sync"
+
+    def lost(cids: Any) -> bool:
+        return any(block_name(c)[0] in gone for c in cids)
+
+    unavailable: dict[int, dict[str, str]] = {}
+    for m in hist[1:]:
+        parent = hist[m.step - 1]
+        needs = [("start state pruned", [c for row in m.replay for c in row]),
+                 (f"step {parent.step}'s shards pruned", parent.stages)]
+        if not sync and parent.step > 0:  # the overlapped rules derive start weights from two steps back
+            needs += [(f"step {parent.step}'s start state pruned", [c for row in parent.replay for c in row]),
+                      (f"step {parent.step - 1}'s shards pruned", hist[parent.step - 1].stages)]
+        why = next((what for what, cids in needs if lost(cids)), None)
+        if m.replay and why:
+            unavailable[m.step] = {REPLAY: f"not possible: {why}"}
+    return _Pruned(gone, unavailable, frozenset(m.step for m in hist[1:] if lost(c for row in m.replay for c in row)))
 
 
 @dataclass
@@ -168,6 +225,7 @@ class _Work:
     R: int
     S: int
     levels: tuple[str, ...]  # of "content", "aggregate", in the caller's order
+    pruned: frozenset[str] = frozenset()  # block names of files retention removed (allowed)
 
 
 _WORK: _Work | None = None  # the forked workers' copy (fork shares it; nothing is pickled)
@@ -233,20 +291,41 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
                     manifest = get_manifest(work.store, checkpoint)  # present, hashing to the on-chain digest
                 if level == "content":
                     _verify_content(work.store, manifest, rec, work.run_id, prev, work.config, work.R, work.S,
-                                    read if "aggregate" in work.levels else None)
+                                    read if "aggregate" in work.levels else None, work.pruned)
                 elif level == "aggregate":
-                    if prev_shards is None:
-                        prev_shards = [read_bytes(work.store, c, workers=0)
-                                       for c in get_manifest(work.store, prev).stages]
                     if outer_cfg is None:
                         outer_cfg = _outer_config(work.store, work.config)
-                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, work.R, work.S, read)
+                    if prev_shards is None:
+                        prev_shards = _shards_of(work, i, outer_cfg)
+                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, work.R, work.S, read,
+                                               work.pruned)
                 result[level] = None
             except (_Fail, DlxError) as exc:
                 result[level] = str(exc)
         out.append(result)
         prev_shards = shards  # None: the next step reads them, if it needs them
     return out
+
+
+def _shards_of(work: _Work, i: int, outer_cfg: Any) -> list[bytes]:
+    """The stage shards of checkpoint `i` (0: the genesis): read, or, where retention
+    removed them, recomputed forward from the last checkpoint that kept its own (the genesis
+    always does) with the published contributions; level 3 of each of those steps checks
+    its recomputation against its manifest's CIDs."""
+    from trainer.diloco import apply_outer_step
+
+    def removed(m: Manifest) -> bool:
+        return any(block_name(c)[0] in work.pruned for c in m.stages)
+
+    j = i
+    while j > 0 and removed(get_manifest(work.store, work.checkpoints[j])):
+        j -= 1
+    shards = [read_bytes(work.store, c, workers=0) for c in get_manifest(work.store, work.checkpoints[j]).stages]
+    for k in range(j + 1, i + 1):
+        m = get_manifest(work.store, work.checkpoints[k])
+        shards = [apply_outer_step(shards[s], [read_bytes(work.store, row[s], workers=0) for row in m.contributions],
+                                   outer_cfg) for s in range(work.S)]
+    return shards
 
 
 def sample_pairs(steps: list[int], replicas: int, fraction: float, seed: bytes) -> list[tuple[int, int]]:
@@ -260,15 +339,21 @@ def sample_pairs(steps: list[int], replicas: int, fraction: float, seed: bytes) 
 
 
 def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord], R: int, fraction: float,
-                   tolerance: float, replayer: Replayer | None) -> None:
+                   tolerance: float, replayer: Replayer | None, starts_gone: frozenset[int] = frozenset()) -> None:
+    """Level 4 on a sample of the steps whose kept blocks allow it; `starts_gone`: steps
+    whose start states retention removed (no continuity check against them)."""
     from .replay import check_continuity, replay_many
 
     checkpoints = {rec.step: str(cid_from_digest(rec.checkpoint, DAG_CBOR)) for rec in steps}
-    chosen = sample_pairs(sorted(checkpoints), R, fraction, steps[-1].checkpoint)
+    blocked = {sr.step for sr in report.steps if REPLAY in sr.unavailable}
+    possible = sorted(set(checkpoints) - blocked)
+    if not possible:
+        return
+    chosen = sample_pairs(possible, R, fraction, steps[-1].checkpoint)
     started = time.perf_counter()
     results = (replayer or replay_many)(store, [(checkpoints[t], r) for t, r in chosen], tolerance)
     for result in results:
-        if result.ok and result.step + 1 in checkpoints:
+        if result.ok and result.step + 1 in checkpoints and result.step + 1 not in starts_gone:
             try:
                 check_continuity(store, result, checkpoints[result.step + 1])
             except DlxError as exc:
@@ -315,11 +400,15 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
 
 
 def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int, prev: Any, config: Any,
-                    R: int, S: int, keep: dict[str, bytes] | None = None) -> None:
+                    R: int, S: int, keep: dict[str, bytes] | None = None,
+                    pruned: frozenset[str] = frozenset()) -> None:
     """Level 2; with `keep`, the contributions' and shards' bytes are left there for level 3
-    (read once, hashed once), by block name (the CID: codec and digest)."""
+    (read once, hashed once), by block name (the CID: codec and digest). Files in `pruned`
+    (removed by retention, as allowed) are not looked for."""
 
     def check(cid: Any) -> None:
+        if pruned and block_name(cid)[0] in pruned:
+            return
         if keep is None:
             check_file(store, cid, workers=0)
         else:
@@ -348,7 +437,8 @@ def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int
                "start-state table is not replicas x stages")
         for row in m.replay:
             for cid in row:
-                check_file(store, cid, workers=0)
+                if block_name(cid)[0] not in pruned:
+                    check_file(store, cid, workers=0)
     for cid in m.stages:
         check(cid)
 
@@ -374,9 +464,11 @@ def _import_outer_math() -> None:
 
 
 def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
-                      R: int, S: int, read: dict[str, bytes]) -> list[bytes]:
+                      R: int, S: int, read: dict[str, bytes], pruned: frozenset[str] = frozenset()) -> list[bytes]:
     """Recompute each stage's new shard; returns the stored (equal) shards, the next
-    step's parents. `read`: files level 2 has read already, by block name."""
+    step's parents. `read`: files level 2 has read already, by block name. A shard in
+    `pruned` (removed by retention) is checked by its CID instead: the recomputed bytes
+    must import to the file the manifest names."""
     from trainer.diloco import apply_outer_step
 
     def get(cid: Any) -> bytes:
@@ -390,6 +482,11 @@ def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes]
     for s in range(S):
         contributions = [get(m.contributions[r][s]) for r in range(R)]
         expected = apply_outer_step(parent_shards[s], contributions, outer_cfg)
+        if pruned and block_name(m.stages[s])[0] in pruned:
+            _check(file_cid(expected) == m.stages[s],
+                   lambda s=s: f"stage {s}: recomputed shard is not {m.stages[s]} (removed by retention)")
+            shards.append(expected)
+            continue
         stored = get(m.stages[s])
         _check(expected == stored, lambda s=s: f"stage {s}: recomputed shard differs from {m.stages[s]}")
         shards.append(stored)

@@ -6,7 +6,7 @@
     dlx cas export --run-dir DIR -o run.car
     dlx cas import run.car
     dlx cas verify                        # re-hash every block, list the bad ones (exit 1)
-    dlx cas gc                            # delete blocks no pin reaches
+    dlx cas gc [--keep last:2] [--dry-run]  # retention, then delete blocks no pin reaches
 
 The store is, first match wins: a run's own blocks with `--run-dir DIR`; an IPFS daemon
 with `--ipfs-api MULTIADDR` (or $DLX_IPFS_API); a directory with `--store DIR` (or
@@ -208,12 +208,90 @@ def verify(store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt =
 @app.command()
 @user_errors
 def gc(
+    keep: Annotated[str | None, typer.Option("--keep", metavar="POLICY", help='Retention: "all", "last:N" or "every:K" (default: the run\'s [storage] keep with --run-dir; "all" otherwise).')] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")] = False,
     grace: Annotated[float, typer.Option("--grace", min=0, help="Keep unpinned blocks younger than this (seconds).")] = 600,
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
-    """Delete blocks that no pin set reaches (a run pins its head)."""
+    """Apply each pinned run's retention policy (round-start states and superseded shards;
+    never manifests, contributions, the head or what an open challenge window needs), then
+    delete blocks that no pin set reaches (a run pins its head). Prints each removed block
+    and the count and bytes."""
+    from lineage.blockstore import Blockstore
+    from lineage.retention import ALL, parse_keep, run_policy
+
+    policy = parse_keep(keep) if keep is not None else run_policy(run_dir) if run_dir else ALL
     target = _open(store, run_dir, ipfs_api)
-    removed = target.gc(grace)
-    for cid in removed:
-        sys.stdout.write(f"removed {cid}\n")
-    sys.stderr.write(f"removed {len(removed)} block(s)\n")
+    if not isinstance(target, Blockstore):
+        if policy != ALL:
+            _user_error("--keep applies to a local blockstore; an IPFS daemon keeps what it pins")
+        removed = target.gc(grace)
+        for cid in removed:
+            sys.stdout.write(f"removed {cid}\n")
+        sys.stderr.write(f"removed {len(removed)} block(s)\n")
+        return
+    verb = "would remove" if dry_run else "removed"
+    pruned = pruned_bytes = 0
+    if policy != ALL:
+        for cid, size in _retain(target, policy, run_dir, dry_run):
+            sys.stdout.write(f"{verb} {cid}\n")
+            pruned, pruned_bytes = pruned + 1, pruned_bytes + size
+    sizes: dict[str, int] = {}
+    unpinned = target.gc(grace, dry_run=dry_run, sizes=sizes)
+    for cid in unpinned:
+        sys.stdout.write(f"{verb} {cid}\n")
+    total = pruned_bytes + sum(sizes.values())
+    sys.stderr.write(f"{verb} {pruned + len(unpinned)} block(s), {total} bytes "
+                     f"({pruned} by retention keep = {policy}, {len(unpinned)} unpinned)\n")
+
+
+def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool) -> list[tuple[Any, int]]:
+    """Apply `policy` to the run in `run_dir`, or to every run pinned in `store`; returns
+    the removed blocks and their sizes. With --run-dir the run's chain says which steps are
+    still challengeable; without it a challengeable run's commit times are unknown, so all
+    its steps count as open."""
+    from lineage.manifest import get_manifest
+    from lineage.retention import Reach, history, kept_steps, plan
+    from trainer.errors import DlxError
+
+    if run_dir:
+        from lineage.runrecord import RunRecord
+
+        record = RunRecord.load(run_dir)
+        heads = [_cid(record.head)] if record.steps else []
+    else:
+        heads = [root for roots in store.pins().values() for root in roots]
+    out = []
+    reach = Reach(store)
+    for head in heads:
+        try:
+            m = get_manifest(store, head)
+        except DlxError:  # a pin set of plain files: no run to thin
+            continue
+        if run_dir:
+            open_ = _open_steps(run_dir, m.step)
+        else:
+            open_ = set(range(1, m.step + 1)) if _challengeable(store, m) else set()
+        p = plan(store, head, history(store, head), kept_steps(policy, m.step, open_), reach)
+        out += [(cid, store.size(cid)) for cid in p.blocks]
+        if not dry_run:
+            store.prune(p.roots, p.blocks)
+    return out
+
+
+def _open_steps(run_dir: Path, head: int) -> set[int]:
+    from lineage.query import open_ledger
+    from lineage.retention import open_steps
+    from lineage.runrecord import RunRecord
+
+    record = RunRecord.load(run_dir)
+    with open_ledger(run_dir, record, None) as ledger:
+        return open_steps(ledger, record.run_id, head)
+
+
+def _challengeable(store: Any, m: Any) -> bool:
+    """Whether the run's recorded config lets its steps be challenged (arbiters, a window)."""
+    import dag_cbor
+
+    chain = dag_cbor.decode(store.get(m.config)).get("job", {}).get("chain", {})
+    return bool(chain.get("quorum")) and bool(chain.get("challenge_window_s"))

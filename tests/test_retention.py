@@ -1,0 +1,149 @@
+"""Retention (`[storage] keep`, `dlx cas gc --keep`): a real `dlx train` thins its own
+history as it commits, and gc thins a kept run; the store stays whole (`dlx cas verify`)
+and `dlx verify` reports per step which levels the kept blocks still allow."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lineage.blockstore import Blockstore
+from lineage.cid import parse_cid
+from lineage.retention import KeepPolicy, Reach, history, kept_steps
+from lineage.runrecord import RunRecord
+from lineage.unixfs import check_file
+
+DLX = str(Path(sys.executable).parent / "dlx")
+
+
+def _dlx(*args: object, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([DLX, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def _starts(m):
+    return [c for row in m.replay for c in row]
+
+
+def _file_blocks(store, cids) -> set[str]:
+    return set(Reach(store).blocks(cids))
+
+
+def _everything_else_present(store, hist) -> None:
+    """Manifests, config, genesis and every contribution are whole."""
+    store.get(hist[0].config)
+    for m in hist:
+        for cid in [*(c for row in m.contributions for c in row), *(hist[0].stages if m.step == 0 else [])]:
+            check_file(store, cid, workers=0)
+
+
+def test_keep_policies_parse_and_choose_steps():
+    assert str(KeepPolicy.parse("last:3")) == "last:3" and KeepPolicy.parse("all") == KeepPolicy()
+    for bad in ("last:0", "every:", "some", "last:-1", " all", 3):
+        with pytest.raises(ValueError, match="must be"):
+            KeepPolicy.parse(bad)
+    kept = kept_steps(KeepPolicy.parse("last:1"), 5)
+    assert kept.starts == {5} and kept.shards == {0, 4, 5}
+    kept = kept_steps(KeepPolicy.parse("every:3"), 7)
+    assert kept.starts == {3, 6, 7} and kept.shards == {0, 2, 3, 5, 6, 7}
+    # an open challenge window keeps a step's start states and its parent's shards and start states
+    kept = kept_steps(KeepPolicy.parse("last:1"), 7, open_steps=[6])
+    assert kept.starts == {5, 6, 7} and kept.shards == {0, 5, 6, 7}
+
+
+def test_bad_keep_is_one_line_exit_2(tmp_path, small_job):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job("bad-keep", extra='\n[storage]\nkeep = "last:zero"\n'))
+    res = _dlx("train", job, "--run-dir", tmp_path / "run", timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("dlx: error: storage.keep: must be") and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()
+    res = _dlx("cas", "gc", "--store", tmp_path / "s", "--keep", "every:0", timeout=60)
+    assert res.returncode == 2 and res.stderr.startswith("dlx: error: --keep: must be"), res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_job):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job("keep-last", steps=3, inner_steps=2,
+                             extra='\n[chain]\nchallenge_window_s = 0\n\n[storage]\nkeep = "last:1"\n'))
+    run_dir = tmp_path / "run"
+    res = _dlx("train", job, "--run-dir", run_dir, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    record = RunRecord.load(run_dir)
+    store = Blockstore(run_dir / "blocks")
+    hist = history(store, parse_cid(record.head))
+    assert [m.step for m in hist] == [0, 1, 2, 3]
+    for m in hist[1:]:  # start states only for the last step; shards for it and its parent
+        assert all(store.has(c) for c in _starts(m)) == (m.step == 3)
+        assert not any(store.has(c) for c in _starts(m)) == (m.step != 3)
+        assert all(store.has(c) for c in m.stages) == (m.step >= 2)
+    _everything_else_present(store, hist)
+
+    res = _dlx("cas", "verify", "--run-dir", run_dir)
+    assert res.returncode == 0, res.stderr
+    res = _dlx("verify", "--run-dir", run_dir, "--replay", "0.5", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads(res.stdout)
+    by_step = {s["step"]: s for s in report["steps"]}
+    for t in (1, 2, 3):
+        assert set(by_step[t]["passed"]) >= {"chain", "content", "aggregate"} and not by_step[t]["failures"]
+    for t in (1, 2):
+        assert by_step[t]["unavailable"] == {"replay": "not possible: start state pruned"}
+    assert by_step[3]["unavailable"] == {} and "replay" in by_step[3]["passed"]  # the one step it can replay
+    assert [r["step"] for r in report["replay"]] == [3]
+    # the table says so too
+    res = _dlx("verify", "--run-dir", run_dir)
+    assert res.returncode == 0 and "replay: not possible: start state pruned" in " ".join(res.stdout.split())
+
+    # a kept block the policy needs is still a failure when gone
+    gone = hist[3].stages[0]
+    for path in (run_dir / "blocks").glob(f"*/{gone}"):
+        path.unlink()
+    res = _dlx("verify", "--run-dir", run_dir, "--json")
+    assert res.returncode == 1
+    assert json.loads(res.stdout)["steps"][2]["failures"].get("content", "").startswith("block not found")
+
+
+@pytest.mark.slow
+def test_gc_keep_every_2_removes_exactly_the_pruned_files(trained_run, tmp_path):
+    src, _ = trained_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(src, run_dir)
+    store = Blockstore(run_dir / "blocks")
+    hist = history(store, parse_cid(RunRecord.load(run_dir).head))
+    assert hist[-1].step == 3
+    before = {str(c) for c in store}
+    # every:2 of steps 1..3: step 1's start states go (2 and the head stay; every shard is
+    # a kept step's own or its parent's)
+    expected = _file_blocks(store, _starts(hist[1])) - _file_blocks(
+        store, [c for m in hist for c in [*m.stages, *_starts(m), *(c for row in m.contributions for c in row)]
+                if c not in _starts(hist[1])])
+    assert expected
+
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
+    assert {str(c) for c in store} == before
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2")
+    assert res.returncode == 0, res.stderr
+    assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
+    size = sum(len(store.get(c)) for c in hist[1].replay[0])  # at least the roots' bytes
+    assert f"removed {len(expected)} block(s)" in res.stderr and size > 0
+    assert {str(c) for c in store} == before - expected
+    _everything_else_present(store, hist)
+
+    assert _dlx("cas", "verify", "--run-dir", run_dir).returncode == 0
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--grace", "0")  # the pin walk passes over the pruned files
+    assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr
+    res = _dlx("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
+    assert res.returncode == 0, res.stderr
+    res = _dlx("verify", "--run-dir", run_dir, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    steps = json.loads(res.stdout)["steps"]
+    assert [s["unavailable"] for s in steps] == [{"replay": "not possible: start state pruned"}, {}, {}]
