@@ -24,7 +24,7 @@ from eth_account.messages import SignableMessage, encode_typed_data
 from eth_account.signers.local import LocalAccount
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
-from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception
+from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception, Web3RPCError
 from web3.logs import DISCARD
 
 from .anvil import PROJECT_ROOT
@@ -87,6 +87,49 @@ def decode_revert(data: str | bytes | None, context: str = "") -> ChainError:
     return ChainRevertError(item["name"], {i["name"]: v for i, v in zip(item["inputs"], values, strict=True)}, context)
 
 
+def why_failed(exc: BaseException) -> str:
+    """What a failed chain request means, in the user's terms: not urllib3's retry chain,
+    requests' adapter names or a JSON-RPC error dict."""
+    import requests
+
+    if isinstance(exc, requests.exceptions.InvalidSchema | requests.exceptions.MissingSchema
+                  | requests.exceptions.InvalidURL):
+        return "not an http:// or https:// URL"
+    if isinstance(exc, requests.exceptions.Timeout):
+        return "no answer in time"
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        text = str(exc)
+        if "refused" in text.lower():
+            return "connection refused"
+        if "resolve" in text or "Name or service not known" in text:
+            return "unknown host"
+        return "connection lost"
+    if isinstance(exc, requests.exceptions.HTTPError) and exc.response is not None:
+        return f"HTTP {exc.response.status_code} (not a JSON-RPC endpoint)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, Web3RPCError) and isinstance(exc.rpc_response, dict):
+        error = exc.rpc_response.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def chain_failure(context: str, exc: BaseException, url: str | None) -> ChainError:
+    """One line for a failed request: a transport failure names the endpoint (the chain was
+    refused, lost or is no chain at all); a JSON-RPC error gives the node's message."""
+    why = why_failed(exc)
+    if isinstance(exc, OSError) and url:
+        return ChainError(f"{context}: chain at {url}: {why}")
+    return ChainError(f"{context}: {why}")
+
+
+def _endpoint(fn: Any) -> str | None:
+    provider = getattr(getattr(fn, "w3", None), "provider", None)
+    return getattr(provider, "endpoint_uri", None)
+
+
 def _view(fn: Any, context: str) -> Any:
     """Call a view function; a revert becomes the contract's custom error by name."""
     try:
@@ -94,7 +137,7 @@ def _view(fn: Any, context: str) -> Any:
     except ContractLogicError as exc:
         raise decode_revert(exc.data, context) from None
     except (OSError, Web3Exception) as exc:
-        raise ChainError(f"{context}: {exc}") from None
+        raise chain_failure(context, exc, _endpoint(fn)) from None
 
 
 @dataclass(frozen=True)
@@ -142,7 +185,7 @@ class Chain:
         try:
             self.chain_id = self.w3.eth.chain_id
         except (OSError, Web3Exception) as exc:
-            raise ChainError(f"cannot reach the chain at {rpc_url}: {exc.__class__.__name__}") from None
+            raise ChainError(f"cannot reach the chain at {rpc_url}: {why_failed(exc)}") from None
         if expected_chain_id is not None and self.chain_id != expected_chain_id:
             raise ChainError(f"wrong chain id at {rpc_url}: expected {expected_chain_id}, got {self.chain_id}")
 
@@ -166,7 +209,7 @@ class Chain:
                 except ContractLogicError as exc:
                     raise decode_revert(exc.data, context) from None
                 except (OSError, Web3Exception) as exc:
-                    raise ChainError(f"{context}: {exc}") from None
+                    raise chain_failure(context, exc, self.rpc_url) from None
                 signed = sender.sign_transaction(tx)
                 try:
                     tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
@@ -174,17 +217,28 @@ class Chain:
                     if _nonce_taken(exc) and attempt + 1 < _NONCE_RETRIES:
                         time.sleep(0.05 * (attempt + 1))
                         continue
-                    raise ChainError(f"{context}: {exc}") from None
+                    raise chain_failure(context, exc, self.rpc_url) from None
                 break
             try:
                 receipt = self.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=120)
             except TimeExhausted:
                 raise ChainError(f"{context}: no receipt within 120 s") from None
             except (OSError, Web3Exception) as exc:
-                raise ChainError(f"{context}: {exc}") from None
+                raise chain_failure(context, exc, self.rpc_url) from None
         if receipt["status"] != 1:
             raise ChainError(f"{context}: transaction {tx_hash.to_0x_hex()} failed")
         return receipt
+
+    def require_funds(self, account: str, amount: int, what: str) -> None:
+        """Refuse, before anything is sent, a payment `account` cannot make with gas on top
+        (the node would refuse it with an "insufficient funds" error, half way through)."""
+        try:
+            have = self.w3.eth.get_balance(to_checksum_address(account))
+        except (OSError, Web3Exception) as exc:
+            raise chain_failure(f"balance of {account}", exc, self.rpc_url) from None
+        if amount >= have:
+            raise ChainError(f"{what} of {amount} wei ({amount / 10**18:g} ETH) is more than {account} holds on "
+                             f"{self.rpc_url}: {have} wei ({have / 10**18:g} ETH), and gas is paid too")
 
     def contract(self, name: str, address: str) -> Any:
         abi, _ = artifact(name)
@@ -286,6 +340,7 @@ class Ledger:
             self.chain.transact(fns.register(payer.address), node, context=f"register {node.address}")
         have = fns.stakeOf(node.address).call()
         if have < amount:
+            self.chain.require_funds(payer.address, amount - have, f"stake for {node.address}")
             self.chain.transact(fns.stake(node.address), payer, value=amount - have,
                                 context=f"stake {node.address}")
 
@@ -308,7 +363,8 @@ class Ledger:
             try:
                 logs = event().get_logs(from_block=0, argument_filters={"node": nodes})
             except (OSError, Web3Exception) as exc:
-                raise ChainError(f"reading the registry's {event.event_name} events: {exc}") from None
+                raise chain_failure(f"reading the registry's {event.event_name} events", exc,
+                                    self.chain.rpc_url) from None
             for log in logs:
                 stake = int(log["args"]["total"]) if event is events.Staked else 0
                 history[log["args"]["node"]].append((int(log["blockNumber"]), int(log["logIndex"]), stake))
@@ -330,6 +386,7 @@ class Ledger:
     def stake(self, payer: LocalAccount, node: str, amount: int) -> Any:
         """Add `amount` wei from `payer` to `node`'s active stake; returns the receipt."""
         fn = self.registry.functions.stake(to_checksum_address(node))
+        self.chain.require_funds(payer.address, amount, f"stake for {node}")
         return self.chain.transact(fn, payer, value=amount, context=f"stake {node}")
 
     def is_registered(self, node: str) -> bool:
@@ -464,7 +521,7 @@ class Ledger:
                         requests.add(w3.eth.get_transaction(tx))
                     txs = requests.execute()
             except (OSError, Web3Exception) as exc:
-                raise ChainError(f"reading {len(chunk)} commit transactions: {exc}") from None
+                raise chain_failure(f"reading {len(chunk)} commit transactions", exc, self.chain.rpc_url) from None
             for tx_hash, tx in zip(chunk, txs, strict=True):
                 _, out[tx_hash] = self.ledger.decode_function_input(tx["input"])
         return out

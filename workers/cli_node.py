@@ -268,6 +268,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         op = address(operator, "--operator") if operator else payer.address
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
         with ep.connect(writable=True) as lg:
+            if amount is not None:  # refused before the node is registered, not after
+                lg.chain.require_funds(payer.address, amount, "--stake")
             receipt = lg.register(node, op)
             _out(f"node {node.address} registered for operator {op} (tx {tx_of(receipt)})")
             if amount is not None:
