@@ -87,17 +87,6 @@ class StorageConfig(_Section):
     api: str | None = Field(
         None, description="Kubo RPC API multiaddr (backend = ipfs), e.g. /ip4/127.0.0.1/tcp/5001/http."
     )
-    keep: str = Field(
-        "all", description='Round-start states and superseded shards kept: "all", "last:N" or "every:K" '
-                           "steps (lineage/retention.py); never manifests, contributions or the head.",
-    )
-
-    @field_validator("keep", mode="before")
-    @classmethod
-    def _keep_policy(cls, value: object) -> object:
-        from lineage.retention import KeepPolicy
-
-        return str(KeepPolicy.parse(value))
 
     @model_validator(mode="after")
     def _api_matches_backend(self) -> StorageConfig:
@@ -105,24 +94,6 @@ class StorageConfig(_Section):
             raise ValueError("api must name the daemon's RPC address when backend is 'ipfs'")
         if self.backend == "local" and self.api:
             raise ValueError("api is only for backend = 'ipfs'")
-        if self.backend == "ipfs" and self.keep != "all":
-            raise ValueError("keep applies to the local blockstore; an IPFS daemon keeps what it pins")
-        return self
-
-
-class TrackingConfig(_Section):
-    """How a run's metrics are watched (TensorBoard, MLflow): not what was trained, so it
-    stays out of the recorded config, as `[storage]` does."""
-
-    tensorboard: bool = Field(False, strict=True, description="Write TensorBoard event files to <run dir>/tensorboard.")
-    mlflow: str | None = Field(None, description="MLflow tracking URI (file:/dir, sqlite:///f.db, http://host:port).")
-    experiment: str | None = Field(None, min_length=1, description="MLflow experiment name; unset: the job's name.")
-
-    @model_validator(mode="after")
-    def _packages_present(self) -> TrackingConfig:
-        from workers.tracking import check_tracking
-
-        check_tracking(self.tensorboard, self.mlflow)
         return self
 
 
@@ -131,11 +102,37 @@ class JobFile(JobConfig):
 
     chain: ChainConfig = Field(default_factory=ChainConfig, description="Ledger settings.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Block storage.")
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics trackers.")
 
     def training_config(self) -> JobConfig:
         """The trainer's view: the same job without chain and storage settings."""
-        return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage", "tracking"}))
+        return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage"}))
+
+
+def check_chain(job: JobFile, rpc: str | None) -> None:
+    """Refuse, before anything is created (`dlx train`), a chain that does not answer or is
+    not the job's (`chain.chain_id`), and a `chain.stake_wei` the node keys cannot pay: each
+    one stakes it from its own balance, and a larger stake would fail half way through
+    setting the run up. With an RPC URL (`rpc`, else the job's) the chain is asked; the
+    embedded anvil gives each of its accounts ANVIL_BALANCE_WEI."""
+    from lineage.anvil import ANVIL_CHAIN_ID
+
+    url = rpc or job.chain.rpc
+    stake = job.chain.stake_wei
+    if url is None:
+        if job.chain.chain_id not in (None, ANVIL_CHAIN_ID):
+            raise ConfigError(f"chain.chain_id is {job.chain.chain_id}, but with no chain.rpc the chain is an "
+                              f"embedded anvil (chain id {ANVIL_CHAIN_ID})")
+        if stake >= ANVIL_BALANCE_WEI:
+            raise ConfigError(f"chain.stake_wei ({stake} wei) is more than the embedded chain gives each node key "
+                              f"({ANVIL_BALANCE_WEI // ETHER} ETH, gas included)")
+        return
+    from lineage.chain import Chain
+    from workers.local import _keys_for
+
+    chain = Chain(url, job.chain.chain_id)
+    _, nodes = _keys_for(job, chain.chain_id, embedded=False, warn=lambda message: None)
+    for address in dict.fromkeys(k.address for k in nodes):
+        chain.require_funds(address, stake, "chain.stake_wei: a stake")
 
 
 def load_job_file(path: str | Path) -> JobFile:
