@@ -3,10 +3,18 @@
 `dlx train` with no `--rpc` starts anvil on a free port with a state file in the run
 directory (anvil's `--state`: loaded at start, written at exit), so the chain outlives
 the process and `dlx lineage` can start it again to read the run's history.
+
+anvil writes that file only when it exits, so a killed anvil would lose every block since
+it started. `dump_state` asks a running anvil for its state and replaces the file
+atomically: `dlx train` does it after every transaction it sends to its embedded chain
+(`workers.local.PersistedChain`), and `python -m lineage.anvil keep URL FILE` after every new block of a
+chain others write to (the stack's). A killed chain then loses at most the transaction in
+flight, and starting anvil on the file brings back every block before it.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -14,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -80,8 +89,34 @@ def rpc_call(url: str, method: str, params: list | None = None, timeout: float =
     return reply["result"]
 
 
+def dump_state(url: str, path: Path) -> None:
+    """Write the state of the anvil at `url` to `path` as `anvil --state` reads it, atomically
+    (a temporary file, fsynced, then renamed): a crash leaves the old file or the new one."""
+    raw = rpc_call(url, "anvil_dumpState", timeout=30.0)
+    data = gzip.decompress(bytes.fromhex(str(raw).removeprefix("0x")))
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _die_with_parent() -> None:
+    """Linux, in the child before exec: SIGTERM this process when its parent dies, so a
+    killed `dlx train` never leaves its anvil running (SIGTERM: anvil writes its state)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class Anvil:
-    """One anvil process that this object started and will stop (by PID)."""
+    """One anvil process that this object started and will stop (by PID).
+
+    `own_group`: run it in its own process group, so a Ctrl-C at the terminal reaches
+    only the parent (which stops the run in order, then anvil), and SIGTERM it when the
+    parent dies (Linux), so no crash of the parent leaves it behind."""
 
     def __init__(
         self,
@@ -89,12 +124,23 @@ class Anvil:
         accounts: int = 10,
         port: int | None = None,
         detach_log: Path | None = None,
+        own_group: bool = False,
     ) -> None:
         self.state_path = state_path
         self.accounts = accounts
         self.port = port or free_port()
         self.detach_log = detach_log  # set: run in its own session, output to this file
+        self.own_group = own_group
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def save_state(self) -> None:
+        """Write the chain's state file now (atomically; see `dump_state`)."""
+        if self.state_path is not None:
+            dump_state(self.url, self.state_path)
 
     @property
     def url(self) -> str:
@@ -119,8 +165,11 @@ class Anvil:
                     start_new_session=True,
                 )
         else:
+            linux = sys.platform == "linux"
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                process_group=0 if self.own_group else None,
+                preexec_fn=_die_with_parent if self.own_group and linux else None,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -152,3 +201,34 @@ class Anvil:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def keep_state(url: str, path: Path, poll_s: float = 0.25) -> None:
+    """Save the state of the anvil at `url` to `path` after every new block, until SIGTERM
+    (then once more) or until anvil stops answering: for a chain whose transactions come
+    from other processes (the stack's workers)."""
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    saved: object = None
+    while True:
+        try:
+            block = rpc_call(url, "eth_blockNumber")
+            if block != saved or stopping:
+                dump_state(url, path)
+                saved = block
+        except (OSError, ChainError):
+            return  # anvil is gone; its last state is in the file
+        if stopping:
+            return
+        time.sleep(poll_s)
+
+
+if __name__ == "__main__":  # python -m lineage.anvil keep URL FILE
+    if len(sys.argv) != 4 or sys.argv[1] != "keep":
+        sys.exit("usage: python -m lineage.anvil keep URL STATE_FILE")
+    keep_state(sys.argv[2], Path(sys.argv[3]))

@@ -87,6 +87,17 @@ class StorageConfig(_Section):
     api: str | None = Field(
         None, description="Kubo RPC API multiaddr (backend = ipfs), e.g. /ip4/127.0.0.1/tcp/5001/http."
     )
+    keep: str = Field(
+        "all", description='Round-start states and superseded shards kept: "all", "last:N" or "every:K" '
+                           "steps (lineage/retention.py); never manifests, contributions or the head.",
+    )
+
+    @field_validator("keep", mode="before")
+    @classmethod
+    def _keep_policy(cls, value: object) -> object:
+        from lineage.retention import KeepPolicy
+
+        return str(KeepPolicy.parse(value))
 
     @model_validator(mode="after")
     def _api_matches_backend(self) -> StorageConfig:
@@ -94,6 +105,24 @@ class StorageConfig(_Section):
             raise ValueError("api must name the daemon's RPC address when backend is 'ipfs'")
         if self.backend == "local" and self.api:
             raise ValueError("api is only for backend = 'ipfs'")
+        if self.backend == "ipfs" and self.keep != "all":
+            raise ValueError("keep applies to the local blockstore; an IPFS daemon keeps what it pins")
+        return self
+
+
+class TrackingConfig(_Section):
+    """How a run's metrics are watched (TensorBoard, MLflow): not what was trained, so it
+    stays out of the recorded config, as `[storage]` does."""
+
+    tensorboard: bool = Field(False, strict=True, description="Write TensorBoard event files to <run dir>/tensorboard.")
+    mlflow: str | None = Field(None, description="MLflow tracking URI (file:/dir, sqlite:///f.db, http://host:port).")
+    experiment: str | None = Field(None, min_length=1, description="MLflow experiment name; unset: the job's name.")
+
+    @model_validator(mode="after")
+    def _packages_present(self) -> TrackingConfig:
+        from workers.tracking import check_tracking
+
+        check_tracking(self.tensorboard, self.mlflow)
         return self
 
 
@@ -102,10 +131,11 @@ class JobFile(JobConfig):
 
     chain: ChainConfig = Field(default_factory=ChainConfig, description="Ledger settings.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Block storage.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics trackers.")
 
     def training_config(self) -> JobConfig:
         """The trainer's view: the same job without chain and storage settings."""
-        return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage"}))
+        return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage", "tracking"}))
 
 
 def check_chain(job: JobFile, rpc: str | None) -> None:

@@ -5,6 +5,13 @@ directory so the chain outlives the run; node keys are then anvil's public devel
 keys (local chain only). With an RPC URL, keys come from the environment:
 `DLX_SUBMITTER_KEY` (pays for run creation and commits) and `DLX_NODE_KEYS` (one
 comma-separated private key per rank, in rank order), never from the command line.
+
+The embedded anvil's state file is rewritten after every transaction (`PersistedChain`),
+before run.json names the step, so a killed chain keeps every committed step. SIGINT and
+SIGTERM stop every rank at the next inner-step boundary (the job queue's cancel); the
+steps committed stay, anvil is stopped and run.json says `stopped` at the chain's head.
+`resume_job` (`dlx train --resume RUN_DIR`) continues a stopped, failed or crashed run
+from the last step committed on chain, as `dlx resume JOB` does for the queue.
 """
 
 from __future__ import annotations
@@ -13,11 +20,14 @@ import hashlib
 import ipaddress
 import os
 import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from eth_account import Account
@@ -26,15 +36,18 @@ from eth_account.signers.local import LocalAccount
 from lineage.anvil import ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
 from lineage.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain import Chain, Ledger, artifact
+from lineage.cid import DAG_CBOR, cid_from_digest
+from lineage.manifest import get_manifest
+from lineage.retention import Retention
 from lineage.runrecord import RunRecord
 from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.data import corpus_digest
 from trainer.errors import ConfigError
-from trainer.launch import check_local, train_local
+from trainer.launch import check_local, stop_event, train_local
 
-from .jobfile import JobFile, check_chain
+from .jobfile import JobFile, check_chain, load_job_file
 from .sink import LedgerSink, Signer, local_signer
 
 CHAIN_STATE = "chain/state.json"
@@ -48,6 +61,46 @@ class Callbacks:
     warn: Callable[[str], None] = lambda msg: None
     progress: Callable[[Progress], None] = lambda p: None
     committed: Callable[[int, object, StepArtifacts], None] = lambda step, cid, art: None
+    stopping: Callable[[str], None] = lambda signal_name: None  # a stop was asked for
+
+
+class PersistedChain(Chain):
+    """A `Chain` on the embedded anvil that saves anvil's state file after every transaction
+    it sends, before the caller learns it went through: what the caller records next
+    (run.json's head) is already in the file, even if anvil is killed a moment later."""
+
+    def __init__(self, anvil: Anvil, expected_chain_id: int | None = None) -> None:
+        super().__init__(anvil.url, expected_chain_id)
+        self.anvil = anvil
+
+    def transact(self, fn: Any, sender: LocalAccount, *, value: int = 0, context: str) -> Any:
+        receipt = super().transact(fn, sender, value=value, context=context)
+        self.anvil.save_state()
+        return receipt
+
+
+@contextmanager
+def stop_on_signals(cb: Callbacks) -> Iterator[Any]:
+    """SIGINT and SIGTERM set the event yielded (ranks stop at the next inner-step boundary;
+    `train_local(stop=...)`); a second signal interrupts at once. Handlers can be set only
+    from the main thread: elsewhere the event is simply never set by a signal."""
+    stop = stop_event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt
+        stop.set()
+        cb.stopping(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 def default_run_dir(job: JobFile) -> Path:
@@ -145,7 +198,8 @@ def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> str:
 
 
 def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
-    """Train `job`, recording every outer step; returns the final run record."""
+    """Train `job`, recording every outer step; returns the final run record (status
+    `completed`, or `stopped` after SIGINT/SIGTERM)."""
     preflight(job, run_dir, rpc)
     rpc = rpc or job.chain.rpc
     embedded = rpc is None
@@ -154,55 +208,132 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
     record: RunRecord | None = None
     with ExitStack() as stack:
         try:
-            if embedded:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                anvil = stack.enter_context(
-                    Anvil(state_path=run_dir / CHAIN_STATE, accounts=job.world_size + 1)
-                )
-                url = anvil.url
-            else:
-                url = rpc
-            chain = Chain(url, job.chain.chain_id)
-            submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
+            stop = stack.enter_context(stop_on_signals(cb))
             run_dir.mkdir(parents=True, exist_ok=True)
+            chain = _open_chain(stack, run_dir / CHAIN_STATE if embedded else None, rpc,
+                                job.chain.chain_id, job.world_size)
+            submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
             shutil.copyfile(job_path, run_dir / "job.toml")
             ledger = Ledger.deploy(chain, submitter)
             for node in {k.address: k for k in slot_keys}.values():
                 ledger.ensure_staked(node, job.chain.stake_wei)
             blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
             record = RunRecord(
-                name=job.name, chain_id=chain.chain_id, rpc=None if embedded else url,
+                name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,
                 chain_state=CHAIN_STATE if embedded else None, registry=ledger.addresses["registry"],
                 ledger=ledger.addresses["ledger"], blocks=str(blocks), ipfs_api=job.storage.api,
             )
-            training = job.training_config()
-            config = {
-                # A cheat stays out of the record: a cheating node does not announce itself.
-                "job": job.model_dump(mode="json", exclude={"storage", "cheat"}),
-                "corpus": corpus_digest(training.data),
-                "code": code_hash(),
-            }
-            domain = Domain(chain.chain_id, ledger.ledger.address)
-            signer = local_signer(slot_keys, domain)
-            if training.cheat:
-                signer = equivocating_signer(signer, slot_keys, domain, training, run_dir)
-            sink = LedgerSink(
-                job=training, config=config, store=record.open_store(run_dir), ledger=ledger,
-                submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
-                run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
-                min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
-                on_progress=cb.progress,
-                on_committed=cb.committed,
-            )
-            train_local(training, sink)
-            record.status = "completed"
-            record.save(run_dir)
-            return record
-        except BaseException:
+            sink = _sink(job, record, run_dir, ledger, submitter, slot_keys, cb)
+            return _train(sink, record, run_dir, stop)
+        except BaseException as exc:
             if record is not None and record.run_id:
-                record.status = "failed"
-                record.save(run_dir)
+                _record_end(record, run_dir, exc)
             elif created:
                 stack.close()  # stop anvil before removing its state
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
+
+
+def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
+    """Continue the run in `run_dir` (stopped, failed or crashed) from the last step committed
+    on its chain, with the job file it was started with; as `dlx resume JOB` does for the
+    queue, the ranks restart from that checkpoint's committed state."""
+    record = RunRecord.load(run_dir)
+    job = load_job_file(run_dir / "job.toml")
+    if not record.run_id:
+        raise ConfigError(f"run directory {run_dir} committed nothing on chain: train the job again")
+    check_local(job)
+    refuse_cheat_off_local_chain(job, rpc or record.rpc, record.chain_id)
+    embedded = not (rpc or record.rpc)
+    with ExitStack() as stack:
+        stop = stack.enter_context(stop_on_signals(cb))
+        state = run_dir / (record.chain_state or CHAIN_STATE)
+        if embedded and not state.is_file():
+            raise ConfigError(f"the run's chain state file is missing: {state}")
+        chain = _open_chain(stack, state if embedded else None, rpc or record.rpc, record.chain_id,
+                            job.world_size)
+        submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
+        ledger = Ledger(chain, record.registry, record.ledger)
+        head, step = ledger.head(record.run_id)
+        if step >= job.outer.steps:
+            raise ConfigError(f"run {record.run_id} already committed all {step} steps: nothing to resume")
+        checkpoint = cid_from_digest(head, DAG_CBOR)
+        record.head, record.steps = str(checkpoint), step  # the chain's head, whatever run.json said
+        sink = _sink(job, record, run_dir, ledger, submitter, slot_keys, cb)
+        sink.resume_from(checkpoint)
+        manifest = get_manifest(sink.store, checkpoint)
+        start = [resume_point(sink.store, manifest, job, rank) for rank in range(job.world_size)]
+        record.status = "running"
+        record.save(run_dir)
+        try:
+            return _train(sink, record, run_dir, stop, start)
+        except BaseException as exc:
+            _record_end(record, run_dir, exc)
+            raise
+
+
+def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
+    """Where `rank` restarts from a committed checkpoint (its `lineage.manifest.Manifest`):
+    its stage's outer shard and, where the round can be re-run (synchronous rules with
+    round-start states), its own start state and claimed contribution
+    (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
+    from lineage.unixfs import read_bytes
+    from trainer.engine import ResumePoint
+
+    replica, stage = divmod(rank, job.parallel.stages)
+    shard = read_bytes(store, manifest.stages[stage])
+    if not manifest.replay or job.outer.delay != 0:  # no start states to re-run the round from
+        return ResumePoint(step=manifest.step, shard=shard)
+    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[replica][stage]),
+                       claimed=read_bytes(store, manifest.contributions[replica][stage]))
+
+
+def _open_chain(stack: ExitStack, state: Path | None, rpc: str | None, chain_id: int | None,
+                world: int) -> Chain:
+    """The run's chain: the embedded anvil on `state` (in its own process group, dying with
+    this process; stopped when `stack` closes), or the chain at `rpc`."""
+    if state is None:
+        return Chain(rpc, chain_id)  # type: ignore[arg-type]
+    anvil = stack.enter_context(Anvil(state_path=state, accounts=world + 1, own_group=True))
+    return PersistedChain(anvil, chain_id)
+
+
+def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submitter: LocalAccount,
+          slot_keys: list[LocalAccount], cb: Callbacks) -> LedgerSink:
+    training = job.training_config()
+    config = {
+        # A cheat stays out of the record: a cheating node does not announce itself.
+        "job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),
+        "corpus": corpus_digest(training.data),
+        "code": code_hash(),
+    }
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+    signer = local_signer(slot_keys, domain)
+    if training.cheat:
+        signer = equivocating_signer(signer, slot_keys, domain, training, run_dir)
+    return LedgerSink(
+        job=training, config=config, store=record.open_store(run_dir), ledger=ledger,
+        submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
+        run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
+        min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
+        on_progress=cb.progress,
+        on_committed=Retention.for_job(job, record.open_store(run_dir), ledger, record, cb.committed),
+        tracking=job.tracking,
+    )
+
+
+def _train(sink: LedgerSink, record: RunRecord, run_dir: Path, stop: Any,
+           start: list[Any] | None = None) -> RunRecord:
+    """Run the ranks to the end or to a requested stop; record how the run ended."""
+    outcome = train_local(sink.job, sink, stop=stop, start=start)
+    record.status = outcome
+    record.save(run_dir)
+    return record
+
+
+def _record_end(record: RunRecord, run_dir: Path, exc: BaseException) -> None:
+    """A run that ended early on `exc`: `stopped` when interrupted (a second Ctrl-C), else
+    `failed`. run.json already names the last step the chain accepted (the sink saves it
+    after each commit); either way the run can resume from there."""
+    record.status = "stopped" if isinstance(exc, KeyboardInterrupt) else "failed"
+    record.save(run_dir)
