@@ -2,8 +2,11 @@
 
 No scripts, no external assets: inline CSS and SVG only, so the file can be archived or
 mailed next to the run and opened anywhere. It shows the checkpoint chain as a graph
-(branches rejected by an upheld challenge below it, in red), the loss curves, each node's
-stake and contributions, and every step's status and transaction.
+(branches rejected by an upheld challenge below it, in red), the loss curves (outer, and
+inner per step where the run directory's metrics.jsonl is at hand), bytes sent and
+compression error per step, each node's stake and contributions, and every step's status
+and transaction. `render_compare_html` puts two runs side by side (`dlx lineage compare`):
+the configuration keys that differ and their curves on shared axes.
 """
 
 from __future__ import annotations
@@ -89,57 +92,96 @@ def _chain_svg(genesis: str, steps: list[dict[str, Any]]) -> str:
 
 
 def _curve_svg(all_steps: list[dict[str, Any]]) -> str:
+    """Eval and train loss per outer step; rejected steps' eval loss as hollow red marks."""
     steps = [s for s in all_steps if s.get("status") != "rejected"] or all_steps
-    rejected = [s for s in all_steps if s.get("status") == "rejected" and s["metrics"].get("eval_loss") is not None]
-    series = {
-        "eval loss": ([s["step"] for s in steps if s["metrics"].get("eval_loss") is not None],
-                      [s["metrics"]["eval_loss"] for s in steps if s["metrics"].get("eval_loss") is not None], "#3b5bdb"),
-        "train loss": ([s["step"] for s in steps if s["metrics"].get("train_loss") is not None],
-                       [s["metrics"]["train_loss"] for s in steps if s["metrics"].get("train_loss") is not None], "#e8590c"),
-    }
-    ys = [y for _, v, _ in series.values() for y in v] + [s["metrics"]["eval_loss"] for s in rejected]
+    rejected = [(s["step"], s["metrics"]["eval_loss"]) for s in all_steps
+                if s.get("status") == "rejected" and s["metrics"].get("eval_loss") is not None]
+    series = {"eval loss": (_metric(steps, "eval_loss"), "#3b5bdb"),
+              "train loss": (_metric(steps, "train_loss"), "#e8590c")}
+    return _plot_svg("loss curve", series, "outer step", marks=("rejected", rejected),
+                     x_max=max((s["step"] for s in all_steps), default=1))
+
+
+def _metric(steps: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    """(outer step, metric) of the steps that recorded `key`."""
+    return [(s["step"], s["metrics"][key]) for s in steps if s["metrics"].get(key) is not None]
+
+
+def _bytes(v: float) -> str:
+    return f"{v / 1e6:.2f} MB"
+
+
+def _plot_svg(label: str, series: dict[str, tuple[list[tuple[float, float]], str]], x_label: str, *,
+              fmt: Any = "{:.4f}".format, axis_fmt: Any = "{:.3f}".format,
+              marks: tuple[str, list[tuple[float, float]]] | None = None, x_max: float | None = None) -> str:
+    """A line chart as inline SVG: one polyline per series (name -> ([(x, y)], colour)),
+    each point a circle titled "<name> <y> at step <x>", a legend on the right, and
+    optional hollow red `marks` (legend name, points). `label` is its aria-label."""
+    mark_name, marked = marks or ("", [])
+    ys = [y for pts, _ in series.values() for _, y in pts] + [y for _, y in marked]
     if not ys:
-        return '<p class="muted">no metrics recorded</p>'
-    W, H, L, B, T, Rm = 640, 260, 52, 30, 12, 110
+        return f'<p class="muted">no data for the {_e(label)}</p>'
+    W, H, L, B, T, Rm = 640, 260, 64, 30, 12, 120
     lo, hi = min(ys), max(ys)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
-    n = max(s["step"] for s in all_steps)
-    sx = lambda x: L + (x - 1) / max(n - 1, 1) * (W - L - Rm)  # noqa: E731
+    xs_all = [x for pts, _ in series.values() for x, _ in pts] + [x for x, _ in marked]
+    x0, n = min(xs_all), max(xs_all) if x_max is None else x_max
+    sx = lambda x: L + (x - x0) / max(n - x0, 1) * (W - L - Rm)  # noqa: E731
     sy = lambda y: T + (hi - y) / (hi - lo) * (H - T - B)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" aria-label="loss curve">',
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" aria-label="{_e(label)}">',
              f'<line x1="{L}" y1="{H - B}" x2="{W - Rm}" y2="{H - B}" stroke="#99a"/><line x1="{L}" y1="{T}" x2="{L}" y2="{H - B}" stroke="#99a"/>']
     for k in range(5):
         y = lo + (hi - lo) * k / 4
-        parts.append(f'<text x="{L - 6}" y="{sy(y) + 4}" text-anchor="end">{y:.3f}</text>'
+        parts.append(f'<text x="{L - 6}" y="{sy(y) + 4}" text-anchor="end">{_e(axis_fmt(y))}</text>'
                      f'<line x1="{L}" y1="{sy(y)}" x2="{W - Rm}" y2="{sy(y)}" stroke="#eef"/>')
-    stride = next(k * 10**e for e in range(12) for k in (1, 2, 5) if k * 10**e * 10 >= n)  # at most 10 labels
-    for x in sorted({s["step"] for s in all_steps if s["step"] == 1 or s["step"] % stride == 0}):
-        parts.append(f'<text x="{sx(x)}" y="{H - B + 16}" text-anchor="middle">{x}</text>')
-    parts.append(f'<text x="{(L + W - Rm) / 2}" y="{H - 2}" text-anchor="middle" class="muted">outer step</text>')
-    for i, (name, (xs, vs, color)) in enumerate(series.items()):
-        if not xs:
+    span = int(n - x0) + 1
+    stride = next(k * 10**e for e in range(12) for k in (1, 2, 5) if k * 10**e * 10 >= span)  # at most 10 labels
+    for x in sorted({int(x0), *range(stride, int(n) + 1, stride)}):
+        if x >= x0:
+            parts.append(f'<text x="{sx(x)}" y="{H - B + 16}" text-anchor="middle">{x}</text>')
+    parts.append(f'<text x="{(L + W - Rm) / 2}" y="{H - 2}" text-anchor="middle" class="muted">{_e(x_label)}</text>')
+    drawn = 0
+    for name, (pts, color) in series.items():
+        if not pts:
             continue
-        pts = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v in zip(xs, vs, strict=True))
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{color}" stroke-width="2"/>')
-        parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="3" fill="{color}"><title>{_e(name)} {v:.4f} at step {x}</title></circle>'
-                  for x, v in zip(xs, vs, strict=True)]
-        parts.append(f'<rect x="{W - Rm + 12}" y="{T + 18 * i}" width="12" height="3" fill="{color}"/>'
-                     f'<text x="{W - Rm + 30}" y="{T + 18 * i + 5}">{_e(name)}</text>')
-    for s in rejected:
-        x, v = s["step"], s["metrics"]["eval_loss"]
+        line = " ".join(f"{sx(x):.1f},{sy(v):.1f}" for x, v in pts)
+        parts.append(f'<polyline points="{line}" fill="none" stroke="{color}" stroke-width="2"/>')
+        parts += [f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="3" fill="{color}"><title>{_e(name)} {_e(fmt(v))} at step {x:g}</title></circle>'
+                  for x, v in pts]
+        parts.append(f'<rect x="{W - Rm + 12}" y="{T + 18 * drawn}" width="12" height="3" fill="{color}"/>'
+                     f'<text x="{W - Rm + 30}" y="{T + 18 * drawn + 5}">{_e(name)}</text>')
+        drawn += 1
+    for x, v in marked:
         parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(v):.1f}" r="4" fill="none" stroke="#b42318" stroke-width="2">'
-                     f'<title>rejected step {x}: eval loss {v:.4f}</title></circle>')
-    if rejected:
-        k = len(series)
-        parts.append(f'<circle cx="{W - Rm + 18}" cy="{T + 18 * k + 3}" r="4" fill="none" stroke="#b42318" stroke-width="2"/>'
-                     f'<text x="{W - Rm + 30}" y="{T + 18 * k + 7}">rejected</text>')
+                     f'<title>{_e(mark_name)} step {x:g}: {_e(fmt(v))}</title></circle>')
+    if marked:
+        parts.append(f'<circle cx="{W - Rm + 18}" cy="{T + 18 * drawn + 3}" r="4" fill="none" stroke="#b42318" stroke-width="2"/>'
+                     f'<text x="{W - Rm + 30}" y="{T + 18 * drawn + 7}">{_e(mark_name)}</text>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def render_html(lineage: dict[str, Any]) -> str:
-    """The report for `Lineage.as_json()`."""
+def _training_plots(steps: list[dict[str, Any]], inner: list[dict[str, Any]] | None) -> str:
+    """Inner loss per inner step (from the run's metrics.jsonl), bytes sent and
+    compression error per outer step (from the manifests' metrics)."""
+    live = [s for s in steps if s.get("status") != "rejected"]
+    inner_pts = [(r["global_step"], r["loss"]) for r in inner or [] if r.get("kind") == "inner"]
+    return "".join([
+        "<h2>Inner loss</h2>",
+        _plot_svg("inner loss", {"inner loss (replica 0)": (inner_pts, "#0b7285")}, "inner step")
+        if inner_pts else '<p class="muted">no inner-step metrics: the run directory has no metrics.jsonl</p>',
+        "<h2>Bytes sent</h2>",
+        _plot_svg("bytes sent", {"bytes sent (all ranks)": (_metric(live, "bytes_sent"), "#5f3dc4")}, "outer step",
+                  fmt=_bytes, axis_fmt=_bytes),
+        "<h2>Compression error</h2>",
+        _plot_svg("compression error", {"relative error": (_metric(live, "rel_error"), "#c2255c")}, "outer step",
+                  fmt="{:.4g}".format, axis_fmt="{:.3g}".format),
+    ])
+
+
+def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = None) -> str:
+    """The report for `Lineage.as_json()`; `inner`: the run's metrics.jsonl records, if known."""
     steps = lineage["steps"]
     cfg = lineage.get("config", {})
     job = cfg.get("job", {}) if isinstance(cfg, dict) else {}
@@ -176,7 +218,7 @@ def render_html(lineage: dict[str, Any]) -> str:
            "below was read from the ledger's events and re-hashed against its stored block. "
            "Steps rejected by an upheld challenge are marked in red.</p>",
            "<h2>Checkpoint chain</h2>", f"<div class=scroll>{_chain_svg(lineage['genesis'], steps)}</div>",
-           "<h2>Loss</h2>", _curve_svg(steps),
+           "<h2>Loss</h2>", _curve_svg(steps), _training_plots(steps, inner),
            "<h2>Nodes</h2><table><tr><th>node</th><th>stake (ETH)</th><th>slots (replica, stage)</th>"
            "<th>attestations</th><th>mean attested loss</th></tr>"]
     stakes = lineage.get("stakes", {})
@@ -205,4 +247,60 @@ def render_html(lineage: dict[str, Any]) -> str:
     out.append("</table><h2>Configuration</h2><table class=kv>")
     out += [f"<tr><td>{_e(k)}</td><td><code>{_e(v)}</code></td></tr>" for k, v in kv]
     out.append("</table></body></html>\n")
+    return "".join(out)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}: nested job sections as dotted keys."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(key, value in A, value in B) for every configuration key two lineages
+    (`Lineage.as_json()`) do not share, sorted; a key one run lacks has None there."""
+    fa, fb = flatten(a.get("config") or {}), flatten(b.get("config") or {})
+    return [(k, fa.get(k), fb.get(k)) for k in sorted(fa.keys() | fb.keys()) if fa.get(k) != fb.get(k)]
+
+
+def render_compare_html(a: dict[str, Any], b: dict[str, Any], inner_a: list[dict[str, Any]] | None = None,
+                        inner_b: list[dict[str, Any]] | None = None) -> str:
+    """Two runs side by side: what differs in their configurations, then eval loss, inner
+    loss, bytes sent and compression error of both on shared axes (A blue, B orange)."""
+    names = {"A": f"A: run {a['run']} {a.get('name', '')}".rstrip(), "B": f"B: run {b['run']} {b.get('name', '')}".rstrip()}
+    colors = {"A": "#3b5bdb", "B": "#e8590c"}
+    runs = {"A": (a, inner_a), "B": (b, inner_b)}
+
+    def live(doc: dict[str, Any]) -> list[dict[str, Any]]:
+        return [s for s in doc["steps"] if s.get("status") != "rejected"]
+
+    def outer(key: str) -> dict[str, tuple[list[tuple[float, float]], str]]:
+        return {names[k]: (_metric(live(doc), key), colors[k]) for k, (doc, _) in runs.items()}
+
+    inner = {names[k]: ([(r["global_step"], r["loss"]) for r in recs or [] if r.get("kind") == "inner"], colors[k])
+             for k, (_, recs) in runs.items()}
+    out = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>compare: {_e(names['A'])} / {_e(names['B'])}</title>"
+           f"<style>{_CSS}</style></head><body>",
+           f"<h1>{_e(names['A'])} <span class=muted>vs</span> {_e(names['B'])}</h1>",
+           "<h2>Configuration differences</h2>"]
+    diffs = config_differences(a, b)
+    if diffs:
+        out.append("<table class=diff><tr><th>key</th><th>A</th><th>B</th></tr>")
+        out += [f"<tr><td><code>{_e(k)}</code></td><td><code>{_e(va)}</code></td><td><code>{_e(vb)}</code></td></tr>"
+                for k, va, vb in diffs]
+        out.append("</table>")
+    else:
+        out.append("<p class=muted>the two configurations are identical</p>")
+    out += ["<h2>Eval loss</h2>", _plot_svg("eval loss", outer("eval_loss"), "outer step"),
+            "<h2>Inner loss</h2>", _plot_svg("inner loss", inner, "inner step"),
+            "<h2>Bytes sent</h2>", _plot_svg("bytes sent", outer("bytes_sent"), "outer step", fmt=_bytes, axis_fmt=_bytes),
+            "<h2>Compression error</h2>", _plot_svg("compression error", outer("rel_error"), "outer step",
+                                                    fmt="{:.4g}".format, axis_fmt="{:.3g}".format),
+            "</body></html>\n"]
     return "".join(out)

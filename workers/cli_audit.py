@@ -3,6 +3,7 @@
     dlx lineage RUN|CID [--json|--html FILE]      # a run's commits, or one checkpoint's ancestors
     dlx lineage --run-dir runs/tiny-...           # the run a `dlx train` left in a directory
     dlx lineage diff CID_A CID_B [--json]         # per-tensor change norms, metric deltas
+    dlx lineage compare RUN_A RUN_B [--json|--html FILE]  # two run directories side by side
     dlx challenge RUN STEP --node ADDR            # replay the node's work; challenge a mismatch
     dlx arbiter vote ID --uphold|--dismiss [--replay] [--out FILE]   # sign a verdict
     dlx arbiter resolve ID --uphold|--dismiss SIG_OR_FILE...         # submit a quorum
@@ -285,7 +286,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     lineage_app = typer.Typer(
         name="lineage", cls=_LineageGroup,
         help="A run's checkpoint chain as recorded on the ledger, checked against the blockstore: "
-             "`dlx lineage RUN|CID` or `--run-dir DIR` (the `show` command), and `dlx lineage diff A B`.")
+             "`dlx lineage RUN|CID` or `--run-dir DIR` (the `show` command), `dlx lineage diff A B` and "
+             "`dlx lineage compare RUN_A RUN_B`.")
     app.add_typer(lineage_app, name="lineage")
 
     @lineage_app.command("show")
@@ -327,10 +329,9 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         doc = result.as_json()
         if html is not None:
             from lineage.report import render_html
+            from workers.tracking import read_metrics
 
-            tmp = html.with_name(f".{html.name}.tmp")
-            tmp.write_text(render_html(doc))
-            tmp.replace(html)
+            write_report(html, render_html(doc, read_metrics(run_dir) if run_dir is not None else None))
         if as_json:
             sys.stdout.write(json.dumps(doc, indent=2) + "\n")
             return
@@ -356,6 +357,60 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         out.print(table)
         if html is not None:
             out.print(f"report written to {html}")
+
+    @lineage_app.command("compare")
+    @user_errors
+    def compare(
+        run_a: Annotated[Path, typer.Argument(help="Run directory A (written by `dlx train`, or a stack's runs/JOB).")],
+        run_b: Annotated[Path, typer.Argument(help="Run directory B.")],
+        as_json: JsonOpt = False,
+        html: Annotated[Path | None, typer.Option("--html", help="Also write the comparison as a self-contained HTML page.")] = None,
+    ) -> None:
+        """Two runs side by side: the configuration keys that differ, and their eval loss,
+        train loss and bytes sent per outer step (with --html also inner loss and
+        compression error, plotted on shared axes)."""
+        from lineage import query
+        from lineage.report import config_differences, render_compare_html
+        from workers.tracking import read_metrics
+
+        a, b = (query.run_lineage(d, None).as_json() for d in (run_a, run_b))
+        diffs = config_differences(a, b)
+        if html is not None:
+            write_report(html, render_compare_html(a, b, read_metrics(run_a), read_metrics(run_b)))
+        if as_json:
+            doc = {"a": {"run_dir": str(run_a), "run": a["run"], "name": a["name"], "head": a["head"]},
+                   "b": {"run_dir": str(run_b), "run": b["run"], "name": b["name"], "head": b["head"]},
+                   "config": [{"key": k, "a": va, "b": vb} for k, va, vb in diffs],
+                   "steps": compare_rows(a, b)}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            return
+        from rich.table import Table
+
+        from workers.console import cid_column, console
+
+        out = console()
+        runs = Table(title="runs")
+        for col in ("", "run", "name", "run dir"):
+            runs.add_column(col)
+        cid_column(runs, "head")
+        runs.add_row("A", str(a["run"]), a["name"], str(run_a), a["head"])
+        runs.add_row("B", str(b["run"]), b["name"], str(run_b), b["head"])
+        out.print(runs)
+        config = Table(title="configuration differences" if diffs else "configuration: identical")
+        for col in ("key", "A", "B"):
+            config.add_column(col)
+        for k, va, vb in diffs:
+            config.add_row(k, json.dumps(va), json.dumps(vb))
+        out.print(config)
+        curves = Table(title="per outer step")
+        for col in ("step", "eval A", "eval B", "train A", "train B", "sent A", "sent B"):
+            curves.add_column(col, justify="right")
+        for row in compare_rows(a, b):
+            curves.add_row(str(row["step"]), *(_num(row[k]) for k in ("eval_loss_a", "eval_loss_b", "train_loss_a", "train_loss_b")),
+                           *("-" if row[k] is None else f"{row[k] / 1e6:.2f} MB" for k in ("bytes_sent_a", "bytes_sent_b")))
+        out.print(curves)
+        if html is not None:
+            out.print(f"comparison written to {html}")
 
     @lineage_app.command("diff")
     @user_errors
@@ -615,6 +670,25 @@ def check_equivocation(a: Any, b: Any) -> str:
     if signer_a != signer_b:
         raise AuditError(f"the claims are signed by different keys: {signer_a} and {signer_b}")
     return signer_a
+
+
+def write_report(path: Path, page: str) -> None:
+    """Write an HTML page whole or not at all (a temporary file beside it, then a rename)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(page)
+    tmp.replace(path)
+
+
+def compare_rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per outer step of either lineage (rejected steps left out): eval loss, train loss
+    and bytes sent of A and B (None where a run has no such step)."""
+    def by_step(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
+        return {s["step"]: s["metrics"] for s in doc["steps"] if s.get("status") != "rejected"}
+
+    ma, mb = by_step(a), by_step(b)
+    return [{"step": t, **{f"{key}_{side}": m.get(t, {}).get(key) for key in ("eval_loss", "train_loss", "bytes_sent")
+                           for side, m in (("a", ma), ("b", mb))}}
+            for t in sorted(ma.keys() | mb.keys())]
 
 
 def _num(value: float | None, signed: bool = False) -> str:

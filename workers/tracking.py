@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from lineage.report import flatten
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 MLFLOW_SCHEMES = ("file", "sqlite", "http", "https")
@@ -163,18 +165,6 @@ class MLflow:
         self._done = True
         self._flush()
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}: nested job sections as MLflow param names."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
 
 
 def open_trackers(run_dir: Path, tracking: Any, name: str, params: dict[str, Any],
