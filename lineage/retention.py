@@ -131,6 +131,17 @@ def prunable(history: list[Manifest], kept: Kept) -> Iterator[CID]:
             yield from m.stages
 
 
+def retained(history: list[Manifest], kept: Kept) -> Iterator[CID]:
+    """The files of `history` that `kept` keeps: everything `prunable` does not list."""
+    for m in history:
+        yield m.config
+        yield from (cid for row in m.contributions for cid in row)
+        if m.step == 0 or m.step in kept.starts:
+            yield from (cid for row in m.replay for cid in row)
+        if m.step == 0 or m.step in kept.shards:
+            yield from m.stages
+
+
 def open_steps(ledger: Any, run_id: int, head: int, cache: dict[int, int] | None = None) -> set[int]:
     """The steps up to `head` whose challenge window is still open on `ledger` (none when
     the run has no arbiters: its steps cannot be challenged). Newest first, stopping at the
@@ -218,16 +229,14 @@ def plan(store: Blockstore, head: CID, hist: list[Manifest], kept: Kept, reach: 
     reaches (content addressing lets two files share a block)."""
     reach = reach or Reach(store)
     pruned = frozenset(store.pruned())
-    doomed_roots = [c for c in dict.fromkeys(prunable(hist, kept)) if store.has(c)]
+    keep = list(dict.fromkeys(retained(hist, kept)))
+    keep_names = {block_name(c)[0] for c in keep}
+    doomed_roots = [c for c in dict.fromkeys(prunable(hist, kept))
+                    if block_name(c)[0] not in keep_names and store.has(c)]
     if not doomed_roots:
         return Plan([], [], 0)
-    doomed = {block_name(c)[0] for c in doomed_roots}
     own = {block_name(c)[0] for c in [*(m.parent for m in hist[1:]), head]}
-    protect: dict[str, CID] = {}
-    for m in hist:
-        files = [m.config, *m.stages, *(c for row in m.contributions for c in row),
-                 *(c for row in m.replay for c in row)]
-        reach.blocks([c for c in files if block_name(c)[0] not in doomed], protect, pruned)
+    protect = reach.blocks(keep, None, pruned)
     for roots in store.pins().values():
         if not {block_name(c)[0] for c in roots} <= own:  # another run's (or a user's) pin set
             reach.blocks(roots, protect, pruned)
