@@ -118,12 +118,23 @@ class TrackingConfig(_Section):
     mlflow: str | None = Field(None, description="MLflow tracking URI (file:/dir, sqlite:///f.db, http://host:port).")
     experiment: str | None = Field(None, min_length=1, description="MLflow experiment name; unset: the job's name.")
 
-    @model_validator(mode="after")
-    def _packages_present(self) -> TrackingConfig:
-        from workers.tracking import check_tracking
+    @field_validator("tensorboard")
+    @classmethod
+    def _tensorboard_installed(cls, on: bool) -> bool:
+        if on:
+            from workers.tracking import check_tensorboard
 
-        check_tracking(self.tensorboard, self.mlflow)
-        return self
+            check_tensorboard()
+        return on
+
+    @field_validator("mlflow")
+    @classmethod
+    def _mlflow_uri(cls, uri: str | None) -> str | None:
+        if uri is not None:
+            from workers.tracking import check_mlflow
+
+            check_mlflow(uri)
+        return uri
 
 
 class JobFile(JobConfig):

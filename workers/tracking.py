@@ -35,20 +35,21 @@ MLFLOW_SCHEMES = ("file", "sqlite", "http", "https")
 _EXTRA = "pip install 'dilocox-ledger[tracking]'"
 
 
-def check_tracking(tensorboard: bool, mlflow: str | None) -> None:
-    """ValueError (the job file's validation turns it into one line) when a tracker the
-    job asks for cannot work here: its package is missing or the URI has no known scheme."""
-    if tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(f"tensorboard = true needs the tensorboard package ({_EXTRA})")
-    if mlflow is None:
-        return
-    scheme = urlparse(mlflow).scheme
+def check_tensorboard() -> None:
+    """ValueError (the job file's validation names the field) if TensorBoard is missing."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ValueError(f"needs the tensorboard package ({_EXTRA})")
+
+
+def check_mlflow(uri: str) -> None:
+    """ValueError if `uri` is no MLflow tracking URI, or its packages are missing here."""
+    scheme = urlparse(uri).scheme
     if scheme not in MLFLOW_SCHEMES:
-        raise ValueError(f"mlflow: expected a tracking URI ({', '.join(s + ':' for s in MLFLOW_SCHEMES)}), got {mlflow!r}")
+        raise ValueError(f"expected a tracking URI ({', '.join(s + ':' for s in MLFLOW_SCHEMES)}), got {uri!r}")
     needs = ["mlflow"] + (["sqlalchemy", "alembic"] if scheme == "sqlite" else [])
     missing = [m for m in needs if importlib.util.find_spec(m) is None]
     if missing:
-        raise ValueError(f"mlflow = {mlflow!r} needs the {', '.join(missing)} package(s) ({_EXTRA})")
+        raise ValueError(f"{uri!r} needs the {', '.join(missing)} package(s) ({_EXTRA})")
 
 
 class Tracker(Protocol):
