@@ -141,7 +141,7 @@ class Blockstore:
             with open(path, "rb") as fh:
                 data = fh.read()
         except FileNotFoundError:
-            raise BlockNotFoundError(parse_cid(cid)) from None
+            raise BlockNotFoundError(parse_cid(cid), f"the blockstore {self.root}") from None
         except OSError as exc:
             raise StorageError(f"cannot read block {parse_cid(cid)}: {exc}") from exc
         if hashlib.sha256(data).digest() != digest:

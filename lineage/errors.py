@@ -14,10 +14,10 @@ class StorageError(DlxError, OSError):
 
 
 class BlockNotFoundError(StorageError, KeyError):
-    """The requested CID is not in the store."""
+    """The requested CID is not in the store; `where` says which store was searched."""
 
-    def __init__(self, cid: object) -> None:
-        super().__init__(f"block not found: {cid}")
+    def __init__(self, cid: object, where: str = "") -> None:
+        super().__init__(f"block not found: {cid}" + (f" (searched {where})" if where else ""))
         self.cid = cid
 
     def __str__(self) -> str:  # KeyError would quote the message

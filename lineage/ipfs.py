@@ -99,7 +99,7 @@ class IpfsStore:
             data = self._call("block/get", self.client.block.get, str(cid), opts=opts)
         except self._errors.ErrorResponse as exc:
             if _is_missing(exc):
-                raise BlockNotFoundError(cid) from None
+                raise BlockNotFoundError(cid, f"the IPFS daemon at {self.api}") from None
             raise StorageError(f"IPFS daemon at {self.api}: cannot read {cid}: {exc}") from None
         if hashlib.sha256(data).digest() != bytes(cid.raw_digest):
             raise CorruptBlockError(cid, "the daemon returned bytes that do not match the CID")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import dag_cbor
+from dag_cbor.encoding.err import CBORError
 from multiformats import CID
 
 from . import cbor
@@ -101,7 +102,15 @@ def put_manifest(store: Blockstore, manifest: Manifest) -> CID:
 
 
 def get_manifest(store: Blockstore, cid: CID | str) -> Manifest:
-    return Manifest.decode(store.get(cid))
+    """The checkpoint manifest `cid`; a block that is not one is an error naming the CID."""
+    block = store.get(cid)
+    try:
+        return Manifest.decode(block)
+    except CBORError as exc:  # the decoder's further lines draw the bytes
+        raise StorageError(f"{cid} is not a checkpoint manifest: not DAG-CBOR "
+                           f"({str(exc).splitlines()[0]})") from None
+    except StorageError as exc:
+        raise StorageError(f"{cid}: {exc}") from None
 
 
 def put_config(store: Blockstore, config: dict[str, Any]) -> CID:

@@ -40,9 +40,9 @@ __all__ = [
 
 TOKENIZER_VOCAB = 256  # the byte tokenizer: token = byte value
 SEED_MAX = 2**63 - 1
-#: The largest model a job may describe: past 2^37 (137 B) parameters one copy of the outer
-#: state (float32 weights and momentum) passes a TiB, beyond any machine a rank runs on.
-MAX_PARAMS = 2**37
+#: The largest model a job may describe: past 2^40 (1.1 T) parameters one copy of the outer
+#: state (float32 weights and momentum) passes 8 TiB, beyond what any job here could hold.
+MAX_PARAMS = 2**40
 
 
 class _Section(BaseModel):
@@ -120,7 +120,7 @@ class ModelConfig(_Section):
             raise ValueError("init (a Hugging Face directory) needs family = 'llama'")
         if self.n_params() > MAX_PARAMS:
             raise ValueError(
-                f"{self.n_params() / 1e9:.0f}B parameters exceed the {MAX_PARAMS / 1e9:.0f}B a job may "
+                f"{self.n_params() / 1e9:,.0f}B parameters exceed the {MAX_PARAMS / 1e9:,.0f}B a job may "
                 f"have (the outer state alone would take {8 * self.n_params() / 2**40:.1f} TiB)"
             )
         if self.family == "llama":

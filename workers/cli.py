@@ -65,10 +65,27 @@ def user_errors(fn: Any) -> Any:
         except Exception as exc:
             if os.environ.get("DLX_DEBUG"):
                 raise
+            known = _library_error(exc)
+            if known:
+                _fail(known)
             _fail(f"internal error: {exc.__class__.__name__}: {_first_line(exc)}"
                   " (set DLX_DEBUG=1 for the traceback)", EXIT_INTERNAL)
 
     return wrapper
+
+
+def _library_error(exc: Exception) -> str | None:
+    """A library's error that reached the top without a project wrapper, in the user's
+    terms: a request to a chain or daemon that failed (naming the endpoint, not urllib3's
+    retry chain) or bytes that are not DAG-CBOR. None: a bug of ours."""
+    url = getattr(getattr(exc, "request", None), "url", None)
+    if isinstance(exc, OSError) and url:
+        from lineage.chain import why_failed
+
+        return f"{url}: {why_failed(exc)}"
+    if type(exc).__module__.startswith("dag_cbor."):
+        return f"not a DAG-CBOR block: {_first_line(exc)}"
+    return None
 
 
 def _first_line(exc: BaseException) -> str:

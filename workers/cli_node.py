@@ -192,6 +192,11 @@ class Endpoint:
             from lineage.query import open_ledger
 
             with open_ledger(self.run_dir, self.record, writable=writable) as ledger:  # type: ignore[arg-type]
+                if self.chain_id is not None and ledger.chain.chain_id != self.chain_id:  # --chain-id wins
+                    from lineage.errors import ChainError
+
+                    raise ChainError(f"wrong chain id: the chain of {self.run_dir} has id {ledger.chain.chain_id}, "
+                                     f"not {self.chain_id}")
                 yield ledger
             return
         chain = Chain(self.rpc, self.chain_id)
