@@ -306,11 +306,11 @@ def register(app: typer.Typer, user_errors: Any) -> None:
 
         if target is None and run_dir is None:
             raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
-        if target is None:
+        if target is None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
             result = query.run_lineage(run_dir, rpc)  # type: ignore[arg-type]
-        else:
+        else:  # flags win over run.json (README): read through the endpoint they name
             cid = None
-            if not target.isdigit():
+            if target is not None and not target.isdigit():
                 from lineage.cid import parse_cid
 
                 try:
@@ -319,6 +319,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                     raise AuditError(f"{target!r} is neither a run id nor a CID") from None
             ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                                   run_dir=run_dir, stack=stack)
+            if target is None:  # the run in --run-dir
+                target = str(ep.record.run_id)  # type: ignore[union-attr]
             blocks = endpoint_blocks(ep, store, ipfs_api)
             with ep.connect() as lg:
                 if cid is None:
