@@ -2,7 +2,9 @@
 
 Written atomically after every committed step, so it always names the last head the
 chain accepted. Readers (`dlx lineage`) trust the chain, not this file, for the history:
-the file only says where to look.
+the file only says where to look. A run of the local job-queue stack (`dlx up`) also
+names the stack's directory: its chain may listen on another port after `dlx down` and
+`dlx up`, and `load` then points `rpc` at wherever the stack's anvil is now.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from trainer.errors import ConfigError
 
 RUN_FILE = "run.json"
+STACK_FILE = "stack.json"  # workers.stack's record of a running stack (its `rpc` is read here)
 
 
 @dataclass
@@ -35,6 +38,7 @@ class RunRecord:
     nodes: list[str] = field(default_factory=list)
     status: str = "created"  # created | running | completed | stopped (SIGINT, SIGTERM) | failed
     ipfs_api: str | None = None  # set: blocks live in this IPFS daemon, not in `blocks`
+    stack: str | None = None  # set: the local stack (`dlx up`) whose chain this run is on
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / f".{RUN_FILE}.tmp"
@@ -52,7 +56,7 @@ class RunRecord:
             data = json.loads(path.read_text())
             if not isinstance(data, dict):
                 raise TypeError("expected a JSON object")
-            return cls(**data)
+            record = cls(**data)
         except FileNotFoundError:
             raise ConfigError(f"not a run directory (no {RUN_FILE}): {run_dir}") from None
         except UnicodeDecodeError:
@@ -61,6 +65,17 @@ class RunRecord:
             raise ConfigError(f"malformed {path}: {str(exc).removeprefix('RunRecord.__init__() ')}") from None
         except OSError as exc:
             raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+        record.rpc = record.stack_rpc() or record.rpc
+        return record
+
+    def stack_rpc(self) -> str | None:
+        """Where the run's stack's chain listens now, if the stack is up."""
+        if not self.stack:
+            return None
+        try:
+            return json.loads((Path(self.stack) / STACK_FILE).read_text())["rpc"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # the stack is down: the recorded URL is all there is
 
     def open_store(self, run_dir: Path) -> Any:
         """The run's block store: the IPFS daemon it used, or its blockstore directory."""

@@ -122,6 +122,7 @@ def _rank_main(
     *,
     netns: str | None = None,
     gpu: int | None = None,
+    log: str | None = None,
 ) -> None:
     # Imported here so the parent does not need torch.distributed initialised.
     from dataclasses import replace
@@ -136,6 +137,8 @@ def _rank_main(
     # ranks stop (at an inner-step boundary), so a rank never dies of one mid-step.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    if log is not None:
+        _output_to(log)
     if netns is not None:  # before any socket: the replica's shaped namespace
         from trainer.netns import enter_netns
 
@@ -171,6 +174,16 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _output_to(path: str) -> None:
+    """Send this rank's stdout and stderr (Python's and native libraries' alike) to `path`,
+    appended: the job queue keeps each rank's output in a file of its own (`dlx logs JOB`)."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 class StopFlag:

@@ -1,11 +1,13 @@
-"""`dlx` commands for the job queue: worker, submit, status, cancel, resume, up, down.
+"""`dlx` commands for the job queue: worker, submit, status, cancel, resume, up, down, runs, logs.
 
     dlx up --workers 2                 # local redis + anvil + 2 staked workers in .dlx/
     dlx submit examples/tiny.toml      # prints a job id at once
     dlx status JOB [--follow|--json]
     dlx cancel JOB                     # ranks stop at the next inner-step boundary
     dlx resume JOB                     # from the last checkpoint committed on chain
-    dlx down
+    dlx logs JOB                       # each rank's output, and the workers' lines on the job
+    dlx runs [--stack DIR | --dir DIR] # id, name, steps, head, state, loss of every run
+    dlx down                           # the chain stays: the next `up` resumes it
 """
 
 from __future__ import annotations
@@ -220,7 +222,50 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         from workers.stack import down as stack_down
 
         pids = stack_down(stack_dir)
-        sys.stdout.write(f"stopped {len(pids)} processes\n")
+        sys.stdout.write(f"stopped {len(pids)} processes (the chain and its ledger stay in {stack_dir / 'chain'} "
+                         "for the next `dlx up`)\n")
+
+    @app.command()
+    @user_errors
+    def runs(
+        stack_dir: Annotated[Path | None, typer.Option("--stack", help="List the runs of this stack (up or down); the default without --dir: .dlx")] = None,
+        directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
+        as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
+    ) -> None:
+        """The runs a stack or a directory holds: id, name, steps, head, state and eval loss.
+        A stack's runs show their job's state when the stack is up."""
+        from trainer.errors import ConfigError
+        from workers.stack import run_summaries
+
+        if stack_dir is not None and directory is not None:
+            raise ConfigError("--stack and --dir: give one")
+        if directory is None:
+            stack_dir = stack_dir or Path(".dlx")
+            if not stack_dir.is_dir():
+                raise ConfigError(f"no local stack in {stack_dir}: run `dlx up` first")
+        rows = run_summaries(directory, stack_dir)
+        if as_json:
+            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+            return
+        for row in [{"id": "id", "name": "name", "steps": "steps", "state": "state", "loss": "loss",
+                     "head": "head", "run_dir": "run dir"}, *rows]:
+            loss = row["loss"] if isinstance(row["loss"], str) else "-" if row["loss"] is None else f"{row['loss']:.4f}"
+            sys.stdout.write(f"{row['id']!s:>4}  {row['name']!s:<16} {row['steps']!s:>5}  {row['state']!s:<10} "
+                             f"{loss:>7}  {row['head'] or '-'}  {row['run_dir']}\n")
+
+    @app.command()
+    @user_errors
+    def logs(
+        job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
+        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    ) -> None:
+        """A job's logs: each rank's training output (every attempt, from the run directory)
+        and what the stack's workers logged about the job's tasks."""
+        from workers.stack import job_logs
+
+        for title, lines in job_logs(stack_dir, job_id):
+            sys.stdout.write(f"== {title}\n")
+            sys.stdout.writelines(lines)
 
 
 def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, collective_timeout_s: float = 60.0) -> str:
@@ -240,6 +285,7 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         # `[model] init` paths are the job file's; the rank tasks resolve them from here.
         "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
         "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
+        "stack": str(Path(stack.dir).resolve()),  # run.json finds the chain through it after down and up
         "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
         "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
         "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,

@@ -6,6 +6,14 @@ each with its own funded, registered and staked node key (anvil's development ke
 local chain only). `stack.json` records every PID it started; `dlx down` stops exactly
 those processes and nothing else.
 
+The chain keeps the stack's history: a keeper process (`python -m lineage.anvil keep`)
+rewrites anvil's state file atomically after every new block, so a killed anvil loses at
+most the transaction in flight, and `<stack>/chain/chain.json` remembers the chain's port
+and contract addresses. `dlx up` after `dlx down` starts anvil on that state file, on the
+same port where it is free, and keeps the ledger it finds there (no redeployment), so runs
+committed before still audit; a run's run.json names its stack, and finds the chain
+wherever the stack's anvil listens now (`lineage.runrecord.RunRecord.load`).
+
 Redis is durable: an append-only file in `<stack>/redis/`, fsynced on every write (the
 job store and broker write little), so a restarted redis-server (`restart_redis`) comes
 back with every job record, lease and queued task. It asks for a password, generated
@@ -25,12 +33,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.errors import ConfigError
 
 from .jobs import JobError, connect
 
+if TYPE_CHECKING:
+    from lineage.chain import Chain, Ledger
+
 STACK_FILE = "stack.json"
+CHAIN_FILE = "chain/chain.json"  # the chain's port and contracts, kept across down and up
+CHAIN_STATE = "chain/state.json"
 ETHER = 10**18
 
 
@@ -46,6 +60,7 @@ class Stack:
     ledger: str
     workers: list[dict] = field(default_factory=list)
     host: str = "127.0.0.1"
+    keeper_pid: int = 0  # saves the chain's state file after every block
 
     @property
     def blocks(self) -> str:
@@ -107,7 +122,7 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
     directory = Path(directory)
     if (directory / STACK_FILE).exists():
         old = Stack.load(directory)
-        if any(alive(p) for p in [old.redis_pid, old.anvil_pid, *[w["pid"] for w in old.workers]]):
+        if any(alive(p) for p in [old.redis_pid, old.anvil_pid, old.keeper_pid, *[w["pid"] for w in old.workers]] if p):
             raise ConfigError(f"a stack is already up in {directory}: `dlx down` first")
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port(host)
@@ -117,14 +132,19 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
     started: list[int] = [redis_pid]
     try:
         _wait_redis(url)
-        anvil_pid, rpc = _start_anvil(directory, host, accounts=max(10, workers + 2))
+        before = _chain_history(directory)
+        anvil_pid, rpc = _start_anvil(directory, host, accounts=max(10, workers + 2), port=before.get("port"))
         started.append(anvil_pid)
+        keeper_pid = _spawn([sys.executable, "-m", "lineage.anvil", "keep", rpc,
+                             str(Path(directory).resolve() / CHAIN_STATE)], Path(directory) / "logs" / "keeper.log")
+        started.append(keeper_pid)
         accounts = dev_accounts(workers + 1)
         chain = Chain(rpc)
-        ledger = Ledger.deploy(chain, accounts[0])
+        ledger = _kept_ledger(chain, before) or Ledger.deploy(chain, accounts[0])
         stack = Stack(dir=str(directory), redis_url=url, redis_pid=redis_pid, rpc=rpc, anvil_pid=anvil_pid,
                       chain_id=chain.chain_id, registry=ledger.addresses["registry"],
-                      ledger=ledger.addresses["ledger"], host=host)
+                      ledger=ledger.addresses["ledger"], host=host, keeper_pid=keeper_pid)
+        _save_chain_history(stack)
         for i, acct in enumerate(accounts[1:], start=1):
             ledger.ensure_staked(acct, stake_wei)
             started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
@@ -133,6 +153,40 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
     except BaseException:
         _stop_pids(list(reversed(started)))
         raise
+
+
+def _chain_history(directory: Path) -> dict:
+    """What an earlier `up` here left of its chain: port and contracts (empty if none, or if
+    the chain's state file is gone with it)."""
+    directory = Path(directory)
+    try:
+        history = json.loads((directory / CHAIN_FILE).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+    return history if (directory / CHAIN_STATE).is_file() else {}
+
+
+def _kept_ledger(chain: Chain, history: dict) -> Ledger | None:
+    """The ledger an earlier `up` deployed, if the chain (restarted on its state file) still
+    holds both contracts at the recorded addresses on the recorded chain."""
+    from lineage.chain import Ledger
+
+    if not history or history.get("chain_id") != chain.chain_id:
+        return None
+    w3 = chain.w3
+    if any(not w3.eth.get_code(w3.to_checksum_address(history[k])) for k in ("registry", "ledger")):
+        return None
+    return Ledger(chain, history["registry"], history["ledger"])
+
+
+def _save_chain_history(stack: Stack) -> None:
+    from urllib.parse import urlparse
+
+    path = Path(stack.dir) / CHAIN_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"port": urlparse(stack.rpc).port, "chain_id": stack.chain_id,
+                               "registry": stack.registry, "ledger": stack.ledger}, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def start_worker(stack: Stack, key_hex: str, slots: int, name: str, address: str | None = None,
@@ -182,14 +236,16 @@ def restart_redis(directory: Path, down_s: float = 0.0) -> int:
     return stack.redis_pid
 
 
-def _start_anvil(directory: Path, host: str, accounts: int, timeout: float = 30.0) -> tuple[int, str]:
-    """anvil on `host` with its state file in `<stack>/chain/state.json`; (PID, RPC URL)."""
+def _start_anvil(directory: Path, host: str, accounts: int, timeout: float = 30.0,
+                 port: int | None = None) -> tuple[int, str]:
+    """anvil on `host` with its state file in `<stack>/chain/state.json` (loaded if there);
+    on `port` if it is free, else on any free port; (PID, RPC URL)."""
     from lineage.anvil import free_port, rpc_call, tool_path
     from lineage.errors import ChainError
 
-    state = Path(directory).resolve() / "chain" / "state.json"
+    state = Path(directory).resolve() / CHAIN_STATE
     state.parent.mkdir(parents=True, exist_ok=True)
-    port = free_port(host)
+    port = port if port and _port_free(host, port) else free_port(host)
     pid = _spawn([str(tool_path("anvil")), "--host", host, "--port", str(port), "--accounts", str(accounts),
                   "--silent", "--state", str(state)], Path(directory) / "logs" / "anvil.log")
     rpc = f"http://{host}:{port}"
@@ -204,6 +260,20 @@ def _start_anvil(directory: Path, host: str, accounts: int, timeout: float = 30.
                 raise ChainError(f"anvil did not answer on {rpc}: see {Path(directory) / 'logs' / 'anvil.log'}") from None
             _reap(pid)
             time.sleep(0.05)
+
+
+def _port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on `port` now (SO_REUSEADDR, as anvil's: a port left in
+    TIME_WAIT by the last `down` counts as free)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _wait_redis(url: str, timeout: float = 10.0) -> None:
@@ -251,7 +321,84 @@ def down(directory: Path) -> list[int]:
     stack = Stack.load(directory)
     workers = [w["pid"] for w in stack.workers]
     _stop_pids(workers)  # first the workers, while Redis and the chain still answer them
+    keeper = [stack.keeper_pid] if stack.keeper_pid else []
+    _stop_pids(keeper)  # its last save, while anvil answers; then anvil saves once more at exit
     _stop_pids([stack.anvil_pid, stack.redis_pid])
-    pids = [*workers, stack.anvil_pid, stack.redis_pid]
-    (Path(directory) / STACK_FILE).unlink()
+    pids = [*workers, *keeper, stack.anvil_pid, stack.redis_pid]
+    (Path(directory) / STACK_FILE).unlink()  # chain/ stays: the next `up` resumes its chain
     return pids
+
+
+def run_summaries(directory: Path | None, stack_dir: Path | None) -> list[dict]:
+    """One row per run in `directory` (or the directory itself, if it is a run), else in the
+    stack's `runs/`: id, name, steps, head, state, eval loss at the head, run directory. A
+    stack's run takes its job's state from Redis while the stack is up (its run.json only
+    says `running`: the rank tasks record steps, the job record the outcome)."""
+    from lineage.runrecord import RUN_FILE
+
+    root = Path(directory) if directory is not None else Path(stack_dir or ".dlx") / "runs"
+    if directory is not None and not root.is_dir():
+        raise ConfigError(f"not a directory: {root}")
+    dirs = [root] if (root / RUN_FILE).is_file() else sorted(
+        (d for d in root.iterdir() if (d / RUN_FILE).is_file()), key=lambda d: d.stat().st_mtime
+    ) if root.is_dir() else []
+    states = _job_states(stack_dir, [d.name for d in dirs]) if directory is None else {}
+    return [_summary(d, states.get(d.name)) for d in dirs]
+
+
+def _summary(run_dir: Path, job_state: str | None) -> dict:
+    from lineage.manifest import get_manifest
+    from lineage.runrecord import RunRecord
+
+    record = RunRecord.load(run_dir)
+    loss = None
+    if record.head and record.steps:
+        try:
+            loss = get_manifest(record.open_store(run_dir), record.head).metrics.get("eval_loss")
+        except Exception:  # a store that is gone or unreachable: the row still lists the run
+            loss = None
+    return {"id": record.run_id, "name": record.name, "steps": record.steps, "head": record.head or None,
+            "state": job_state or record.status, "loss": loss, "run_dir": str(run_dir)}
+
+
+def _job_states(stack_dir: Path | None, job_ids: list[str]) -> dict[str, str]:
+    """The jobs' states from the stack's Redis, if the stack is up; else none."""
+    from .jobs import JobStore
+
+    if stack_dir is None or not (Path(stack_dir) / STACK_FILE).is_file() or not job_ids:
+        return {}
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    states = {}
+    for job in job_ids:
+        try:
+            states[job] = store.state(job)
+        except JobError:
+            continue
+    return states
+
+
+def job_logs(stack_dir: Path, job_id: str) -> list[tuple[str, list[str]]]:
+    """(title, lines) for each of a job's rank logs (`workers.tasks.rank_log`, every attempt)
+    and each worker log that mentions the job (task received, finished, failed)."""
+    from .tasks import rank_log
+
+    stack_dir = Path(stack_dir)
+    run_dir = stack_dir.resolve() / "runs" / job_id
+    if (stack_dir / STACK_FILE).is_file():  # up: the job record says where its run is
+        from .jobs import JobStore
+
+        try:
+            run_dir = Path(JobStore(connect(Stack.load(stack_dir).redis_url)).get(job_id)["run_dir"])
+        except (JobError, KeyError):
+            pass
+    ranks = sorted(rank_log(run_dir, 0, 0).parent.glob("rank-*.log"),
+                   key=lambda p: [int(x) for x in p.stem.split("-")[1::2]])
+    found = [(f"{p.stem.replace('-', ' ', 1).replace('-attempt-', ', attempt ')} ({p})",
+              p.read_text(errors="replace").splitlines(keepends=True)) for p in ranks]
+    for log in sorted((stack_dir / "logs").glob("worker-*.log")):
+        lines = [line for line in log.read_text(errors="replace").splitlines(keepends=True) if job_id in line]
+        if lines:
+            found.append((f"{log.stem} ({log})", lines))
+    if not found:
+        raise ConfigError(f"no logs of job {job_id} in {stack_dir}")
+    return found

@@ -215,7 +215,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                           cancellable=True, start=start, emit_contributions=True,
                           timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu)
     proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", job.training_config(), events, control),
-                       daemon=False)
+                       kwargs={"log": str(rank_log(rec["run_dir"], rank, attempt))}, daemon=False)
     try:
         proc.start()
     except BaseException:
@@ -320,6 +320,12 @@ def gpu_count() -> int:
 _GPUS = GpuPool()
 
 
+def rank_log(run_dir: str | Path, rank: int, attempt: int) -> Path:
+    """Where a rank's training process writes its output, on the worker that ran it
+    (`dlx logs JOB` reads these; on the local stack every worker shares the run directory)."""
+    return Path(run_dir) / "logs" / f"rank-{rank}-attempt-{attempt}.log"
+
+
 def _store_port(host: str) -> int:
     """A free port for rank 0's TCPStore: the first free one of DLX_STORE_PORTS ("29500-29509",
     for firewalls; `dlx worker --store-ports`), else any free port."""
@@ -401,7 +407,8 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         record = RunRecord.load(run_dir)
     except Exception:
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
-                           registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"])
+                           registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
+                           stack=rec.get("stack"))
     training = job.training_config()
     config = {"job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),  # a cheat stays unrecorded
               "corpus": corpus_digest(training.data), "code": code_hash()}
