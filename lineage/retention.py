@@ -262,9 +262,9 @@ class Retention:
     ledger: Any
     record: Any  # RunRecord: its run id is known once the genesis is created
     then: Callable[..., None] | None = None
-    _manifests: dict[str, Manifest] = field(default_factory=dict)
-    _committed_at: dict[int, int] = field(default_factory=dict)
-    _reach: Reach | None = None
+    _manifests: dict[str, Manifest] = field(default_factory=dict, init=False, repr=False)
+    _committed_at: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    _reach: Reach | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def for_job(cls, job: Any, store: Any, ledger: Any, record: Any,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lineage import verify as V
 from lineage.blockstore import Blockstore
 from lineage.cid import parse_cid
 from lineage.retention import KeepPolicy, Reach, history, kept_steps, plan
@@ -68,7 +69,7 @@ def test_bad_keep_is_one_line_exit_2(tmp_path, small_job):
 
 
 @pytest.mark.slow
-def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_job):
+def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_job, monkeypatch):
     job = tmp_path / "job.toml"
     job.write_text(small_job("keep-last", steps=3, inner_steps=2,
                              extra='\n[chain]\nchallenge_window_s = 0\n\n[storage]\nkeep = "last:1"\n'))
@@ -100,6 +101,11 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
     # the table says so too
     res = _dlx("verify", "--run-dir", run_dir)
     assert res.returncode == 0 and "replay: not possible: start state pruned" in " ".join(res.stdout.split())
+    # forked workers, one step each: steps 2 and 3 start from parents whose shards are gone
+    monkeypatch.setattr(V, "MIN_STEPS_PER_WORKER", 1)
+    monkeypatch.setattr(V.os, "cpu_count", lambda: 3)
+    forked = V.verify_run(run_dir).as_json()
+    assert forked["ok"] and [s["passed"] for s in forked["steps"]] == [["chain", "content", "aggregate"]] * 3
 
     # a kept block the policy needs is still a failure when gone
     gone = hist[3].stages[0]
