@@ -9,6 +9,7 @@ Keys (all under `dlx:job:<id>`):
     dlx:job:<id>:a<k>:hb:<rank>   the rank's owner token, kept alive by its heartbeat
     dlx:job:<id>:a<k>:claims:<t>  hash slot -> claim JSON published by rank 0 for step t
     dlx:job:<id>:a<k>:sigs:<t>    hash slot -> signature hex, written by each slot's node
+    dlx:worker:<name>             a live worker's node, rank slots and queues (WorkerBeat)
 
 An attempt is one try at running the job (the first, then one per `dlx resume`); rank
 tasks of an older attempt find the attempt moved on and exit without doing anything.
@@ -22,6 +23,7 @@ appendonly), so a job survives a short outage; a longer one fails it.
 from __future__ import annotations
 
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -250,6 +252,49 @@ class JobStore:
     def signatures(self, job_id: str, attempt: int, step: int) -> dict[int, bytes]:
         raw = self.r.hgetall(self.key(job_id, f"a{attempt}", "sigs", step))
         return {int(k): bytes.fromhex(v.decode()) for k, v in raw.items()}
+
+
+#: A worker renews its record this often; one that stops for WORKER_TTL_S is gone.
+WORKER_BEAT_S, WORKER_TTL_S = 5.0, 15.0
+
+
+def live_workers(r: redis.Redis) -> list[dict[str, Any]]:
+    """The records of the workers whose beat is current (node, slots, queues, pid, host)."""
+    keys = list(r.scan_iter(match="dlx:worker:*", count=1000))
+    return [json.loads(v) for v in r.mget(keys) if v is not None] if keys else []
+
+
+class WorkerBeat:
+    """Announces this worker in Redis (its node, rank slots and queues) from its own thread,
+    so `dlx submit` can refuse a job that needs more rank slots than the live workers offer
+    instead of letting it wait out the rendezvous timeout. The record lapses WORKER_TTL_S
+    after the worker stops beating; a clean stop removes it at once."""
+
+    def __init__(self, r: redis.Redis, info: dict[str, Any]) -> None:
+        self.r, self.info = r, info
+        self.key = f"dlx:worker:{info['node']}:{info['pid']}@{info['host']}"
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        self.r.set(self.key, json.dumps(self.info), px=int(WORKER_TTL_S * 1000))
+
+    def _run(self) -> None:
+        while not self._stop.wait(WORKER_BEAT_S):
+            try:
+                self._beat()
+            except redis.RedisError:  # Redis away for a while: the next beat tries again
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            self.r.delete(self.key)
+        except redis.RedisError:
+            pass  # it lapses by itself
 
 
 def _enc(fields: dict[str, Any]) -> dict[str, str]:
