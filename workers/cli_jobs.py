@@ -76,11 +76,16 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         if slots is None:
             slots = int(os.environ.get("DLX_WORKER_SLOTS", "0")) or max(1, gpu_count())
 
-        celery_app.worker_main([
-            "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,
-            "-n", f"{me.address[:10]}-{os.getpid()}@%h", "--loglevel", "INFO",
-            "--without-gossip", "--without-mingle",
-        ])
+        beat = _announce(me, slots, queues)
+        try:
+            celery_app.worker_main([
+                "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,
+                "-n", f"{me.address[:10]}-{os.getpid()}@%h", "--loglevel", "INFO",
+                "--without-gossip", "--without-mingle",
+            ])
+        finally:
+            if beat is not None:
+                beat.stop()
 
     @app.command()
     @user_errors
@@ -275,12 +280,14 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
 
     job = load_job_file(job_file)  # before anything is written
     from workers.jobs import JobStore, connect
-    from workers.local import refuse_cheat_off_local_chain
     from workers.stack import Stack
 
     stack = Stack.load(stack_dir)
-    refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
+    refuse_what_the_stack_cannot_honour(job, stack, store)
+    from workers.local import refuse_cheat_off_local_chain
+
+    refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     job_id = store.create({
         # `[model] init` paths are the job file's; the rank tasks resolve them from here.
         "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
@@ -293,6 +300,80 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
     store.update(job_id, run_dir=str(stack.runs / job_id))
     _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)
     return job_id
+
+
+def refuse_what_the_stack_cannot_honour(job: Any, stack: Any, store: Any) -> None:
+    """Refuse, before anything is queued, a job the stack would not run as its file says:
+    every queued job is recorded on the stack's chain and stored in the stack's blockstore
+    (so `[chain] rpc`/`chain_id` and `[storage] backend`/`api`/`path` must agree with them,
+    or be left out), its nodes stake for themselves (each must already hold
+    `chain.stake_wei` and `min_stake_wei`), and it needs a rank slot per rank among the live
+    workers (else it would only fail at the rendezvous timeout, with the same numbers)."""
+    from trainer.errors import ConfigError
+
+    chain, storage = job.chain, job.storage
+    if chain.rpc is not None and chain.rpc.rstrip("/") != stack.rpc.rstrip("/"):
+        raise ConfigError(f"chain.rpc: the stack records every job on its own chain ({stack.rpc}), not {chain.rpc}: "
+                          "leave chain.rpc out, or run the job with `dlx train`")
+    if chain.chain_id is not None and chain.chain_id != stack.chain_id:
+        raise ConfigError(f"chain.chain_id is {chain.chain_id}, but the stack's chain at {stack.rpc} has id "
+                          f"{stack.chain_id}")
+    if storage.backend != "local" or storage.path is not None:
+        given = storage.api if storage.backend == "ipfs" else storage.path
+        raise ConfigError(f"storage: the stack stores every job's blocks in its own blockstore ({stack.blocks}), "
+                          f"not {given}: leave [storage] backend, api and path out, or run the job with `dlx train`")
+    workers = _live_slots(stack, store)
+    offered = sum(w["slots"] for w in workers)
+    if offered < job.world_size:
+        raise ConfigError(f"the job needs {job.world_size} rank slots; the stack's live workers offer {offered} "
+                          f"({len(workers)} worker{'s' if len(workers) != 1 else ''}): start more workers "
+                          "(`dlx worker`) or use fewer replicas or stages")
+    _refuse_understaked(job, stack, workers)
+
+
+def _live_slots(stack: Any, store: Any) -> list[dict[str, Any]]:
+    """The workers that take rank tasks now: those announcing themselves in Redis
+    (`WorkerBeat`), and the stack's own workers still starting (alive, not announced yet)."""
+    from workers.jobs import live_workers
+    from workers.stack import alive
+
+    announced = [w for w in live_workers(store.r) if "train" in w["queues"]]
+    seen = {(w["node"], w["pid"]) for w in announced}
+    starting = [{"node": w["node"], "slots": w["slots"], "pid": w["pid"]} for w in stack.workers
+                if (w["node"], w["pid"]) not in seen and alive(w["pid"])]
+    return announced + starting
+
+
+def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> None:
+    """Queued nodes stake for themselves (`dlx node stake`): a job whose stake the live
+    nodes do not hold would have its attestations refused on chain, step after step."""
+    from lineage.chain import Chain, Ledger
+    from trainer.errors import ConfigError
+
+    need = max(job.chain.stake_wei, job.chain.min_stake_wei)
+    ledger = Ledger(Chain(stack.rpc, stack.chain_id), stack.registry, stack.ledger)
+    stakes = {node: ledger.stake_of(node) for node in {w["node"] for w in workers}}
+    offered = sum(w["slots"] for w in workers if stakes[w["node"]] >= need)
+    if offered < job.world_size:
+        node, most = max(stakes.items(), key=lambda kv: kv[1])
+        raise ConfigError(f"chain.stake_wei: the job wants nodes holding {need} wei; the live workers whose nodes "
+                          f"hold that offer {offered} of its {job.world_size} rank slots (the most a node holds: "
+                          f"{most} wei, {node}): nodes stake for themselves (`dlx node stake`)")
+
+
+def _announce(me: Any, slots: int, queues: str) -> Any:
+    """Announce this worker in Redis (`WorkerBeat`); None, with a warning, if Redis does not
+    answer now (the worker itself waits for its broker; `dlx submit` then counts it late)."""
+    from workers.celery_app import redis_url
+    from workers.jobs import JobError, WorkerBeat, connect
+
+    try:
+        r = connect(redis_url())
+    except JobError as exc:
+        sys.stderr.write(f"warning: {exc}: this worker's slots are not announced\n")
+        return None
+    return WorkerBeat(r, {"node": me.address, "slots": slots, "queues": queues.split(","),
+                          "pid": os.getpid(), "host": me.host})
 
 
 def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
