@@ -145,12 +145,15 @@ def retained(history: list[Manifest], kept: Kept) -> Iterator[CID]:
 def open_steps(ledger: Any, run_id: int, head: int, cache: dict[int, int] | None = None) -> set[int]:
     """The steps up to `head` whose challenge window is still open on `ledger` (none when
     the run has no arbiters: its steps cannot be challenged). Newest first, stopping at the
-    first closed one: windows close in step order. `cache` keeps commit times across calls."""
+    first closed one: windows close in step order. `cache` keeps commit times across calls.
+
+    A window is open while the next block's timestamp can still be within it; that block
+    is no earlier than the latest one, nor than now (a chain idle since the run ended mines
+    its next block at the current time)."""
     if ledger.arbiters_of(run_id)[1] == 0:
         return set()
     window = int(ledger.ledger.functions.challengeWindowOf(run_id).call())
-    chain_now = int(ledger.chain.w3.eth.get_block("latest")["timestamp"])
-    now = min(chain_now, int(time.time()))  # the earlier clock: a window is never closed early
+    now = max(int(ledger.chain.w3.eth.get_block("latest")["timestamp"]), int(time.time()))
     cache = {} if cache is None else cache
     out = set()
     for t in range(head, 0, -1):

@@ -4,6 +4,7 @@ and `dlx verify` reports per step which levels the kept blocks still allow."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -13,9 +14,12 @@ from pathlib import Path
 import pytest
 
 from lineage import verify as V
+from lineage.anvil import rpc_call
+from lineage.attest import ContributionClaim, Domain
 from lineage.blockstore import Blockstore
+from lineage.chain import Attestation
 from lineage.cid import parse_cid
-from lineage.retention import KeepPolicy, Reach, history, kept_steps, plan
+from lineage.retention import KeepPolicy, Reach, history, kept_steps, open_steps, plan
 from lineage.runrecord import RunRecord
 from lineage.unixfs import check_file
 
@@ -54,6 +58,45 @@ def test_keep_policies_parse_and_choose_steps():
     # an open challenge window keeps a step's start states and its parent's shards and start states
     kept = kept_steps(KeepPolicy.parse("last:1"), 7, open_steps=[6])
     assert kept.starts == {5, 6, 7} and kept.shards == {0, 5, 6, 7}
+
+
+def test_open_challenge_windows_come_from_the_chain(ledger, accounts):
+    """A step stays open while the chain can still mine a challenge inside its window
+    (chain time, here moved on by anvil); a run without arbiters has no open step."""
+    node, arbiter = accounts[1], accounts[2]
+    ledger.ensure_staked(node, 10**18)
+    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+
+    def h(label: str) -> bytes:
+        return hashlib.sha256(label.encode()).digest()
+
+    def advance(seconds: int) -> None:
+        rpc_call(ledger.chain.rpc_url, "evm_increaseTime", [seconds])
+        rpc_call(ledger.chain.rpc_url, "evm_mine")
+
+    def run(arbiters: list[str]) -> int:
+        run_id = ledger.create_run(accounts[0], config_digest=h("c"), genesis_digest=h("g"), nodes=[node.address],
+                                   replicas=1, stages=1, challenge_window=600, min_stake=10**18,
+                                   arbiters=arbiters, quorum=len(arbiters))
+        parent = h("g")
+        for step in (1, 2, 3):
+            claim = ContributionClaim(run_id, step, 0, 0, parent, h(f"c{step}"), h("d"), h("code"), 0)
+            att = Attestation(0, 0, claim.contribution, claim.data_shard, claim.code_hash, claim.loss_micros,
+                              claim.sign(domain, node.key))
+            ledger.commit_step(accounts[0], run_id=run_id, step=step, parent=parent, checkpoint=h(f"{run_id}/{step}"),
+                               metrics_digest=h("m"), attestations=[att])
+            parent = h(f"{run_id}/{step}")
+            advance(250)
+        return run_id
+
+    assert open_steps(ledger, run([]), 3) == set()
+    run_id, cache = run([arbiter.address]), {}
+    # steps committed 750, 500 and 250 s ago: step 1's 600 s window has closed
+    assert open_steps(ledger, run_id, 3, cache) == {2, 3} and sorted(cache) == [1, 2, 3]
+    advance(200)
+    assert open_steps(ledger, run_id, 3, cache) == {3}
+    advance(200)
+    assert open_steps(ledger, run_id, 3, cache) == set()
 
 
 def test_bad_keep_is_one_line_exit_2(tmp_path, small_job):
