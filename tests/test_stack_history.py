@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import DLX, small_job_toml
 
 pytestmark = pytest.mark.slow

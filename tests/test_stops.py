@@ -6,7 +6,8 @@ process of the run left (checked by PID); the stopped run verifies, and `dlx tra
 completes it. An embedded anvil killed with SIGKILL after step 3 loses no committed step
 (its state file is rewritten after every transaction): the run fails, the restarted chain
 holds steps 1-3, verify passes and resume continues; SIGKILL of the `dlx train` parent
-leaves no rank or anvil behind and the run resumes to completion.
+leaves no rank or anvil behind and the run resumes to completion. `--resume` of what
+cannot resume is one line, exit 2, with nothing changed.
 """
 
 from __future__ import annotations
@@ -19,10 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import DLX, small_job_toml
-
-pytestmark = pytest.mark.slow
 
 STEPS = 6
 
@@ -135,6 +133,7 @@ def stop_with(proc: subprocess.Popen[bytes], run_dir: Path, sig: signal.Signals,
     return rec["steps"]
 
 
+@pytest.mark.slow
 def test_sigterm_and_sigint_stop_at_a_step_boundary_and_resume_completes(job: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = train(str(job), "--run-dir", str(run_dir), log=tmp_path / "train.log")
@@ -153,6 +152,7 @@ def test_sigterm_and_sigint_stop_at_a_step_boundary_and_resume_completes(job: Pa
     assert verified(run_dir)["ok"]
 
 
+@pytest.mark.slow
 def test_a_killed_anvil_keeps_its_steps_and_a_killed_parent_leaves_nothing_behind(job: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = train(str(job), "--run-dir", str(run_dir), log=tmp_path / "train.log")
@@ -180,3 +180,20 @@ def test_a_killed_anvil_keeps_its_steps_and_a_killed_parent_leaves_nothing_behin
     assert record(run_dir)["status"] == "completed"
     assert chain_steps(run_dir) == list(range(1, STEPS + 1))
     assert verified(run_dir)["ok"]
+
+
+def test_resume_refuses_what_cannot_resume_in_one_line(trained_run, tmp_path: Path) -> None:
+    run_dir, _ = trained_run
+    before = (run_dir / "run.json").read_bytes()
+    cases = {
+        (): "give a job file, or --resume RUN_DIR",
+        ("job.toml", "--resume", str(run_dir)): "give a job file, or --resume RUN_DIR",
+        ("--resume", str(run_dir), "--run-dir", str(tmp_path)): "--run-dir: not with --resume",
+        ("--resume", str(tmp_path)): "not a run directory",
+        ("--resume", str(run_dir)): "already completed all 3 steps",
+    }
+    for args, message in cases.items():
+        res = subprocess.run([DLX, "train", *args], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2, (args, res.stderr)
+        assert res.stderr.count("\n") == 1 and message in res.stderr, (args, res.stderr)
+    assert (run_dir / "run.json").read_bytes() == before

@@ -179,8 +179,11 @@ def _die_with_parent() -> None:
 def _output_to(path: str) -> None:
     """Send this rank's stdout and stderr (Python's and native libraries' alike) to `path`,
     appended: the job queue keeps each rank's output in a file of its own (`dlx logs JOB`)."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:  # not writable on this host: the output stays with the launcher's
+        return
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)

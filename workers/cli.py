@@ -104,7 +104,6 @@ def train(
     """Train a job as local processes; every outer step is stored and committed on chain.
     SIGINT or SIGTERM stops every rank at the next inner-step boundary (a second one at once);
     the run then resumes with --resume."""
-    from lineage.runrecord import RunRecord
     from trainer.errors import ConfigError
     from workers.jobfile import load_job_file
 
@@ -113,8 +112,11 @@ def train(
     if resume is not None and run_dir is not None:
         raise ConfigError("--run-dir: not with --resume (a resumed run stays in its directory)")
     if resume is not None:
-        RunRecord.load(resume)  # a run directory, before its job file is looked for
-    job = load_job_file(job_file or resume / "job.toml")  # validated before anything heavy is imported or started
+        from workers.local import resumable
+
+        job = resumable(resume)[1]
+    else:
+        job = load_job_file(job_file)  # validated before anything heavy is imported or started
 
     from trainer.launch import check_local
     from workers.console import Ticker, console, human_seconds, megabytes

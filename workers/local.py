@@ -238,10 +238,7 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
     """Continue the run in `run_dir` (stopped, failed or crashed) from the last step committed
     on its chain, with the job file it was started with; as `dlx resume JOB` does for the
     queue, the ranks restart from that checkpoint's committed state."""
-    record = RunRecord.load(run_dir)
-    job = load_job_file(run_dir / "job.toml")
-    if not record.run_id:
-        raise ConfigError(f"run directory {run_dir} committed nothing on chain: train the job again")
+    record, job = resumable(run_dir)
     check_local(job)
     refuse_cheat_off_local_chain(job, rpc or record.rpc, record.chain_id)
     embedded = not (rpc or record.rpc)
@@ -270,6 +267,18 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
         except BaseException as exc:
             _record_end(record, run_dir, exc)
             raise
+
+
+def resumable(run_dir: Path) -> tuple[RunRecord, JobFile]:
+    """The record and job file of a run that can resume (ConfigError otherwise), checked
+    before anything starts."""
+    record = RunRecord.load(run_dir)
+    job = load_job_file(run_dir / "job.toml")
+    if not record.run_id:
+        raise ConfigError(f"run directory {run_dir} committed nothing on chain: train the job again")
+    if record.status == "completed":
+        raise ConfigError(f"run {record.run_id} in {run_dir} already completed all {record.steps} steps")
+    return record, job
 
 
 def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
