@@ -148,7 +148,7 @@ def train(
 
     def stopping(name: str) -> None:
         signalled.append(getattr(signal, name))
-        bar.console.print(f"{name}: stopping at the next inner step (again: at once)")
+        bar.note(f"{name}: stopping at the next inner step (again: at once)")
 
     cb.stopping = stopping
     with bar:
