@@ -56,8 +56,10 @@ class IpfsStore:
                 warnings.simplefilter("ignore", FutureWarning)
                 self.client = ipfshttpclient.Client(api, timeout=timeout)
                 version = self.client.version()
+        except self._errors.AddressError:
+            raise StorageError(f"not an IPFS API multiaddr: {api!r} (e.g. {DEFAULT_API})") from None
         except self._errors.Error as exc:
-            raise StorageError(f"no IPFS daemon answers at {api}: {exc}") from None
+            raise StorageError(f"no IPFS daemon answers at {api}: {self._why(exc)}") from None
         self.version = version["Version"]
         # block/put names the codec `cid-codec` in Kubo >= 0.13 (which refuses it together
         # with the deprecated `format`); js-ipfs knows only `format` (and `version`).
@@ -74,7 +76,16 @@ class IpfsStore:
             except self._errors.ErrorResponse:
                 raise
             except self._errors.Error as exc:
-                raise StorageError(f"IPFS daemon at {self.api}: {what} failed: {exc}") from None
+                raise StorageError(f"IPFS daemon at {self.api}: {what} failed: {self._why(exc)}") from None
+
+    def _why(self, exc: Exception) -> str:
+        """The client's error in the user's terms, not urllib3's retry chain."""
+        if isinstance(exc, self._errors.TimeoutError):
+            return "no answer in time"
+        if isinstance(exc, self._errors.ConnectionError):
+            return "connection refused" if "refused" in str(exc).lower() else "connection lost"
+        text = str(exc).strip()
+        return text.splitlines()[0] if text else exc.__class__.__name__
 
     def put(self, data: bytes, codec: str = RAW) -> CID:
         cid = cid_for(data, codec)
