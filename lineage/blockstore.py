@@ -158,6 +158,13 @@ class Blockstore:
         except FileNotFoundError:
             return 0
 
+    def mtime(self, cid: CID | str | bytes) -> float:
+        """When the block was last stored (`put` of a block already there refreshes it); 0 if absent."""
+        try:
+            return self._path(cid).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
     def delete(self, cid: CID | str) -> bool:
         """Remove a block; False if it was not there."""
         try:
@@ -268,9 +275,11 @@ class Blockstore:
         except FileNotFoundError:
             return set()
 
-    def prune(self, roots: list[CID], blocks: list[CID]) -> int:
+    def prune(self, roots: list[CID], blocks: list[CID], touched_before: float | None = None) -> int:
         """Record `roots` as removed by retention, then delete `blocks` (lineage.retention
-        lists each root before the blocks under it); returns the bytes freed.
+        lists each root before the blocks under it), except those stored or re-stored after
+        `touched_before` (a run still writing may be re-using them, as for `gc`'s grace);
+        returns the bytes freed.
 
         The records are on disk (fsynced) before the first unlink, and each unlink is atomic:
         a crash leaves whole blocks only, some of them unreferenced (the pin gc's to take)."""
@@ -289,11 +298,13 @@ class Blockstore:
         for cid in blocks:
             path = self._path(cid)
             try:
-                size = path.stat().st_size
+                st = path.stat()
+                if touched_before is not None and st.st_mtime > touched_before:
+                    continue
                 path.unlink()
             except FileNotFoundError:
                 continue
-            freed += size
+            freed += st.st_size
         return freed
 
 

@@ -176,11 +176,13 @@ def test_gc_keep_every_2_removes_exactly_the_pruned_files(trained_run, tmp_path)
     assert expected
     expected_bytes = sum(store.size(c) for c in expected)
 
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--dry-run")
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2")  # all of it younger than the grace period
+    assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0", "--dry-run")
     assert res.returncode == 0, res.stderr
     assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
     assert {str(c) for c in store} == before
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2")
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0")
     assert res.returncode == 0, res.stderr
     assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
     assert f"removed {len(expected)} block(s), {expected_bytes} bytes (" in res.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
@@ -210,7 +211,7 @@ def verify(store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt =
 def gc(
     keep: Annotated[str | None, typer.Option("--keep", metavar="POLICY", help='Retention: "all", "last:N" or "every:K" (default: the run\'s [storage] keep with --run-dir; "all" otherwise).')] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")] = False,
-    grace: Annotated[float, typer.Option("--grace", min=0, help="Keep unpinned blocks younger than this (seconds).")] = 600,
+    grace: Annotated[float, typer.Option("--grace", min=0, help="Keep blocks younger than this (seconds): unpinned ones, and those retention would remove (a run still writing may be re-using them).")] = 600,
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
     """Apply each pinned run's retention policy (round-start states and superseded shards;
@@ -233,7 +234,7 @@ def gc(
     verb = "would remove" if dry_run else "removed"
     pruned = pruned_bytes = 0
     if policy != ALL:
-        for cid, size in _retain(target, policy, run_dir, dry_run):
+        for cid, size in _retain(target, policy, run_dir, dry_run, time.time() - grace):
             sys.stdout.write(f"{verb} {cid}\n")
             pruned, pruned_bytes = pruned + 1, pruned_bytes + size
     sizes: dict[str, int] = {}
@@ -245,9 +246,10 @@ def gc(
                      f"({pruned} by retention keep = {policy}, {len(unpinned)} unpinned)\n")
 
 
-def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool) -> list[tuple[Any, int]]:
+def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool,
+            touched_before: float) -> list[tuple[Any, int]]:
     """Apply `policy` to the run in `run_dir`, or to every run pinned in `store`; returns
-    the removed blocks and their sizes. With --run-dir the run's chain says which steps are
+    the removed blocks and their sizes (blocks touched after `touched_before` stay). With --run-dir the run's chain says which steps are
     still challengeable; without it a challengeable run's commit times are unknown, so all
     its steps count as open."""
     from lineage.manifest import get_manifest
@@ -273,9 +275,10 @@ def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool) -> lis
         else:
             open_ = set(range(1, m.step + 1)) if _challengeable(store, m) else set()
         p = plan(store, head, history(store, head), kept_steps(policy, m.step, open_), reach)
-        out += [(cid, store.size(cid)) for cid in p.blocks]
+        going = [c for c in p.blocks if store.mtime(c) <= touched_before]
+        out += [(cid, store.size(cid)) for cid in going]
         if not dry_run:
-            store.prune(p.roots, p.blocks)
+            store.prune(p.roots, going, touched_before)
     return out
 
 
