@@ -209,7 +209,7 @@ def verify(store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt =
 @app.command()
 @user_errors
 def gc(
-    keep: Annotated[str | None, typer.Option("--keep", metavar="POLICY", help='Retention: "all", "last:N" or "every:K" (default: the run\'s [storage] keep with --run-dir; "all" otherwise).')] = None,
+    keep: Annotated[str | None, typer.Option("--keep", metavar="POLICY", help='Retention: "all", "last:N" or "every:K" (default: the run\'s storage.keep with --run-dir; "all" otherwise).')] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")] = False,
     grace: Annotated[float, typer.Option("--grace", min=0, help="Keep blocks younger than this (seconds): unpinned ones, and those retention would remove (a run still writing may be re-using them).")] = 600,
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
