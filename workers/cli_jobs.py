@@ -122,11 +122,11 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
         out = console()
         if follow and not is_tty():  # a pipe or a log: one line per committed outer step
-            seen = None
+            seen = int(rec.get("step") or 0) - 1 if rec.get("step") else 0  # the latest one, then every new one
             while True:
-                if rec.get("step") != seen and rec.get("step"):
-                    seen = rec["step"]
-                    out.print(step_line(job_id, rec, T), markup=False)
+                for step in range(seen + 1, int(rec.get("step") or 0) + 1):
+                    out.print(step_line(job_id, rec.get(f"step_{step}") or rec, T), markup=False)
+                    seen = step
                 if rec["state"] in TERMINAL:
                     break
                 time.sleep(0.5)
@@ -183,13 +183,14 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             raise ConfigError(f"job {job_id} is {rec['state']}: only a failed or cancelled job can resume")
         if not rec.get("run_id"):
             raise ConfigError(f"job {job_id} committed nothing on chain: submit it again")
-        ledger = Ledger(Chain(rec["rpc"], int(rec["chain_id"])), rec["registry"], rec["ledger"])
+        rpc = stack.rpc if rec.get("stack") else rec["rpc"]  # the stack's chain may listen elsewhere since `dlx up`
+        ledger = Ledger(Chain(rpc, int(rec["chain_id"])), rec["registry"], rec["ledger"])
         head, step = ledger.head(int(rec["run_id"]))
         if step >= int(rec["outer_steps"]):
             raise ConfigError(f"job {job_id} already committed all {step} steps")
         attempt = int(rec["attempt"]) + 1
         store.r.delete(store.key(job_id, "cancel"))
-        store.update(job_id, state="queued", attempt=attempt, error=None,
+        store.update(job_id, state="queued", attempt=attempt, error=None, rpc=rpc,
                      resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
         _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
         sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
@@ -394,7 +395,8 @@ def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
 
 
 def step_line(job_id: str, rec: dict[str, Any], T: int) -> str:
-    """One committed outer step of a job as a plain line (`dlx status --follow` off a terminal)."""
+    """One committed outer step of a job as a plain line (`dlx status --follow` off a
+    terminal), from its `step_N` summary in the job record (or the record itself)."""
     from workers.console import megabytes
 
     loss = rec.get("eval_loss")
