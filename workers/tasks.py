@@ -257,9 +257,10 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 sink.on_genesis(payload)
             elif kind == "step" and sink is not None:
                 sink.on_step(payload)
-                store.update(job_id, step=payload.step, head=sink.record.head, run_id=sink.record.run_id,
-                             eval_loss=payload.metrics.get("eval_loss"),
-                             bytes_sent=payload.metrics.get("bytes_sent", 0))
+                summary = {"step": payload.step, "head": sink.record.head, "eval_loss": payload.metrics.get("eval_loss"),
+                           "bytes_sent": payload.metrics.get("bytes_sent", 0)}
+                # step_N: each step's summary stays, so `dlx status --follow` misses none.
+                store.update(job_id, run_id=sink.record.run_id, **summary, **{f"step_{payload.step}": summary})
             elif kind == "progress" and sink is not None:
                 sink.on_progress(payload)  # metrics.jsonl, trackers, divergence
                 store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
