@@ -4,8 +4,9 @@ brings in).
 
 What a person would see is checked in the rendered page, not in the HTML source: the
 checkpoint graph draws a box for the genesis and for every committed step, the loss
-curve draws a point per step at the recorded value, the page logs no error and
-fetches nothing but itself. The harness is itself tested against a page that does go
+curve draws a point per step at the recorded value, so do the inner-loss (per inner
+step), bytes-sent and compression-error plots and the two-run comparison page, the page
+logs no error and fetches nothing but itself. The harness is itself tested against a page that does go
 wrong, so a silent browser cannot make the report test pass.
 
     .venv/bin/pytest -q tests/test_report_chromium.py
@@ -217,6 +218,72 @@ def test_report_renders_the_checkpoint_graph_and_loss_curve_without_errors(train
     width, height = browser.screenshot(tmp_path / "report.png")
     assert width >= 800 and height >= 1000
     assert browser.errors() == []
+
+
+# Every line chart of a page by its aria-label: its box, polylines and point titles.
+_READ_PLOTS = """(() => Object.fromEntries([...document.querySelectorAll('svg[aria-label]')]
+  .filter(svg => svg.getAttribute('aria-label') !== 'checkpoint chain')
+  .map(svg => { const r = svg.getBoundingClientRect(); return [svg.getAttribute('aria-label'), {
+    box: [r.width, r.height],
+    lines: [...svg.querySelectorAll('polyline')].map(p => { const b = p.getBoundingClientRect();
+      return {points: p.points.length, box: [b.width, b.height]}; }),
+    points: [...svg.querySelectorAll('circle > title')].map(t => t.textContent)}]; })))()"""
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_report_plots_inner_loss_bytes_sent_and_compression_error_per_step(trained_run, browser, tmp_path):
+    """The inner loss at every inner step (the run's metrics.jsonl), and the bytes sent and
+    compression error at every outer step, each drawn as a line through the recorded values."""
+    run_dir, _ = trained_run
+    page = tmp_path / "report.html"
+    res = subprocess.run([DLX, "lineage", "--run-dir", str(run_dir), "--html", str(page)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    browser.open(page.as_uri())
+    assert browser.errors() == []
+    assert set(browser.requests()) == {page.as_uri()}
+    plots = browser.evaluate(_READ_PLOTS)
+    inner = [r for r in _records(run_dir) if r["kind"] == "inner"]
+    outer = [r for r in _records(run_dir) if r["kind"] == "outer"]
+    assert len(inner) == 12 and len(outer) == 3
+    expected = {
+        "inner loss": [f"inner loss (replica 0) {r['loss']:.4f} at step {r['global_step']}" for r in inner],
+        "bytes sent": [f"bytes sent (all ranks) {r['bytes_sent'] / 1e6:.2f} MB at step {r['step']}" for r in outer],
+        "compression error": [f"relative error {r['rel_error']:.4g} at step {r['step']}" for r in outer],
+    }
+    for label, points in expected.items():
+        plot = plots[label]
+        assert plot["box"][0] > 200 and plot["box"][1] > 100, (label, plot)
+        assert [line["points"] for line in plot["lines"]] == [len(points)], (label, plot)
+        assert plot["points"] == points, label
+    assert plots["inner loss"]["lines"][0]["box"][0] > 300  # spread over the inner steps, not a dot
+    assert plots["bytes sent"]["lines"][0]["box"][1] > 50  # cumulative: it climbs
+    assert browser.errors() == []
+
+
+@pytest.mark.slow
+def test_compare_page_draws_both_runs_on_shared_axes(trained_run, browser, tmp_path):
+    run_dir, _ = trained_run
+    other = tmp_path / "copy"
+    shutil.copytree(run_dir, other)
+    page = tmp_path / "compare.html"
+    res = subprocess.run([DLX, "lineage", "compare", str(run_dir), str(other), "--html", str(page), "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    doc = json.loads(res.stdout)
+    assert doc["config"] == [] and [r["step"] for r in doc["steps"]] == [1, 2, 3]
+    assert all(r["eval_loss_a"] == r["eval_loss_b"] is not None for r in doc["steps"])
+    browser.open(page.as_uri())
+    assert browser.errors() == []
+    plots = browser.evaluate(_READ_PLOTS)
+    assert set(plots) == {"eval loss", "inner loss", "bytes sent", "compression error"}
+    assert [line["points"] for line in plots["eval loss"]["lines"]] == [3, 3]
+    assert [line["points"] for line in plots["inner loss"]["lines"]] == [12, 12]
+    assert browser.evaluate("document.body.innerText").count("the two configurations are identical") == 1
 
 
 def test_the_harness_sees_script_errors_console_errors_and_outside_fetches(browser, tmp_path):
