@@ -175,10 +175,16 @@ def verify(
     """Audit every committed step: chain (links, signatures, stakes), content (every block
     present and matching its CID), aggregate (outer step recomputed bit for bit), and with
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
+    from contextlib import nullcontext
+
     from lineage.verify import LEVELS, REPLAY, verify_run
+    from workers.console import Ticker
 
     replayer = _queue_replayer(run_dir, stack_dir) if queue and replay > 0 else None
-    report = verify_run(run_dir, rpc, replay=replay, tolerance=tolerance, replayer=replayer)
+    ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
+    with ticker or nullcontext():
+        report = verify_run(run_dir, rpc, replay=replay, tolerance=tolerance,
+                            replayer=_ticking(ticker, replayer) if ticker else None)
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:
@@ -207,6 +213,20 @@ def verify(
         console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
     if not report.ok:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _ticking(ticker: Any, replayer: Any) -> Any:
+    """A replayer (default: here, `lineage.replay.replay_many`) that tells `ticker` how many
+    rounds it replays and when they are done."""
+    from lineage.replay import replay_many
+
+    def replay(store: Any, items: list[Any], tolerance: float) -> list[Any]:
+        ticker.update(0, f"replaying {len(items)} (step, replica) rounds", total=len(items))
+        results = (replayer or replay_many)(store, items, tolerance)
+        ticker.update(len(items), f"replayed {len(items)} (step, replica) rounds")
+        return results
+
+    return replay
 
 
 def _queue_replayer(run_dir: Path, stack_dir: Path):

@@ -10,6 +10,7 @@ plain line now and then, so a long command in CI shows it is alive.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from types import TracebackType
 from typing import Any
@@ -48,15 +49,17 @@ def cid_column(table: Any, header: str) -> None:
 
 class Ticker:
     """Progress of a long command towards `total` units, on stderr: a live bar on a
-    terminal; otherwise the line ``<label> <done>/<total> <text>`` at most every
-    `every_s` seconds, and once at the end. `note()` prints a permanent line either way."""
+    terminal; otherwise the line ``<label> <done>/<total> <text> (<elapsed>)`` every
+    `every_s` seconds (from a background thread, so a long call that reports nothing still
+    shows it is alive) and once at the end. `note()` prints a permanent line either way."""
 
-    def __init__(self, label: str, total: float, *, every_s: float = PLAIN_EVERY_S, unit: str = "") -> None:
-        self.label, self.total, self.every_s, self.unit = label, total, every_s, unit
+    def __init__(self, label: str, total: float, *, every_s: float = PLAIN_EVERY_S) -> None:
+        self.label, self.total, self.every_s = label, total, every_s
         self.console = console(stderr=True)
         self.done, self.text = 0.0, ""
-        self._last = 0.0
-        self._printed: tuple[float, str] | None = None
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
         self._bar: Any = None
         self._task: Any = None
         if is_tty(stderr=True):
@@ -64,39 +67,47 @@ class Ticker:
 
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                  TextColumn("{task.fields[text]}"), TimeElapsedColumn(), console=self.console)
-            self._task = self._bar.add_task(label, total=total, text="")
+            self._task = self._bar.add_task(label, total=total or None, text="")
 
     def __enter__(self) -> Ticker:
+        self._started = time.monotonic()
         if self._bar is not None:
             self._bar.start()
-        self._last = time.monotonic()
+        else:
+            self._beat = threading.Thread(target=self._heartbeat, name=f"ticker-{self.label}", daemon=True)
+            self._beat.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
         if self._bar is not None:
             self._bar.stop()
         elif kind is None:
             self._plain()
 
-    def update(self, done: float, text: str = "") -> None:
+    def update(self, done: float, text: str = "", total: float | None = None) -> None:
         """Progress is now `done` of `total`; `text` says the rest (loss, rate, time left)."""
         self.done, self.text = done, text
+        if total is not None:
+            self.total = total
         if self._bar is not None:
-            self._bar.update(self._task, completed=done, text=text)
-        elif time.monotonic() - self._last >= self.every_s:
-            self._plain()
+            self._bar.update(self._task, completed=done, text=text, total=self.total or None)
 
     def note(self, line: str) -> None:
         """A line that stays (above the bar on a terminal)."""
         self.console.print(line, markup=False, highlight=False)
 
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self._plain()
+
     def _plain(self) -> None:
-        self._last = time.monotonic()
-        if self._printed == (self.done, self.text):
-            return
-        self._printed = (self.done, self.text)
-        done = f"{self.done:g}/{self.total:g}{self.unit}"
-        self.console.print(f"{self.label} {done} {self.text}".rstrip(), markup=False, highlight=False)
+        done = f"{self.done:g}/{self.total:g}" if self.total else ""
+        elapsed = human_seconds(time.monotonic() - self._started)
+        line = " ".join(part for part in (self.label, done, self.text, f"({elapsed})") if part)
+        self.console.print(line, markup=False, highlight=False)
 
 
 def megabytes(n: float) -> str:
