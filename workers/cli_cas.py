@@ -156,6 +156,7 @@ def export_(
     """Write a CAR v1 of everything reachable from the run's head (manifests, shards, contributions)."""
     from lineage.car import export_car
     from lineage.runrecord import RunRecord
+    from workers.console import Ticker
 
     record = RunRecord.load(run_dir)
     head = record.head or record.genesis
@@ -164,7 +165,7 @@ def export_(
     target = _open(None, run_dir, None)
     tmp = output.with_name(f".{output.name}.dlx-tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with open(tmp, "wb") as fh, Ticker(f"export {output}", 0):
             count = export_car(target, [_cid(head)], fh)
         os.replace(tmp, output)
     finally:
@@ -182,10 +183,12 @@ def import_(
 ) -> None:
     """Import every block of a CAR (all or nothing, each re-hashed); prints its roots."""
     from lineage.car import import_car
+    from workers.console import Ticker
 
     with _input(car) as fh:
         target = _open(store, run_dir, ipfs_api)
-        roots = import_car(target, fh)
+        with Ticker(f"import {car}", 0):
+            roots = import_car(target, fh)
     if pin:
         target.pin(pin, roots)
     for root in roots:

@@ -181,10 +181,13 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             raise _error("give the output directory: -o OUT")
         if output.exists() and (not output.is_dir() or any(output.iterdir())):
             raise _error(f"{output} exists and is not empty")  # before any loading
-        cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
-        from trainer.hf import write_hf_dir
+        from workers.console import Ticker
 
-        write_hf_dir(output, cp.job.model, cp.params, cp.lineage())
+        with Ticker(f"export {output}", 0):
+            cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+            from trainer.hf import write_hf_dir
+
+            write_hf_dir(output, cp.job.model, cp.params, cp.lineage())
         sys.stderr.write(f"exported step {cp.manifest.step} ({cp.cid}) of run {cp.lineage()['run']}\n")
         sys.stdout.write(f"{output}\n")
 
