@@ -284,11 +284,13 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
     from workers.stack import Stack
 
     stack = Stack.load(stack_dir)
-    store = JobStore(connect(stack.redis_url))
-    refuse_what_the_stack_cannot_honour(job, stack, store)
-    from workers.local import refuse_cheat_off_local_chain
+    refuse_what_the_stack_cannot_honour(job, stack)
+    if job.cheat:  # test-only; the rule's module loads the trainer, which other jobs need not wait for
+        from workers.local import refuse_cheat_off_local_chain
 
-    refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
+        refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
+    store = JobStore(connect(stack.redis_url))
+    refuse_what_the_workers_cannot_serve(job, stack, store)
     job_id = store.create({
         # `[model] init` paths are the job file's; the rank tasks resolve them from here.
         "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
@@ -303,13 +305,11 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
     return job_id
 
 
-def refuse_what_the_stack_cannot_honour(job: Any, stack: Any, store: Any) -> None:
+def refuse_what_the_stack_cannot_honour(job: Any, stack: Any) -> None:
     """Refuse, before anything is queued, a job the stack would not run as its file says:
-    every queued job is recorded on the stack's chain and stored in the stack's blockstore
-    (so `[chain] rpc`/`chain_id` and `[storage] backend`/`api`/`path` must agree with them,
-    or be left out), its nodes stake for themselves (each must already hold
-    `chain.stake_wei` and `min_stake_wei`), and it needs a rank slot per rank among the live
-    workers (else it would only fail at the rendezvous timeout, with the same numbers)."""
+    every queued job is recorded on the stack's chain and stored in the stack's blockstore,
+    so `[chain] rpc`/`chain_id` and `[storage] backend`/`api`/`path` must agree with them,
+    or be left out."""
     from trainer.errors import ConfigError
 
     chain, storage = job.chain, job.storage
@@ -323,6 +323,15 @@ def refuse_what_the_stack_cannot_honour(job: Any, stack: Any, store: Any) -> Non
         given = storage.api if storage.backend == "ipfs" else storage.path
         raise ConfigError(f"storage: the stack stores every job's blocks in its own blockstore ({stack.blocks}), "
                           f"not {given}: leave [storage] backend, api and path out, or run the job with `dlx train`")
+
+
+def refuse_what_the_workers_cannot_serve(job: Any, stack: Any, store: Any) -> None:
+    """Refuse, before anything is queued, a job the live workers cannot serve: it needs a
+    rank slot per rank (else it would only fail at the rendezvous timeout, with the same
+    numbers), and its nodes stake for themselves (each must already hold `chain.stake_wei`
+    and `min_stake_wei`)."""
+    from trainer.errors import ConfigError
+
     workers = _live_slots(stack, store)
     offered = sum(w["slots"] for w in workers)
     if offered < job.world_size:
