@@ -63,10 +63,11 @@ class Ticker:
         self._bar: Any = None
         self._task: Any = None
         if is_tty(stderr=True):
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import BarColumn, Progress, TextColumn
 
-            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                                 TextColumn("{task.fields[text]}"), TimeElapsedColumn(), console=self.console)
+            # A short bar leaves the width to the text (which says the time left, or elapsed).
+            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10),
+                                 TextColumn("{task.fields[text]}"), console=self.console)
             self._task = self._bar.add_task(label, total=total or None, text="")
 
     def __enter__(self) -> Ticker:
