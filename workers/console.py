@@ -65,7 +65,7 @@ class Ticker:
         if is_tty(stderr=True):
             from rich.progress import BarColumn, Progress, TextColumn
 
-            # A short bar leaves the width to the text (which says the time left, or elapsed).
+            # A short bar and no clock leave the terminal's width to the text (train's says the time left).
             self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10),
                                  TextColumn("{task.fields[text]}"), console=self.console)
             self._task = self._bar.add_task(label, total=total or None, text="")
