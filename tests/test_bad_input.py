@@ -11,6 +11,7 @@ The submit cases share one real stack (redis-server, anvil, one worker).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tomllib
@@ -176,3 +177,34 @@ def test_verify_of_what_is_not_a_run_is_a_user_error_naming_the_path(tmp_path):
                          (tmp_path, f"not a run directory (no run.json): {tmp_path}"),
                          (garbage, f"malformed {garbage / 'run.json'}: not UTF-8 text")):
         assert_one_line_error(dlx("verify", "--run-dir", str(path), cwd=tmp_path), needle)
+
+
+def test_a_stake_above_the_payers_balance_is_refused_before_anything_is_sent(tmp_path, anvil, accounts, ledger):
+    """`dlx node register --stake` and `dlx node stake`: the operator key holds 10,000 ETH;
+    20,000 is refused in one line naming the account and its balance, and the node stays
+    unregistered (the refusal comes before the registration, not between it and the stake)."""
+    node, operator = accounts[7], accounts[8]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DLX_")}, "DLX_RPC": anvil.url,
+           "DLX_LEDGER": ledger.ledger.address, "DLX_NODE_KEY": node.key.hex(), "DLX_OPERATOR_KEY": operator.key.hex()}
+    needle = f"is more than {operator.address} holds on {anvil.url}: 10000000000000000000000 wei (10000 ETH)"
+    for args in (["node", "register", "--stake", "20000eth"], ["node", "stake", "--amount", "20000eth"]):
+        res = subprocess.run([DLX, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+        assert_one_line_error(res, needle)
+    assert not ledger.is_registered(node.address)
+
+
+@pytest.mark.slow
+def test_a_failed_run_with_no_committed_steps_does_not_verify(tmp_path):
+    """A run that diverges in its first round is created on chain but commits nothing: the
+    training is a job failure (1), and so is its verification ("no committed steps"), never 0."""
+    job = job_file(tmp_path, {"inner": {"lr": 1e6}, "parallel": {"replicas": 1, "stages": 1, "microbatches": 1},
+                              "outer": {"steps": 1, "inner_steps": 2}})
+    run_dir = tmp_path / "run"
+    res = dlx("train", str(job), "--run-dir", str(run_dir), cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("dlx: error: training diverged at step 1"), res.stderr
+    res = dlx("verify", "--run-dir", str(run_dir), "--json", cwd=tmp_path)
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["ok"] is False and doc["steps"] == []
+    assert doc["run_failures"] == ["no committed steps (run.json status: failed)"]
