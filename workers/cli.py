@@ -77,7 +77,8 @@ def user_errors(fn: Any) -> Any:
 def _library_error(exc: Exception) -> str | None:
     """A library's error that reached the top without a project wrapper, in the user's
     terms: a request to a chain or daemon that failed (naming the endpoint, not urllib3's
-    retry chain) or bytes that are not DAG-CBOR. None: a bug of ours."""
+    retry chain), bytes that are not DAG-CBOR, a file operation refused (naming the path).
+    None: a bug of ours."""
     url = getattr(getattr(exc, "request", None), "url", None)
     if isinstance(exc, OSError) and url:
         from lineage.chain import why_failed
@@ -85,6 +86,8 @@ def _library_error(exc: Exception) -> str | None:
         return f"{url}: {why_failed(exc)}"
     if type(exc).__module__.startswith("dag_cbor."):
         return f"not a DAG-CBOR block: {_first_line(exc)}"
+    if isinstance(exc, OSError) and exc.filename and exc.strerror:  # a path that is not what it should be
+        return f"{exc.filename}: {exc.strerror}"
     return None
 
 

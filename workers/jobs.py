@@ -87,7 +87,8 @@ def connect(url: str, patience_s: float = 2.0) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as exc:
-        raise JobError(f"cannot reach Redis at {redact(url)}: {exc.__class__.__name__}") from None
+        why = "connection refused" if "refused" in str(exc).lower() else exc.__class__.__name__
+        raise JobError(f"cannot reach Redis at {redact(url)}: {why}") from None
     return client
 
 
