@@ -108,8 +108,15 @@ def default_run_dir(job: JobFile) -> Path:
 
 
 def check_run_dir(run_dir: Path) -> None:
-    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+    """A run directory must be new or empty, and creatable: its nearest existing ancestor
+    a directory this process may write in (checked before anything is started)."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"run directory is a file: {run_dir}")
+    if run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(f"run directory already exists and is not empty: {run_dir}")
+    ancestor = next(p for p in run_dir.absolute().parents if p.exists())
+    if not run_dir.exists() and not (ancestor.is_dir() and os.access(ancestor, os.W_OK | os.X_OK)):
+        raise ConfigError(f"cannot create run directory {run_dir}: {ancestor} is not a writable directory")
 
 
 def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str], None]) -> tuple[LocalAccount, list[LocalAccount]]:
