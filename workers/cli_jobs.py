@@ -60,13 +60,20 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                 sys.stderr.write(f"warning: no interface here holds {me.host}; set GLOO_SOCKET_IFNAME\n")
         rpc, registry = os.environ.get("DLX_RPC"), os.environ.get("DLX_REGISTRY")
         if rpc and registry:
-            from lineage.chain import Chain
+            from web3.exceptions import Web3Exception
 
-            chain = Chain(rpc, int(os.environ["DLX_CHAIN_ID"]) if os.environ.get("DLX_CHAIN_ID") else None)
-            stake = chain.contract("NodeRegistry", registry).functions.stakeOf(me.address).call()
+            from lineage.chain import Chain, chain_failure
+            from trainer.errors import ConfigError
+
+            chain_id = os.environ.get("DLX_CHAIN_ID") or None
+            if chain_id is not None and not chain_id.isdigit():
+                raise ConfigError(f"DLX_CHAIN_ID is not a chain id: {chain_id!r}")
+            chain = Chain(rpc, int(chain_id) if chain_id else None)
+            try:
+                stake = chain.contract("NodeRegistry", registry).functions.stakeOf(me.address).call()
+            except (OSError, Web3Exception) as exc:
+                raise chain_failure(f"stake of {me.address} on registry {registry}", exc, rpc) from None
             if stake == 0:
-                from trainer.errors import ConfigError
-
                 raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
             sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
         import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
