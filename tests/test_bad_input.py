@@ -208,3 +208,14 @@ def test_a_failed_run_with_no_committed_steps_does_not_verify(tmp_path):
     doc = json.loads(res.stdout)
     assert doc["ok"] is False and doc["steps"] == []
     assert doc["run_failures"] == ["no committed steps (run.json status: failed)"]
+
+
+def test_a_run_directory_that_cannot_be_one_is_refused_naming_the_path(tmp_path):
+    job = job_file(tmp_path, {})
+    a_file = tmp_path / "taken"
+    a_file.write_text("")
+    for run_dir, needle in ((a_file, f"run directory is a file: {a_file}"),
+                            (a_file / "run", f"cannot create run directory {a_file / 'run'}: {a_file} is not a "
+                                             "writable directory")):
+        assert_one_line_error(dlx("train", str(job), "--run-dir", str(run_dir), cwd=tmp_path), needle)
+    assert a_file.read_text() == ""
