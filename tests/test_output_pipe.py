@@ -145,3 +145,7 @@ def test_status_follow_through_a_pipe_prints_one_line_per_outer_step(stack, tmp_
     assert heads[-1] == status["head"] and len(set(heads)) == 3
     assert assert_unbroken("\n".join(lines), known) == 4
     assert all(key in status for key in ("lr", "tokens_per_s", "eta_s")) and status["tokens_per_s"] > 0
+    # The coordinator keeps the queue run's metrics.jsonl in its run directory, as dlx train does.
+    records = [json.loads(line) for line in (Path(status["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in records if r["kind"] == "inner"] == list(range(1, 3 * 40 + 1))
+    assert [r["checkpoint"] for r in records if r["kind"] == "outer"] == heads
