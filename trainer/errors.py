@@ -2,7 +2,9 @@
 
 `DlxError` is the root of every error the project raises on purpose; each subclass also
 inherits the matching built-in, so callers that catch `ValueError` or `RuntimeError` keep
-working. The `dlx` CLI turns any `DlxError` into one line and exit code 2.
+working. The `dlx` CLI turns any `DlxError` into one line and exit code 2 (a user error),
+a `TrainingError` into exit code 1 (a run that started and failed), and anything else into
+exit code 3 (a bug); README, "Exit codes".
 """
 
 from __future__ import annotations
