@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from eth_account import Account
@@ -102,13 +103,17 @@ def dump_state(url: str, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _die_with_parent() -> None:
-    """Linux, in the child before exec: SIGTERM this process when its parent dies, so a
-    killed `dlx train` never leaves its anvil running (SIGTERM: anvil writes its state)."""
+def _die_with_parent() -> Callable[[], None] | None:
+    """Linux: a `preexec_fn` that has the child receive SIGTERM when its parent dies, so a
+    killed `dlx train` never leaves its anvil running (SIGTERM: anvil writes its state).
+    libc is loaded here, in the parent: the forked child only makes the call."""
+    if sys.platform != "linux":
+        return None
     import ctypes
 
     PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
 
 class Anvil:
@@ -165,11 +170,10 @@ class Anvil:
                     start_new_session=True,
                 )
         else:
-            linux = sys.platform == "linux"
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 process_group=0 if self.own_group else None,
-                preexec_fn=_die_with_parent if self.own_group and linux else None,
+                preexec_fn=_die_with_parent() if self.own_group else None,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
