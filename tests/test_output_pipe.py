@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,6 @@ DLX = str(Path(sys.executable).parent / "dlx")
 CID = re.compile(r"baf[a-z2-7]+")
 HEX = re.compile(r"0x[0-9a-fA-F]+")
 LONG = "a-run-directory-with-a-name-long-enough-to-push-every-line-past-any-terminal-width"
-
-pytestmark = pytest.mark.slow
 
 
 def dlx(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -63,6 +62,17 @@ def long_run(trained_run, tmp_path_factory):
     return run_dir, known_ids(run_dir)
 
 
+def test_ticker_off_a_terminal_prints_a_plain_line_now_and_then_while_a_call_blocks(capsys):
+    from workers.console import Ticker
+
+    with Ticker("work", 4, every_s=0.05) as ticker:
+        ticker.update(1, "one done")
+        time.sleep(0.4)  # a long call that reports nothing
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 3 and all(line.startswith("work 1/4 one done (0:0") for line in lines), lines
+
+
+@pytest.mark.slow
 def test_train_prints_whole_cids_and_plain_progress_lines(trained_run):
     run_dir, res = trained_run
     text = res.stdout + res.stderr
@@ -78,6 +88,7 @@ def test_train_prints_whole_cids_and_plain_progress_lines(trained_run):
     assert assert_unbroken(text, known) >= 4
 
 
+@pytest.mark.slow
 def test_lineage_verify_and_compare_through_a_pipe_keep_every_id_whole(long_run):
     run_dir, known = long_run
     table = dlx("lineage", "--run-dir", str(run_dir))
@@ -114,6 +125,7 @@ def stack(tmp_path_factory):
     assert res.returncode == 0, res.stderr
 
 
+@pytest.mark.slow
 def test_status_follow_through_a_pipe_prints_one_line_per_outer_step(stack, tmp_path, small_job):
     from workers.jobs import JobStore, connect
     from workers.stack import Stack

@@ -193,6 +193,7 @@ def verify(
     else:
         from rich.table import Table
 
+        from workers.console import cid_column
         from workers.console import console as make_console
 
         levels = (*LEVELS, REPLAY) if replay > 0 else LEVELS
@@ -200,7 +201,7 @@ def verify(
         table.add_column("step")
         for level in levels:
             table.add_column(level)
-        table.add_column("reason", overflow="fold")
+        cid_column(table, "reason")  # it names blocks by CID: never folded inside one
         for s in report.steps:
             marks = ["[green]ok[/]" if lv in s.passed else "[red]FAIL[/]" if lv in s.failures
                      else "n/a" if lv in s.unavailable else "-" for lv in levels]
