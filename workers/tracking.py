@@ -164,6 +164,7 @@ class MLflow:
         if self._done:
             return
         self._done = True
+        atexit.unregister(self.finish)  # a worker runs many jobs: hold on to none of them
         self._flush()
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
 
