@@ -113,7 +113,7 @@ class Progress:
     inner_steps: int  # H
     lr: float = 0.0  # the inner learning rate of that step (after warmup)
     tokens_per_s: float = 0.0  # tokens all replicas trained per second over the last report's steps
-    bytes_sent: float = 0.0  # cumulative bytes rank 0 sent to other replicas (step records sum every rank)
+    rank0_bytes_sent: float = 0.0  # cumulative bytes rank 0 sent to other replicas (step records sum every rank)
     eta_s: float = 0.0  # seconds left at the run's average pace so far
 
     @property
@@ -125,7 +125,7 @@ class Progress:
         """The line `metrics.jsonl` holds for this inner step (the keys `workers.sink` documents)."""
         return {"kind": "inner", "step": self.outer_step, "inner_step": self.inner_step,
                 "global_step": self.global_step, "loss": self.loss, "lr": self.lr,
-                "tokens_per_s": self.tokens_per_s, "rank0_bytes_sent": self.bytes_sent, "eta_s": self.eta_s}
+                "tokens_per_s": self.tokens_per_s, "rank0_bytes_sent": self.rank0_bytes_sent, "eta_s": self.eta_s}
 
 
 class StepSink(Protocol):

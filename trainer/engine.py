@@ -731,7 +731,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
             for k, value in enumerate(values.tolist()):
                 emit("progress", Progress(
                     t, first + k + 1, value, T, H, lr=warmup_lr(job.inner.lr, job.inner.warmup, (t - 1) * H + first + k),
-                    tokens_per_s=rate, bytes_sent=float(transport.bytes_sent), eta_s=eta))
+                    tokens_per_s=rate, rank0_bytes_sent=float(transport.bytes_sent), eta_s=eta))
 
     def sync_grads(grads: list[torch.Tensor]) -> None:
         transport.all_reduce_mean_(grads)
