@@ -3,15 +3,19 @@ state keeper and Celery workers).
 
 Covers: a job submitted to the stack completes; `dlx runs --stack` lists it (id, steps, head,
 state, loss) and `dlx logs JOB` shows each rank's output and the workers' lines on the job;
-`dlx down` stops every process `up` started; `up` again restarts the same chain on the same
-port with the same ledger (not redeployed), and the README's `dlx lineage --run-dir` and
-`dlx verify --run-dir` audit the first run; with its old port taken, `up` moves the chain to
-another port and the run's run.json still finds it (it names its stack).
+the stack's anvil killed with SIGKILL (no exit dump) loses nothing: after `dlx down` (every
+process `up` started is stopped) `up` restarts the same chain from the keeper's state file,
+on the same port, with the same ledger (not redeployed), and the README's
+`dlx lineage --run-dir` and `dlx verify --run-dir` audit the first run; after a clean `down`
+with the old port taken, `up` moves the chain to another port and the run's run.json still
+finds it (it names its stack).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -68,6 +72,7 @@ def test_a_stack_keeps_its_chain_and_ledger_across_down_and_up(tmp_path: Path) -
     assert "== rank 0, attempt 1" in logs and "== rank 1, attempt 1" in logs
     assert f"run_rank[{job}-a1-r0]" in logs  # the workers' own lines on the job's tasks
 
+    os.kill(first["anvil_pid"], signal.SIGKILL)  # no exit dump: only the keeper's saves remain
     down(stack)
     second = up(stack)
     assert (second["rpc"], second["ledger"], second["registry"]) == (first["rpc"], first["ledger"], first["registry"])
