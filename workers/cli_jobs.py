@@ -241,7 +241,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     @app.command()
     @user_errors
     def runs(
-        stack_dir: Annotated[Path | None, typer.Option("--stack", help="List the runs of this stack (up or down); the default without --dir: .dlx")] = None,
+        stack_dir: Annotated[Path | None, typer.Option("--stack", help="List the runs of this stack (up or down). Default: .dlx if there is one, else --dir runs.")] = None,
         directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
     ) -> None:
@@ -252,10 +252,12 @@ def register(app: typer.Typer, user_errors: Any) -> None:
 
         if stack_dir is not None and directory is not None:
             raise ConfigError("--stack and --dir: give one")
-        if directory is None:
-            stack_dir = stack_dir or Path(".dlx")
-            if not stack_dir.is_dir():
-                raise ConfigError(f"no local stack in {stack_dir}: run `dlx up` first")
+        if stack_dir is None and directory is None:  # the stack here, else `dlx train`'s runs/
+            stack_dir, directory = (Path(".dlx"), None) if Path(".dlx").is_dir() else (None, Path("runs"))
+            if directory is not None and not directory.is_dir():
+                raise ConfigError("no runs here (no stack in .dlx, no runs/ directory): pass --stack DIR or --dir DIR")
+        if stack_dir is not None and not stack_dir.is_dir():
+            raise ConfigError(f"no local stack in {stack_dir}: run `dlx up` first")
         rows = run_summaries(directory, stack_dir)
         if as_json:
             sys.stdout.write(json.dumps(rows, indent=2) + "\n")
