@@ -12,6 +12,7 @@ the configuration keys that differ and their curves on shared axes.
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from typing import Any
 
 ETHER = 10**18
@@ -112,7 +113,7 @@ def _bytes(v: float) -> str:
 
 
 def _plot_svg(label: str, series: dict[str, tuple[list[tuple[float, float]], str]], x_label: str, *,
-              fmt: Any = "{:.4f}".format, axis_fmt: Any = "{:.3f}".format,
+              fmt: Callable[[float], str] = "{:.4f}".format, axis_fmt: Callable[[float], str] = "{:.3f}".format,
               marks: tuple[str, list[tuple[float, float]]] | None = None, x_max: float | None = None) -> str:
     """A line chart as inline SVG: one polyline per series (name -> ([(x, y)], colour)),
     each point a circle titled "<name> <y> at step <x>", a legend on the right, and
