@@ -7,8 +7,8 @@ pseudo-gradients at each outer step through a `Transport`, synchronously or over
 with computation (`outer.delay`, `outer.overlap`: trainer/diloco.py). `parallel.sync = "allreduce"` runs the AllReduce-DDP baseline
 instead: the same model, pipeline, data order and inner optimizer, with gradients
 all-reduced through the same Transport every inner step. Only global rank 0 reports,
-through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step some
-("progress", Progress) and one ("step", StepArtifacts).
+through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step one
+("progress", Progress) per inner step and one ("step", StepArtifacts).
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
 processes sharing an `init_method` (the Celery workers do).
@@ -117,7 +117,7 @@ SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
 TAU_AUTO_MAX_FRACTION = 0.25  # tau = auto overlaps at most this share of a round
 LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
-PROGRESS_EVERY = 5  # inner steps between progress reports
+PROGRESS_EVERY = 5  # S > 1: inner steps whose losses reach rank 0 in one broadcast
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
