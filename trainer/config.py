@@ -623,7 +623,8 @@ def one_line(err: ValidationError, prefix: str = "") -> str:
     msg = first["msg"].removeprefix("Value error, ")
     given = first.get("input")
     if first["type"] != "value_error" and isinstance(given, str | int | float | bool):
-        msg += f" (got {json.dumps(given)})"  # TOML's spelling: "128" is a string, 128 a number
+        shown = json.dumps(given)  # TOML's spelling: "128" is a string, 128 a number
+        msg += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
     line = f"{loc}: {msg}" if loc else msg
     if len(errors) > 1:
         line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
