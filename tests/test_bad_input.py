@@ -219,3 +219,17 @@ def test_a_run_directory_that_cannot_be_one_is_refused_naming_the_path(tmp_path)
                                              "writable directory")):
         assert_one_line_error(dlx("train", str(job), "--run-dir", str(run_dir), cwd=tmp_path), needle)
     assert a_file.read_text() == ""
+
+
+def test_a_lost_chain_is_one_line_naming_its_endpoint(accounts):
+    """A chain that goes away under a connected client: the error names the endpoint and
+    says what happened, not urllib3's retry chain."""
+    from lineage.anvil import Anvil
+    from lineage.chain import Chain
+    from lineage.errors import ChainError
+
+    with Anvil() as node:
+        chain = Chain(node.url)
+    with pytest.raises(ChainError) as err:
+        chain.require_funds(accounts[1].address, 1, "a stake")
+    assert str(err.value) == f"balance of {accounts[1].address}: chain at {node.url}: connection refused"
