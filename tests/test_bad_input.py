@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import DLX, small_job_toml
 
 from lineage.anvil import free_port
-from conftest import DLX, small_job_toml
 
 ETH = 10**18
 ARBITERS = [f"0x{i:040x}" for i in range(1, 258)]  # one more than a run may have
@@ -60,7 +60,7 @@ SUBMIT_ONLY = {  # what the stack (1 worker, 4 rank slots, nodes staked 1 ETH) c
     "wrong_chain_id": ({"chain": {"chain_id": 5}}, "chain.chain_id is 5, but the stack's chain at"),
     "refused_rpc": ({"chain": {"rpc": REFUSED}}, f"the stack records every job on its own chain (STACK_RPC), not {REFUSED}"),
     "unreachable_ipfs": ({"storage": {"backend": "ipfs", "api": NO_IPFS}},
-                         f"storage: the stack stores every job's blocks in its own blockstore"),
+                         "storage: the stack stores every job's blocks in its own blockstore"),
     "too_many_slots": ({"parallel": {"replicas": 3}}, "the job needs 6 rank slots; the stack's live workers offer 4"),
     "stake_above_balance": ({"chain": {"stake_wei": 20_000 * ETH, "min_stake_wei": 1}},
                             "chain.stake_wei: the job wants nodes holding 20000000000000000000000 wei; the live "
