@@ -163,7 +163,7 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
 def test_gc_keep_every_2_removes_exactly_the_pruned_files(trained_run, tmp_path):
     src, _ = trained_run
     run_dir = tmp_path / "run"
-    shutil.copytree(src, run_dir)
+    shutil.copytree(src, run_dir, copy_function=shutil.copy)  # fresh mtimes: blocks written just now
     store = Blockstore(run_dir / "blocks")
     hist = history(store, parse_cid(RunRecord.load(run_dir).head))
     assert hist[-1].step == 3

@@ -776,6 +776,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
 
         if skips_work(t):  # test-only cheat (trainer/cheat.py): claim the round, skip the work
             round_loss = 0.0
+            for h in range(H if control.cancellable else 0):  # but keep the stop collective's beat
+                check_stop(h)
             if merge_at is not None:
                 merge(start_state)
         else:
