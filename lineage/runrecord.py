@@ -39,6 +39,7 @@ class RunRecord:
     status: str = "created"  # created | running | completed | stopped (SIGINT, SIGTERM) | failed
     ipfs_api: str | None = None  # set: blocks live in this IPFS daemon, not in `blocks`
     stack: str | None = None  # set: the local stack (`dlx up`) whose chain this run is on
+    job_dir: str | None = None  # the job file's directory (its relative `[model] init` paths)
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / f".{RUN_FILE}.tmp"

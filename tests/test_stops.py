@@ -206,3 +206,28 @@ def test_resume_refuses_what_cannot_resume_in_one_line(trained_run, tmp_path: Pa
         assert res.returncode == 2, (args, res.stderr)
         assert res.stderr.count("\n") == 1 and message in res.stderr, (args, res.stderr)
     assert (run_dir / "run.json").read_bytes() == before
+
+
+def test_resume_reads_a_relative_init_from_the_job_files_own_directory(tmp_path: Path) -> None:
+    """The run directory's copy of the job file resolves `[model] init = "hf"` against the
+    directory of the file the run was started with (run.json `job_dir`), not its own."""
+    import transformers
+
+    from lineage.runrecord import RunRecord
+    from workers.local import resumable
+
+    project = tmp_path / "project"
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(project / "hf")
+    text = small_job_toml("init", stages=1).replace("[model]\nd_model = 32\nn_layers = 2\nn_heads = 2\n",
+                                                    '[model]\nfamily = "llama"\ninit = "hf"\n')
+    (project / "job.toml").write_text(text)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.toml").write_text(text)
+    RunRecord(name="init", chain_id=31337, rpc=None, chain_state="chain/state.json", registry="0x0",
+              ledger="0x0", blocks="blocks", run_id=1, steps=1, status="stopped",
+              job_dir=str(project)).save(run_dir)
+    _, job = resumable(run_dir)
+    assert job.model.init == str((project / "hf").resolve()) and job.model.family == "llama"

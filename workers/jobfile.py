@@ -176,7 +176,10 @@ def check_chain(job: JobFile, rpc: str | None) -> None:
         chain.require_funds(address, stake, "chain.stake_wei: a stake")
 
 
-def load_job_file(path: str | Path) -> JobFile:
+def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
+    """Load and validate a job file; relative `[model] init` paths are resolved against
+    `base` (default: the file's own directory; a run directory's copy of the job file
+    passes the original's, which run.json records as `job_dir`)."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -192,7 +195,7 @@ def load_job_file(path: str | Path) -> JobFile:
         raise ConfigError(f"job file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML in {path}: {exc}") from None
-    return load_job(with_init_model(data, path.parent), JobFile)
+    return load_job(with_init_model(data, base or path.parent), JobFile)
 
 
 def with_init_model(data: dict, base: Path) -> dict:

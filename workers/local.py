@@ -229,6 +229,7 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,
                 chain_state=CHAIN_STATE if embedded else None, registry=ledger.addresses["registry"],
                 ledger=ledger.addresses["ledger"], blocks=str(blocks), ipfs_api=job.storage.api,
+                job_dir=str(job_path.resolve().parent),
             )
             sink = _sink(job, record, run_dir, ledger, submitter, slot_keys, cb)
             return _train(sink, record, run_dir, stop)
@@ -282,7 +283,7 @@ def resumable(run_dir: Path) -> tuple[RunRecord, JobFile]:
     """The record and job file of a run that can resume (ConfigError otherwise), checked
     before anything starts."""
     record = RunRecord.load(run_dir)
-    job = load_job_file(run_dir / "job.toml")
+    job = load_job_file(run_dir / "job.toml", Path(record.job_dir) if record.job_dir else None)
     if not record.run_id:
         raise ConfigError(f"run directory {run_dir} committed nothing on chain: train the job again")
     if record.status == "completed":
