@@ -17,8 +17,8 @@ batch succeeded (CAR import uses it: a broken CAR leaves the store unchanged).
 
 Speed: multiformats validates every argument of every CID it builds or prints (about a
 millisecond a call), which dwarfs hashing a 256 KiB block. The CIDs of our own blocks
-(v1, sha2-256, raw/dag-pb/dag-cbor) are therefore built and named here from their bytes
-(`cid_from_binary`, `block_name`); any other CID takes multiformats' way.
+(v1, sha2-256, raw/dag-pb/dag-cbor) are therefore built and named from their bytes
+(`lineage.cid.cid_of_block`, `block_name`); any other CID takes multiformats' way.
 """
 
 from __future__ import annotations
@@ -37,56 +37,13 @@ from typing import Any
 
 from multiformats import CID
 
-from .cid import (
-    _CODE_OF,
-    _CODECS,
-    _MH_PREFIX,
-    RAW,
-    _fast,
-    as_v1,
-    cid_for,
-    cid_from_binary,
-    parse_cid,
-)
+from .cid import RAW, block_name, cid_from_binary, cid_of_block, parse_cid
+from .dag import reachable
 from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 PIN_DIR = ".pins"
 PRUNED_DIR = ".pruned"
 _PIN_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-# -- fast CIDs for our own blocks ---------------------------------------------------------------
-
-
-def cid_of_block(data: bytes, codec: str = RAW) -> CID:
-    """`cid_for(data, codec)`, fast for our three codecs."""
-    code = _CODE_OF.get(codec)
-    if code is None:
-        return cid_for(data, codec)
-    return cid_from_binary(bytes((1, code)) + _MH_PREFIX + hashlib.sha256(data).digest())
-
-
-def block_name(cid: CID | str | bytes) -> tuple[str, bytes]:
-    """(the CIDv1's base32 text, the sha2-256 digest) under which `cid`'s block is kept
-    (a CIDv0 is named as its CIDv1); raises ValueError for something that is no CID."""
-    raw = None
-    if isinstance(cid, bytes):
-        raw = cid if _fast(cid) else None
-    elif isinstance(cid, CID):
-        mh, code = cid.digest, cid.codec.code
-        if len(mh) == 34 and mh[:2] == _MH_PREFIX and code in _CODECS:
-            raw = bytes((1, code)) + mh
-    elif isinstance(cid, str) and len(cid) == 59 and cid[0] == "b":
-        try:
-            decoded = base64.b32decode(cid[1:].upper() + "======")
-        except ValueError:
-            decoded = b""
-        if _fast(decoded) and cid == "b" + base64.b32encode(decoded).decode("ascii").rstrip("=").lower():
-            raw = decoded
-    if raw is None:  # any other CID: multiformats' way
-        parsed = parse_cid(cid)
-        return str(as_v1(parsed)), bytes(parsed.raw_digest)
-    return "b" + base64.b32encode(raw).decode("ascii").rstrip("=").lower(), raw[4:]
-
 
 def _cid_from_name(name: str) -> CID:
     """The CID a block file is named by (its CIDv1 in base32)."""
@@ -242,8 +199,6 @@ class Blockstore:
         A pinned DAG with a missing (and not pruned) or corrupt block is an error: nothing
         is deleted.
         """
-        from .dag import reachable
-
         keep: set[str] = set()
         for roots in self.pins().values():
             keep.update(block_name(c)[0] for c in reachable(self, roots))

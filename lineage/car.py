@@ -26,7 +26,7 @@ from multiformats import CID
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
 from .errors import StorageError
-from .unixfs import _varint, read_varint
+from .unixfs import read_varint, write_varint
 
 MAX_SECTION = 8 << 20  # larger than any block an IPFS node accepts (Kubo: 4 MiB)
 
@@ -37,7 +37,7 @@ class CarError(StorageError, ValueError):
 
 def encode_header(roots: list[CID]) -> bytes:
     header = dag_cbor.encode({"roots": [as_v1(r) if r.version else r for r in roots], "version": 1})
-    return _varint(len(header)) + header
+    return write_varint(len(header)) + header
 
 
 def export_car(store: BlockReader, roots: Iterable[CID | str], out: BinaryIO) -> int:
@@ -47,7 +47,7 @@ def export_car(store: BlockReader, roots: Iterable[CID | str], out: BinaryIO) ->
     count = 0
     for cid, block in walk(store, roots):
         cid_bytes = bytes(cid)
-        out.write(_varint(len(cid_bytes) + len(block)))
+        out.write(write_varint(len(cid_bytes) + len(block)))
         out.write(cid_bytes)
         out.write(block)
         count += 1

@@ -6,7 +6,7 @@ most of what a verifier spends on a step's manifest. `decode` here reads the can
 DAG-CBOR subset directly (unsigned and negative integers, byte and text strings, arrays,
 maps, tag 42 CID links, false/true/null, 64-bit floats, all with definite, minimal
 lengths and map keys in canonical order) and builds our own CIDs the fast way
-(`blockstore.cid_from_binary`). Anything outside that subset (a non-minimal length, an
+(`cid.cid_from_binary`). Anything outside that subset (a non-minimal length, an
 unsorted or repeated key, a half-precision float, another tag, trailing bytes) is handed
 to `dag_cbor.decode`, so the result, and every error, is exactly the library's: the fast
 path only ever accepts bytes the library decodes to the same value.
@@ -20,7 +20,7 @@ from typing import Any
 
 import dag_cbor
 
-from .blockstore import cid_from_binary
+from .cid import cid_from_binary
 
 __all__ = ["decode"]
 

@@ -23,6 +23,7 @@ stored for different content: one digest means one byte string.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 
 from multiformats import CID, multibase, multicodec, multihash
@@ -107,3 +108,34 @@ def parse_cid(text: str | bytes | CID) -> CID:
     except Exception as exc:  # multiformats raises several unrelated types
         raise ValueError(f"not a CID: {text!r} ({exc})") from None
     return cid if cid.version == 0 else cid.set(base="base32")
+
+
+def cid_of_block(data: bytes, codec: str = RAW) -> CID:
+    """`cid_for(data, codec)`, fast for our three codecs."""
+    code = _CODE_OF.get(codec)
+    if code is None:
+        return cid_for(data, codec)
+    return cid_from_binary(bytes((1, code)) + _MH_PREFIX + hashlib.sha256(data).digest())
+
+
+def block_name(cid: CID | str | bytes) -> tuple[str, bytes]:
+    """(the CIDv1's base32 text, the sha2-256 digest) under which `cid`'s block is kept
+    (a CIDv0 is named as its CIDv1); raises ValueError for something that is no CID."""
+    raw = None
+    if isinstance(cid, bytes):
+        raw = cid if _fast(cid) else None
+    elif isinstance(cid, CID):
+        mh, code = cid.digest, cid.codec.code
+        if len(mh) == 34 and mh[:2] == _MH_PREFIX and code in _CODECS:
+            raw = bytes((1, code)) + mh
+    elif isinstance(cid, str) and len(cid) == 59 and cid[0] == "b":
+        try:
+            decoded = base64.b32decode(cid[1:].upper() + "======")
+        except ValueError:
+            decoded = b""
+        if _fast(decoded) and cid == "b" + base64.b32encode(decoded).decode("ascii").rstrip("=").lower():
+            raw = decoded
+    if raw is None:  # any other CID: multiformats' way
+        parsed = parse_cid(cid)
+        return str(as_v1(parsed)), bytes(parsed.raw_digest)
+    return "b" + base64.b32encode(raw).decode("ascii").rstrip("=").lower(), raw[4:]

@@ -39,8 +39,8 @@ from typing import Any
 
 from multiformats import CID
 
-from .blockstore import Blockstore, block_name
-from .cid import RAW
+from .blockstore import Blockstore
+from .cid import RAW, block_name
 from .dag import links_of
 from .errors import BlockNotFoundError, StorageError
 from .manifest import Manifest, get_manifest

@@ -28,8 +28,15 @@ from typing import Any, BinaryIO, Protocol
 
 from multiformats import CID
 
-from .blockstore import cid_from_binary, cid_of_block
-from .cid import DAG_PB, RAW, cid_from_digest, file_cid_candidates, parse_cid
+from .cid import (
+    DAG_PB,
+    RAW,
+    cid_from_binary,
+    cid_from_digest,
+    cid_of_block,
+    file_cid_candidates,
+    parse_cid,
+)
 from .errors import BlockNotFoundError, StorageError
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
@@ -53,7 +60,7 @@ class BlockReader(Protocol):
 # -- protobuf, the few wire types dag-pb and UnixFS use --------------------------------------
 
 
-def _varint(n: int) -> bytes:
+def write_varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -95,11 +102,11 @@ def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
 
 
 def _bytes_field(num: int, value: bytes) -> bytes:
-    return _varint(num << 3 | 2) + _varint(len(value)) + value
+    return write_varint(num << 3 | 2) + write_varint(len(value)) + value
 
 
 def _uint_field(num: int, value: int) -> bytes:
-    return _varint(num << 3) + _varint(value)
+    return write_varint(num << 3) + write_varint(value)
 
 
 @dataclass(frozen=True)

@@ -48,9 +48,9 @@ from eth_utils import keccak
 from trainer.errors import ConfigError
 
 from .attest import ContributionClaim, Domain
-from .blockstore import Blockstore, block_name
+from .blockstore import Blockstore
 from .chain import StepRecord
-from .cid import DAG_CBOR, cid_from_digest, digest_of
+from .cid import DAG_CBOR, block_name, cid_from_digest, digest_of
 from .errors import DlxError
 from .manifest import Manifest, get_manifest
 from .query import open_ledger

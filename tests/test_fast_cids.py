@@ -15,8 +15,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID, multihash
 
-from lineage.blockstore import Blockstore, block_name, cid_from_binary, cid_of_block
-from lineage.cid import DAG_CBOR, DAG_PB, RAW, as_v1, cid_for, cid_from_digest, digest_of, parse_cid
+from lineage.blockstore import Blockstore
+from lineage.cid import (
+    DAG_CBOR,
+    DAG_PB,
+    RAW,
+    as_v1,
+    block_name,
+    cid_for,
+    cid_from_binary,
+    cid_from_digest,
+    cid_of_block,
+    digest_of,
+    parse_cid,
+)
 
 
 @settings(max_examples=40, deadline=None)
