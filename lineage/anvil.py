@@ -35,6 +35,7 @@ from .errors import ChainError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 ANVIL_CHAIN_ID = 31337
+ANVIL_BALANCE_WEI = 10_000 * 10**18  # what anvil gives each development account (wei)
 # anvil's default mnemonic: every key derived from it is public knowledge.
 DEV_MNEMONIC = "test test test test test test test test test test test junk"
 

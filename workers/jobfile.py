@@ -21,8 +21,6 @@ ETHER = 10**18
 #: Arbiters per run: createRun stores each one (about 45,000 gas apiece, measured on anvil),
 #: so 256 cost about 12M gas, well inside a 30M-gas block with the rest of the run.
 MAX_ARBITERS = 256
-#: What anvil gives each of its development accounts (the embedded chain's node keys).
-ANVIL_BALANCE_WEI = 10_000 * ETHER
 #: The ledger keeps every challenge window below the registry's unbonding delay, which
 #: `Ledger.deploy` sets to a week (lineage.chain.DEFAULT_UNBONDING_DELAY).
 MAX_CHALLENGE_WINDOW_S = 7 * 24 * 3600 - 1
@@ -147,33 +145,6 @@ class JobFile(JobConfig):
     def training_config(self) -> JobConfig:
         """The trainer's view: the same job without chain and storage settings."""
         return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage", "tracking"}))
-
-
-def check_chain(job: JobFile, rpc: str | None) -> None:
-    """Refuse, before anything is created (`dlx train`), a chain that does not answer or is
-    not the job's (`chain.chain_id`), and a `chain.stake_wei` the node keys cannot pay: each
-    one stakes it from its own balance, and a larger stake would fail half way through
-    setting the run up. With an RPC URL (`rpc`, else the job's) the chain is asked; the
-    embedded anvil gives each of its accounts ANVIL_BALANCE_WEI."""
-    from lineage.anvil import ANVIL_CHAIN_ID
-
-    url = rpc or job.chain.rpc
-    stake = job.chain.stake_wei
-    if url is None:
-        if job.chain.chain_id not in (None, ANVIL_CHAIN_ID):
-            raise ConfigError(f"chain.chain_id is {job.chain.chain_id}, but with no chain.rpc the chain is an "
-                              f"embedded anvil (chain id {ANVIL_CHAIN_ID})")
-        if stake >= ANVIL_BALANCE_WEI:
-            raise ConfigError(f"chain.stake_wei ({stake} wei) is more than the embedded chain gives each node key "
-                              f"({ANVIL_BALANCE_WEI // ETHER} ETH, gas included)")
-        return
-    from lineage.chain import Chain
-    from workers.local import _keys_for
-
-    chain = Chain(url, job.chain.chain_id)
-    _, nodes = _keys_for(job, chain.chain_id, embedded=False, warn=lambda message: None)
-    for address in dict.fromkeys(k.address for k in nodes):
-        chain.require_funds(address, stake, "chain.stake_wei: a stake")
 
 
 def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
-from lineage.anvil import ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
+from lineage.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
 from lineage.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain import Chain, Ledger, artifact
 from lineage.cid import DAG_CBOR, cid_from_digest
@@ -47,7 +47,7 @@ from trainer.data import corpus_digest
 from trainer.errors import ConfigError
 from trainer.launch import check_local, stop_event, train_local
 
-from .jobfile import JobFile, check_chain, load_job_file
+from .jobfile import ETHER, JobFile, load_job_file
 from .sink import LedgerSink, Signer, local_signer
 
 CHAIN_STATE = "chain/state.json"
@@ -184,6 +184,28 @@ def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, 
         return signatures
 
     return signer
+
+
+def check_chain(job: JobFile, rpc: str | None) -> None:
+    """Refuse, before anything is created (`dlx train`), a chain that does not answer or is
+    not the job's (`chain.chain_id`), and a `chain.stake_wei` the node keys cannot pay: each
+    one stakes it from its own balance, and a larger stake would fail half way through
+    setting the run up. With an RPC URL (`rpc`, else the job's) the chain is asked; the
+    embedded anvil gives each of its accounts ANVIL_BALANCE_WEI."""
+    url = rpc or job.chain.rpc
+    stake = job.chain.stake_wei
+    if url is None:
+        if job.chain.chain_id not in (None, ANVIL_CHAIN_ID):
+            raise ConfigError(f"chain.chain_id is {job.chain.chain_id}, but with no chain.rpc the chain is an "
+                              f"embedded anvil (chain id {ANVIL_CHAIN_ID})")
+        if stake >= ANVIL_BALANCE_WEI:
+            raise ConfigError(f"chain.stake_wei ({stake} wei) is more than the embedded chain gives each node key "
+                              f"({ANVIL_BALANCE_WEI // ETHER} ETH, gas included)")
+        return
+    chain = Chain(url, job.chain.chain_id)
+    _, nodes = _keys_for(job, chain.chain_id, embedded=False, warn=lambda message: None)
+    for address in dict.fromkeys(k.address for k in nodes):
+        chain.require_funds(address, stake, "chain.stake_wei: a stake")
 
 
 def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> str:
