@@ -161,6 +161,8 @@ class UnixFSData:
     data: bytes | None = None
     filesize: int | None = None
     blocksizes: list[int] = field(default_factory=list)
+    hash_type: int | None = None  # HAMTShard only: the multihash code of the name hash
+    fanout: int | None = None  # HAMTShard only: slots per shard node
 
     def encode(self) -> bytes:
         out = _uint_field(1, self.type)
@@ -170,14 +172,21 @@ class UnixFSData:
             out += _uint_field(3, self.filesize)
         for size in self.blocksizes:  # proto2 `repeated uint64`, not packed
             out += _uint_field(4, size)
+        if self.hash_type is not None:
+            out += _uint_field(5, self.hash_type)
+        if self.fanout is not None:
+            out += _uint_field(6, self.fanout)
         return out
 
     @classmethod
     def decode(cls, buf: bytes) -> UnixFSData:
         kind, data, filesize, sizes = None, None, None, []
+        hamt: dict[int, int] = {}
         for num, value in _fields(buf):
             if num == 1 and isinstance(value, int):
                 kind = value
+            elif num in (5, 6) and isinstance(value, int):
+                hamt[num] = value
             elif num == 2 and isinstance(value, bytes):
                 data = value
             elif num == 3 and isinstance(value, int):
@@ -192,7 +201,7 @@ class UnixFSData:
                         sizes.append(n)
         if kind is None:
             raise ValueError("UnixFS data without a Type")
-        return cls(kind, data, filesize, sizes)
+        return cls(kind, data, filesize, sizes, hamt.get(5), hamt.get(6))
 
 
 # -- import ----------------------------------------------------------------------------------
@@ -203,6 +212,7 @@ class ImportResult:
     cid: CID
     size: int  # file bytes
     blocks: int  # blocks written (with repeats)
+    dag_size: int = 0  # every block of the DAG: a directory link's Tsize (Kubo's node.Size())
 
 
 @dataclass
@@ -335,7 +345,7 @@ class FileImporter:
                 self._levels[level + 1].append(parent)
             level += 1
         self._done = True
-        return ImportResult(root.cid, self._size, self._blocks)
+        return ImportResult(root.cid, self._size, self._blocks, root.tsize)
 
     def close(self) -> None:
         if self._pool is not None:
