@@ -1,8 +1,9 @@
 """`dlx cas`: the content-addressed store from the command line.
 
     dlx cas add FILE                      # store a file, print its CID (== `ipfs add --cid-version=1`)
-    dlx cas cid [--cid-version 0] FILE    # compute the CID only (== `ipfs add -n`)
-    dlx cas get CID -o FILE               # write a file back, every block re-hashed
+    dlx cas add -r DIR                    # store a directory tree, print its root CID (== `ipfs add -r`)
+    dlx cas cid [-r] [--cid-version 0] PATH   # compute the CID only (== `ipfs add -n`)
+    dlx cas get CID -o FILE|DIR           # write a file or a directory tree back, every block re-hashed
     dlx cas export --run-dir DIR -o run.car
     dlx cas import run.car
     dlx cas verify                        # re-hash every block, list the bad ones (exit 1)
@@ -85,19 +86,41 @@ def _input(path: Path) -> Any:
         _user_error(f"cannot read {path}: {exc.strerror}")
 
 
+RecursiveOpt = Annotated[bool, typer.Option("-r", "--recursive",
+                                             help="PATH is a directory: import the tree (hidden entries skipped).")]
+
+
+def _check_kind(path: Path, recursive: bool) -> None:
+    """A directory needs -r and -r needs a directory; a missing path is named."""
+    if not path.exists():
+        _user_error(f"no such file or directory: {path}")
+    if path.is_dir() and not recursive:
+        _user_error(f"{path} is a directory; add -r to import the tree")
+    if recursive and not path.is_dir():
+        _user_error(f"{path} is not a directory; drop -r to import a file")
+
+
 @app.command()
 @user_errors
 def add(
-    file: Annotated[Path, typer.Argument(help="The file to store.")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="The file (or, with -r, the directory) to store.")],
+    recursive: RecursiveOpt = False,
     pin: Annotated[str | None, typer.Option("--pin", help="Also pin it under this pin set name.")] = None,
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
-    """Store FILE as UnixFS (as `ipfs add --cid-version=1`) and print its CID."""
-    from lineage.unixfs import import_file
+    """Store PATH as UnixFS (as `ipfs add --cid-version=1`, `-r` for a directory) and print its CID."""
+    _check_kind(path, recursive)
+    if recursive:
+        from lineage.unixfs_dir import import_directory
 
-    with _input(file) as fh:
         target = _open(store, run_dir, ipfs_api)
-        cid = import_file(fh, target.put).cid
+        cid = import_directory(path, target.put)
+    else:
+        from lineage.unixfs import import_file
+
+        with _input(path) as fh:
+            target = _open(store, run_dir, ipfs_api)
+            cid = import_file(fh, target.put).cid
     if pin:
         target.pin(pin, [cid])
     sys.stdout.write(f"{cid}\n")
@@ -106,29 +129,41 @@ def add(
 @app.command()
 @user_errors
 def cid(
-    file: Annotated[Path, typer.Argument(help="The file to hash.")],
+    path: Annotated[Path, typer.Argument(metavar="PATH", help="The file (or, with -r, the directory) to hash.")],
+    recursive: RecursiveOpt = False,
     cid_version: Annotated[int, typer.Option("--cid-version", min=0, max=1,
                                              help="1: `ipfs add --cid-version=1`; 0: plain `ipfs add`.")] = 1,
 ) -> None:
-    """Print FILE's CID without storing anything."""
+    """Print PATH's CID without storing anything."""
+    _check_kind(path, recursive)
+    if recursive:
+        from lineage.unixfs_dir import import_directory
+
+        sys.stdout.write(f"{import_directory(path, cid_version=cid_version)}\n")
+        return
     from lineage.unixfs import import_file
 
-    with _input(file) as fh:
+    with _input(path) as fh:
         sys.stdout.write(f"{import_file(fh, cid_version=cid_version).cid}\n")
 
 
 @app.command()
 @user_errors
 def get(
-    cid_text: Annotated[str, typer.Argument(metavar="CID", help="The file's CID.")],
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write (default stdout).")] = None,
+    cid_text: Annotated[str, typer.Argument(metavar="CID", help="The file's or directory's CID.")],
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="Where to write (a file: default stdout; a directory: required).")] = None,
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
-    """Write the file CID to -o FILE; every block is re-hashed, a bad one is an error naming it."""
+    """Write the file CID to -o FILE, or the directory CID's tree under -o DIR; every block
+    is re-hashed, a bad one is an error naming it."""
     from lineage.unixfs import read_file
+    from lineage.unixfs_dir import is_directory
 
     root = _cid(cid_text)
     target = _open(store, run_dir, ipfs_api)
+    if is_directory(target, root):
+        _get_tree(target, root, output)
+        return
     if output is None:
         read_file(target, root, sys.stdout.buffer)
         return
@@ -145,6 +180,18 @@ def get(
         _user_error(f"cannot write {output}: {exc.strerror}")
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _get_tree(target: Any, root: Any, output: Path | None) -> None:
+    """Restore the directory `root` under `output` (a new directory appears complete)."""
+    from lineage.unixfs_dir import read_tree
+
+    if output is None:
+        _user_error(f"{root} is a directory; give -o DIR to restore it")
+    if output.exists() and not output.is_dir():
+        _user_error(f"{output} exists and is not a directory")
+    count = read_tree(target, root, output)
+    sys.stderr.write(f"restored {count} file(s) under {output}\n")
 
 
 @app.command("export")
