@@ -20,8 +20,8 @@ Each name's hash is read a byte at a time (one byte per level); a slot holding o
 links it as `%02X` + name, a slot holding several links a child shard named `%02X`. The
 Data field's bitfield is big-endian with leading zero bytes dropped (go-bitfield `Bytes`).
 Current boxo converts when the estimate is strictly above the threshold (`>`), as
-`ipfs-unixfs-importer` does; releases of boxo before IPIP-499 compared with `>=`, which
-differs only for a directory whose estimate is exactly 262,144 bytes. Subdirectories count
+`ipfs-unixfs-importer` does; older boxo releases compared with `>=`, which differs only
+for a directory whose estimate is exactly 262,144 bytes. Subdirectories count
 in their parent's estimate as files do (MFS links an empty child directory at once).
 
 On disk (`import_directory`): hidden entries (a name starting with ".") are skipped, as

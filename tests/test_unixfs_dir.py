@@ -242,6 +242,22 @@ def test_import_directory_skips_hidden_entries_and_refuses_symlinks(tmp_path):
         import_directory(tmp_path / "a" / "x")
 
 
+def test_a_name_that_is_not_utf8_is_refused(tmp_path):
+    (tmp_path / "t").mkdir()
+    fd = os.open(os.fsencode(tmp_path / "t") + b"/bad-\xff", os.O_CREAT | os.O_WRONLY)
+    os.close(fd)
+    with pytest.raises(TreeInputError, match="not valid UTF-8"):
+        import_directory(tmp_path / "t")
+
+
+def test_read_tree_into_an_existing_directory_keeps_other_files(tmp_path):
+    store = Blockstore(tmp_path / "bs")
+    root = import_tree([("a/x", b"new"), ("y", b"y")], store.put)
+    write_tree(tmp_path / "out", {"a": {"x": b"old", "keep": b"k"}})
+    assert read_tree(store, root, tmp_path / "out") == 2
+    assert _tree_files(tmp_path / "out") == {"a/keep": b"k", "a/x": b"new", "y": b"y"}
+
+
 @pytest.mark.parametrize("path", ["../x", "/abs", "a//b", "a/./b", "a/..", ""])
 def test_import_tree_refuses_paths_no_entry_can_have(path):
     with pytest.raises(TreeInputError):
