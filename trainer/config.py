@@ -21,7 +21,9 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
+from trainer.dataset import BPE_MIN_VOCAB, BYTE_VOCAB, PreparedData
 from trainer.errors import ConfigError
 
 __all__ = [
@@ -38,7 +40,6 @@ __all__ = [
     "stage_layers",
 ]
 
-TOKENIZER_VOCAB = 256  # the byte tokenizer: token = byte value
 SEED_MAX = 2**63 - 1
 #: The largest model a job may describe: past 2^40 (1.1 T) parameters one copy of the outer
 #: state (float32 weights and momentum) passes 8 TiB, beyond what any job here could hold.
@@ -212,28 +213,82 @@ class ParallelConfig(_Section):
 
 
 class DataConfig(_Section):
-    """The corpus: Python's standard library sources, or user-given files."""
+    """The corpus and its tokenizer (trainer/dataset.py): Python's standard library sources,
+    user globs or a directory, in plain text, JSON Lines or Parquet files."""
 
-    source: Literal["stdlib", "files"] = Field("stdlib", description="Where the corpus comes from.")
+    source: Literal["stdlib", "files", "dir"] = Field(
+        "stdlib", description="Where the corpus comes from: the standard library's sources, "
+        "`paths` globs, or every file under `dir`."
+    )
     paths: list[str] = Field(
         default_factory=list, description="Glob patterns of text files (source = 'files')."
+    )
+    dir: str | None = Field(
+        None, min_length=1, description="source = 'dir': a directory; every regular file under "
+        "it, recursively, by relative path, hidden files and directories skipped (as `ipfs add "
+        "-r`)."
+    )
+    tokenizer: str = Field(
+        "bytes", min_length=1, description='"bytes": one token per byte; "bpe": a byte-level BPE '
+        "of model.vocab_size tokens trained on the training split; or the path of a local "
+        "tokenizer.json."
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="The text's field in .jsonl records, its column in "
+        ".parquet files."
     )
     max_bytes: int = Field(
         4_000_000, ge=1024, description="Corpus cap in bytes (whole files, sorted order)."
     )
     eval_fraction: float = Field(
-        0.05, gt=0.0, lt=1.0, description="Fraction of files held out for eval (by path hash)."
+        0.05, gt=0.0, lt=1.0, description="Fraction of documents held out for eval (by key hash)."
     )
     batch_size: int = Field(8, ge=1, description="Sequences per replica per inner step.")
     eval_batches: int = Field(
         4, ge=1, description="Held-out batches evaluated after each outer step."
     )
+    prepared: SkipJsonSchema[PreparedData | None] = Field(
+        None, exclude=True, description="The token file to read instead of preparing one: set "
+        "by dlx through `with_prepared`, never in a job file (nor dumped or hashed)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_prepared_on_input(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "prepared" in data:
+            raise ValueError("prepared is set by dlx itself (the token file it made), not in a "
+                             "job file")
+        return data
 
     @model_validator(mode="after")
     def _paths_match_source(self) -> DataConfig:
         if self.source == "files" and not self.paths:
             raise ValueError("paths must name at least one glob when source is 'files'")
+        if self.source == "dir" and self.dir is None:
+            raise ValueError("dir must name a directory when source is 'dir'")
+        if self.dir is not None and self.source != "dir":
+            raise ValueError(f"dir needs source = 'dir' (source is '{self.source}')")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_new_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A job that leaves the fields of issue 15 at their defaults dumps (and hashes) as
+        before they existed."""
+        data = handler(self)
+        if isinstance(data, dict):
+            for name, default in (("dir", None), ("tokenizer", "bytes"), ("text_field", "text")):
+                if data.get(name, default) == default:
+                    data.pop(name, None)
+        return data
+
+    def with_prepared(self, prepared: PreparedData) -> DataConfig:
+        """This config, reading `prepared`'s token file rather than preparing its own."""
+        return self.model_copy(update={"prepared": prepared})
+
+    @property
+    def min_vocab(self) -> int | None:
+        """The least model.vocab_size the tokenizer allows, if known before loading it."""
+        return {"bytes": BYTE_VOCAB, "bpe": BPE_MIN_VOCAB}.get(self.tokenizer)
 
 
 class InnerConfig(_Section):
@@ -573,10 +628,11 @@ class JobConfig(_Section):
                 "model.tie_embeddings needs parallel.stages = 1 (the embeddings live on the first "
                 "stage, the head on the last)"
             )
-        if m.vocab_size < TOKENIZER_VOCAB:
+        if d.min_vocab is not None and m.vocab_size < d.min_vocab:
+            what = "byte values" if d.tokenizer == "bytes" else "256 bytes and <|endoftext|>"
             raise ValueError(
                 f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
-                f"({TOKENIZER_VOCAB}: byte values)"
+                f"({d.min_vocab}: {what})"
             )
         c = self.outer.compression
         smallest = m.smallest_side

@@ -1,35 +1,48 @@
 """The corpus and its deterministic shards.
 
-The default corpus is the Python standard library's `.py` sources (found through
-`sysconfig`, so every machine has it with no download); `source = "files"` takes user
-globs instead. Files are sorted by relative path and taken whole until `max_bytes`; each
-file goes to the held-out eval set or the training set by a stable hash of its relative
-path. Tokens are bytes (vocabulary 256).
+The corpus is a token file (trainer/dataset.py prepares it from the dataset `[data]`
+names): the training split's tokens, then the held-out split's, memory-mapped here, never
+read whole. `load_corpus` reads `cfg.prepared` when the launcher set it, else prepares into
+a temporary directory of this process, once per config (`with_prepared_data` prepares once
+in a launcher, so that spawned ranks share one token file rather than each making one).
 
 Replica r at outer step t trains on `Corpus.shard(seed, r, t, ...)`: H x B windows of
-T + 1 tokens drawn with a generator seeded from sha256(seed, r, t). The shard's sha256
-is the data-shard hash that goes into the attestation.
+T + 1 tokens drawn from the training split with a generator seeded from sha256(seed, r, t).
+The shard's digest, the `dataShard` of the attestation, is sha256 over those (H, B, T + 1)
+tokens in the token file's dtype (uint16 or uint32), little-endian, C order
+(`shard_digest`): anyone holding the token file can re-derive it (`Corpus.from_prepared`).
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
-import glob
 import hashlib
-import os
-import sysconfig
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections import OrderedDict
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, JobConfig
+from trainer.dataset import BYTE_VOCAB, PreparedData, prepare_data, split_files, token_dtype
 from trainer.errors import ConfigError
 
-__all__ = ["Corpus", "ShardData", "corpus_digest", "derive_seed", "load_corpus", "shard_digest"]
+__all__ = [
+    "Corpus",
+    "ShardData",
+    "corpus_digest",
+    "derive_seed",
+    "load_corpus",
+    "shard_digest",
+    "with_prepared_data",
+]
 
-_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
+CACHED_CORPORA = 4  # prepared corpora a process keeps (each a token file in its temp dir)
 
 
 def derive_seed(*parts: object) -> int:
@@ -38,9 +51,10 @@ def derive_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "big") >> 1
 
 
-def shard_digest(tokens: torch.Tensor) -> bytes:
-    """32-byte sha256 over a token tensor's bytes, as uint8 in C order."""
-    return hashlib.sha256(tokens.to(torch.uint8).contiguous().numpy().tobytes()).digest()
+def shard_digest(tokens: torch.Tensor, dtype: str) -> bytes:
+    """32-byte sha256 over token ids as `dtype` ("uint16" | "uint32"), little-endian, C order."""
+    arr = tokens.to(torch.int64).contiguous().numpy().astype(np.dtype(dtype).newbyteorder("<"))
+    return hashlib.sha256(arr.tobytes()).digest()
 
 
 @dataclass(frozen=True)
@@ -53,11 +67,38 @@ class ShardData:
 
 @dataclass(frozen=True)
 class Corpus:
-    train: torch.Tensor  # (N_train,) uint8, training files concatenated
-    eval: torch.Tensor  # (N_eval,) uint8, held-out files concatenated
-    train_files: tuple[str, ...]
-    eval_files: tuple[str, ...]
-    digest: str  # sha256 hex over (relative path, bytes) of every file taken
+    """A token file's two splits, memory-mapped (copy-on-write: nothing is read until used)."""
+
+    train: torch.Tensor  # (N_train,) token ids in the token file's dtype
+    eval: torch.Tensor  # (N_eval,) held-out token ids
+    prepared: PreparedData
+    train_files: tuple[str, ...] = ()  # files holding training documents, when known
+    eval_files: tuple[str, ...] = ()  # files holding held-out documents, when known
+
+    @classmethod
+    def from_prepared(cls, p: PreparedData) -> Corpus:
+        """The corpus in `p.token_file`; ConfigError if the file does not hold p's tokens."""
+        dtype = np.dtype(p.dtype).newbyteorder("<")
+        path = Path(p.token_file)
+        want = (p.train_tokens + p.eval_tokens) * dtype.itemsize
+        have = path.stat().st_size if path.is_file() else None
+        if have != want or not p.train_tokens or not p.eval_tokens:
+            raise ConfigError(
+                f"data: token file {path} has {have} bytes, not the {want} of "
+                f"{p.train_tokens} + {p.eval_tokens} {p.dtype} tokens"
+            )
+        mm = np.memmap(path, dtype=dtype, mode="c")
+        split = p.train_tokens
+        return cls(train=torch.from_numpy(mm[:split]), eval=torch.from_numpy(mm[split:]), prepared=p)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 hex of the token file."""
+        h = hashlib.sha256()
+        with open(self.prepared.token_file, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+        return h.hexdigest()
 
     def shard(
         self,
@@ -72,7 +113,7 @@ class Corpus:
         g = torch.Generator().manual_seed(derive_seed("shard", seed, replica, outer_step))
         tokens = _windows(self.train, g, inner_steps * batch_size, seq_len + 1)
         tokens = tokens.view(inner_steps, batch_size, seq_len + 1)
-        return ShardData(tokens=tokens.long(), digest=shard_digest(tokens))
+        return ShardData(tokens=tokens.long(), digest=shard_digest(tokens, self.prepared.dtype))
 
     def eval_batches(
         self, n_batches: int, batch_size: int, seq_len: int, seed: int = 0
@@ -89,81 +130,57 @@ def _windows(tokens: torch.Tensor, g: torch.Generator, n: int, length: int) -> t
             f"data: corpus part has {tokens.numel()} tokens, fewer than one window ({length})"
         )
     starts = torch.randint(0, tokens.numel() - length + 1, (n,), generator=g)  # (n,)
-    return tokens[starts[:, None] + torch.arange(length)]  # (n, length)
+    return tokens[starts[:, None] + torch.arange(length)]  # (n, length), the file's dtype
 
 
-def _stdlib_files() -> list[tuple[str, Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        for name in filenames:
-            if name.endswith(".py"):
-                path = Path(dirpath) / name
-                found.append((path.relative_to(root).as_posix(), path))
-    return sorted(found)
+_cache: OrderedDict[tuple, Corpus] = OrderedDict()
 
 
-def _glob_files(patterns: list[str]) -> list[tuple[str, Path]]:
-    found: dict[str, Path] = {}
-    for pattern in patterns:
-        for name in glob.glob(os.path.expanduser(pattern), recursive=True):
-            path = Path(name)
-            if path.is_file():
-                found[path.as_posix()] = path
-    if not found:
-        raise ConfigError(f"data.paths: no files match {patterns}")
-    return sorted(found.items())
+@functools.cache
+def _cache_root() -> Path:
+    """This process's temporary directory of prepared corpora, removed at exit."""
+    root = Path(tempfile.mkdtemp(prefix="dlx-data-"))
+    atexit.register(shutil.rmtree, root, True)
+    return root
 
 
-def _is_eval(rel: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(b"eval-split:" + rel.encode()).digest()[:8], "big")
-    return h / 2**64 < fraction
+def load_corpus(cfg: DataConfig, vocab_size: int | None = None) -> Corpus:
+    """The corpus `cfg` describes for a model of `vocab_size` ids (needed unless the
+    tokenizer is "bytes"): `cfg.prepared`'s token file, memory-mapped, or one prepared in
+    this process's temporary directory once per config."""
+    if cfg.prepared is not None:
+        return Corpus.from_prepared(cfg.prepared)
+    if vocab_size is None and cfg.tokenizer != "bytes":
+        raise ValueError(f"load_corpus: data.tokenizer = {cfg.tokenizer!r} needs the vocab_size")
+    vocab = BYTE_VOCAB if vocab_size is None else vocab_size
+    key = (cfg.source, tuple(cfg.paths), cfg.dir, cfg.max_bytes, cfg.eval_fraction,
+           cfg.tokenizer, cfg.text_field, token_dtype(vocab) if cfg.tokenizer == "bytes" else vocab)
+    if key in _cache:
+        _cache.move_to_end(key)
+        return _cache[key]
+    out = _cache_root() / hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    train_files, eval_files = split_files(cfg)
+    corpus = replace(Corpus.from_prepared(prepare_data(cfg, vocab, out)),
+                     train_files=train_files, eval_files=eval_files)
+    _cache[key] = corpus
+    if len(_cache) > CACHED_CORPORA:
+        _, old = _cache.popitem(last=False)
+        shutil.rmtree(Path(old.prepared.token_file).parent, ignore_errors=True)
+    return corpus
 
 
-@functools.lru_cache(maxsize=4)
-def _load(source: str, paths: tuple[str, ...], max_bytes: int, eval_fraction: float) -> Corpus:
-    files = _stdlib_files() if source == "stdlib" else _glob_files(list(paths))
-    taken: list[tuple[str, bytes]] = []
-    total = 0
-    for rel, path in files:
-        size = path.stat().st_size
-        if total + size > max_bytes:
-            break  # whole files only; the cap keeps a prefix in sorted order
-        taken.append((rel, path.read_bytes()))
-        total += size
-    if len(taken) < 2:
-        raise ConfigError(
-            f"data.max_bytes: the corpus needs at least 2 files, {len(taken)} fit in {max_bytes} bytes"
-        )
-    digest = hashlib.sha256()
-    for rel, blob in taken:
-        digest.update(rel.encode() + b"\0" + len(blob).to_bytes(8, "big") + blob)
-    is_eval = [_is_eval(rel, eval_fraction) for rel, _ in taken]
-    if not any(is_eval):  # a tiny corpus: hold out the file the hash likes best
-        is_eval[
-            min(range(len(taken)), key=lambda i: hashlib.sha256(taken[i][0].encode()).digest())
-        ] = True
-    if all(is_eval):
-        raise ConfigError("data.eval_fraction: every file was held out for eval; lower it")
-
-    def cat(parts: list[bytes]) -> torch.Tensor:
-        return torch.from_numpy(np.frombuffer(b"".join(parts), dtype=np.uint8).copy())
-
-    return Corpus(
-        train=cat([b for (_, b), e in zip(taken, is_eval, strict=True) if not e]),
-        eval=cat([b for (_, b), e in zip(taken, is_eval, strict=True) if e]),
-        train_files=tuple(r for (r, _), e in zip(taken, is_eval, strict=True) if not e),
-        eval_files=tuple(r for (r, _), e in zip(taken, is_eval, strict=True) if e),
-        digest=digest.hexdigest(),
-    )
+J = TypeVar("J", bound=JobConfig)
 
 
-def load_corpus(cfg: DataConfig) -> Corpus:
-    """The corpus `cfg` describes (read once per process, then cached)."""
-    return _load(cfg.source, tuple(cfg.paths), cfg.max_bytes, cfg.eval_fraction)
+def with_prepared_data(job: J) -> J:
+    """`job` with `data.prepared` set (prepared here once if it was not), for a launcher to
+    pass to the ranks it spawns: they then memory-map one token file and never race."""
+    if job.data.prepared is not None:
+        return job
+    corpus = load_corpus(job.data, job.model.vocab_size)
+    return job.model_copy(update={"data": job.data.with_prepared(corpus.prepared)})
 
 
-def corpus_digest(cfg: DataConfig) -> str:
-    """sha256 hex over the relative paths and bytes of the corpus files, for the config record."""
-    return load_corpus(cfg).digest
+def corpus_digest(cfg: DataConfig, vocab_size: int | None = None) -> str:
+    """sha256 hex of the corpus's token file, for the config record."""
+    return load_corpus(cfg, vocab_size).digest

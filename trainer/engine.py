@@ -577,7 +577,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
     pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
     last_of_replica0 = topo.global_rank(0, S - 1)
 
-    corpus = load_corpus(job.data)
+    corpus = load_corpus(job.data, job.model.vocab_size)
     eval_batches = corpus.eval_batches(job.data.eval_batches, B, L, seed=job.seed)
     module = build_stage(job.model, topo.stage, S, job.seed)
     if job.model.init is not None and control.start is None:  # genesis = the imported weights

@@ -265,7 +265,12 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     raised by the sink stops the ranks and propagates unchanged. With
     `transport.link = "netns"` (root only) each replica's ranks run in their own network
     namespace behind a tc-shaped veth link (trainer/netns.py), removed afterwards.
+    The data are prepared here, once, before any rank starts (a bad dataset is a
+    ConfigError); the ranks memory-map that one token file.
     """
+    from trainer.data import with_prepared_data
+
+    job = with_prepared_data(job)
     with contextlib.ExitStack() as stack:
         if job.transport.link == "netns":
             from trainer.netns import ReplicaLinks

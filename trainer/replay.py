@@ -109,6 +109,9 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
             raise ValueError(f"step {item.step} replica {item.replica}: need one start state per stage ({S})")
     if not items:
         return []
+    from trainer.data import with_prepared_data
+
+    job = with_prepared_data(job)  # one token file for the S processes
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -217,7 +220,7 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
         # machine class that trained), else the CPU.
         device = agree_device(job, rank if gpu_usable(rank) else None, strict=False)
         group = dist.new_group(list(range(S)), backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
-        corpus = load_corpus(job.data)
+        corpus = load_corpus(job.data, job.model.vocab_size)
         module = build_stage(job.model, rank, S, job.seed).to(device)
         pipeline = Pipeline(module, topo, group, job, device)
         params = [p for p in module.parameters() if p.requires_grad]
