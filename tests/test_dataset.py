@@ -100,6 +100,14 @@ def test_dir_source_reads_every_format_and_skips_hidden_files(tmp_path: Path) ->
     assert sorted(x.name for x in (tmp_path / "out").iterdir()) == ["tokens.bin"]
 
 
+def test_a_name_that_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "ok.txt").write_text("fine")
+    open(bytes(tmp_path / "ds") + b"/bad\xff.txt", "wb").close()
+    with pytest.raises(ConfigError, match=r"^data: .*bad.*: the file's name is not UTF-8"):
+        dataset_files(_dir_cfg(tmp_path / "ds"))
+
+
 def test_text_field_names_the_jsonl_field_and_parquet_column(tmp_path: Path) -> None:
     _jsonl(tmp_path / "ds" / "a.jsonl", ["alpha", "beta", "gamma"], field="body")
     pq.write_table(pa.table({"body": pa.array(["delta"], pa.large_string())}), tmp_path / "ds" / "b.parquet")
@@ -189,6 +197,19 @@ def test_text_pieces_encode_as_the_whole_file(tmp_path: Path, monkeypatch: pytes
     want = [tok.encode((tmp_path / "ds" / rel).read_text(), add_special_tokens=False).ids + [0]
             for rel in train + held]
     assert _tokens(whole).tolist() == sum(want, [])
+
+
+def test_progress_counts_bytes_read_up_to_the_total(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dataset, "PROGRESS_BYTES", 1 << 16)
+    monkeypatch.setattr(dataset, "BATCH_CHARS", 1 << 16)
+    root = _corpus_dir(tmp_path / "ds", records=3000)
+    size = sum(p.stat().st_size for p in root.iterdir())
+    for tokenizer, passes in (("bytes", 1), ("bpe", 2)):
+        calls: list[tuple[int, int]] = []
+        prepare_data(_dir_cfg(root, tokenizer=tokenizer), 512, tmp_path / tokenizer,
+                     progress=lambda done, total: calls.append((done, total)))  # noqa: B023
+        assert calls[-1] == (passes * size, passes * size) and len(calls) > passes
+        assert [d for d, _ in calls] == sorted(d for d, _ in calls)
 
 
 def test_a_user_tokenizer_file_is_used_and_copied(tmp_path: Path) -> None:

@@ -25,9 +25,10 @@ at most 65,536 ids, else uint32, with no header: every training document's token
 document order, then every held-out document's. A text tokenizer with `<|endoftext|>`
 (always "bpe") follows each document with it; the bytes tokenizer has no separator. A text
 file is read and encoded in pieces of about `PIECE_BYTES`, cut only after a newline between
-two visible ASCII characters, where byte-level BPE's pre-tokenizer splits anyway (so the
-pieces encode as the whole file would; a user tokenizer that merges across such a newline
-would differ, deterministically). Everything streams: documents are read lazily, encoded
+two characters that are not whitespace, where byte-level BPE's pre-tokenizer splits anyway
+(so the pieces encode as the whole file would; a user tokenizer that merges across such a
+newline would differ, deterministically; a file with no such newline, CRLF line ends say,
+is one piece). Everything streams: documents are read lazily, encoded
 in batches (`Tokenizer.encode_batch`) and written as they come, held-out ones to a side
 file appended at the end, so memory does not grow with the corpus.
 """
@@ -83,9 +84,10 @@ BPE_MIN_VOCAB = BYTE_VOCAB + 1  # the byte alphabet and <|endoftext|>
 TOKEN_FILE = "tokens.bin"
 TOKENIZER_FILE = "tokenizer.json"
 PIECE_BYTES = 1 << 18  # a text file is read and encoded in pieces of about this size
-BATCH_CHARS = 1 << 22  # text per encode_batch call: enough pieces for every core
+BATCH_CHARS = 1 << 20  # text per encode_batch call: enough pieces for every core
 BATCH_DOCS = 4096
 PARQUET_BATCH_ROWS = 1024
+PROGRESS_BYTES = 1 << 20  # the least progress worth reporting
 _UTF8_LEN = {0xC: 2, 0xD: 2, 0xE: 3, 0xF: 4}  # a UTF-8 sequence's length by its lead byte's top 4 bits
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "__pycache__", "idle_test"}
 
@@ -127,6 +129,8 @@ def dataset_files(cfg: DataConfig) -> list[tuple[str, Path]]:
     taken: list[tuple[str, Path]] = []
     total = 0
     for rel, path in files:
+        if not _encodable(rel):  # a key must be UTF-8, as a UnixFS name must
+            raise ConfigError(f"data: {path!r}: the file's name is not UTF-8")
         size = path.stat().st_size
         if total + size > cfg.max_bytes:
             break  # whole files only; the cap keeps a prefix in sorted order
@@ -444,7 +448,7 @@ def _user_tokenizer(path: Path, vocab_size: int) -> tuple[Tokenizer, bytes]:
 
 
 def _tokenizer(cfg: DataConfig, vocab_size: int, files: list[tuple[str, Path]],
-               held: Callable[[str], bool], report: Callable[[int], None]) -> tuple[Tokenizer, bytes]:
+               held: Callable[[str], bool], report: _Report) -> tuple[Tokenizer, bytes]:
     """The text tokenizer `cfg` names and its tokenizer.json bytes ("bpe": trained here on
     the training split, reading every file once)."""
     if cfg.tokenizer != "bpe":
@@ -476,6 +480,19 @@ def _check_split(train_docs: int, eval_docs: int) -> None:
                           "out for eval)")
     if not train_docs:
         raise ConfigError("data.eval_fraction: every document was held out for eval; lower it")
+
+
+class _Report:
+    """Progress for one pass over the files: `progress(offset + done, total)`, at most once
+    per `PROGRESS_BYTES` read (a progress bar need not redraw for every record)."""
+
+    def __init__(self, progress: Progress, offset: int, total: int) -> None:
+        self.progress, self.offset, self.total, self.last = progress, offset, total, -PROGRESS_BYTES
+
+    def __call__(self, done: int) -> None:
+        if done - self.last >= PROGRESS_BYTES:
+            self.last = done
+            self.progress(self.offset + done, self.total)
 
 
 # --- the token file --------------------------------------------------------------------
@@ -518,7 +535,7 @@ class _TokenSink:
 
 
 def _write_tokens(pieces: Iterator[Piece], held: Callable[[str], bool], tok: Tokenizer | None,
-                  sink: _TokenSink, report: Callable[[int], None]) -> None:
+                  sink: _TokenSink, report: _Report) -> None:
     """Batch the pieces (text up to `BATCH_CHARS`), encode each batch, write it."""
     batch: list[tuple[bool, Any, bool]] = []
     chars = 0
@@ -574,14 +591,14 @@ def _prepare(cfg: DataConfig, vocab_size: int, out_dir: Path, progress: Progress
             raise ConfigError(f"model.vocab_size ({vocab_size}) is smaller than the tokenizer's "
                               f"vocabulary ({BYTE_VOCAB}: byte values)")
     else:
-        tok, blob = _tokenizer(cfg, vocab_size, files, held, lambda done: progress(done, base + size))
+        tok, blob = _tokenizer(cfg, vocab_size, files, held, _Report(progress, 0, base + size))
         _temp(out_dir, TOKENIZER_FILE).write_bytes(blob)
     dtype = token_dtype(vocab_size)
     tokens_tmp, eval_tmp = _temp(out_dir, TOKEN_FILE), _temp(out_dir, "eval")
     with open(tokens_tmp, "wb") as train_f, open(eval_tmp, "w+b") as eval_f:
         sink = _TokenSink((train_f, eval_f), dtype, tok.token_to_id(EOT) if tok is not None else None)
         pieces = _pieces(files, cfg.text_field, decode=tok is not None)
-        _write_tokens(pieces, held, tok, sink, lambda done: progress(base + done, base + size))
+        _write_tokens(pieces, held, tok, sink, _Report(progress, base, base + size))
         eval_f.seek(0)
         shutil.copyfileobj(eval_f, train_f, 1 << 20)
     eval_tmp.unlink()
