@@ -108,15 +108,16 @@ class Lineage:
 
 
 def _plain(value: Any) -> Any:
-    """DAG-CBOR values as JSON-friendly ones (bytes as 0x-hex, CIDs as strings)."""
+    """DAG-CBOR values as JSON-friendly ones (bytes as 0x-hex, CIDs as strings: CIDv1 in
+    base32, as `ipfs add` prints them)."""
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v) for v in value]
     if isinstance(value, bytes | bytearray):
         return "0x" + bytes(value).hex()
-    if isinstance(value, CID):
-        return str(value)
+    if isinstance(value, CID):  # a decoded link prints in its own base: show the canonical one
+        return str(value) if value.version == 0 else value.encode("base32")
     return value
 
 

@@ -108,14 +108,23 @@ class _Skip(Exception):
     """This item cannot be replayed; the message says why."""
 
 
-def job_of(store: Any, config: CID | str) -> Any:
-    """The trainer's JobConfig from a run's config block (chain and storage sections dropped)."""
+def job_of(store: Any, config: CID | str, *, with_data: bool = True) -> Any:
+    """The trainer's JobConfig from a run's config block (chain and storage sections dropped);
+    `with_data`: reading the token file the block names, fetched by CID from `store` (a run
+    that predates recorded data re-reads its corpus as it was configured)."""
     from trainer.config import JobConfig
 
-    job = dict(dag_cbor.decode(store.get(config))["job"])
+    from .datasets import fetch_prepared, record_of_config, with_prepared
+
+    doc = dag_cbor.decode(store.get(config))
+    job = dict(doc["job"])
     job.pop("chain", None)
     job.pop("storage", None)
-    return JobConfig.model_validate(job)
+    cfg = JobConfig.model_validate(job)
+    record = record_of_config(doc) if with_data else None
+    if record is None:
+        return cfg
+    return with_prepared(cfg, fetch_prepared(store, record))
 
 
 def replay_checkpoint(store: Any, checkpoint: CID | str, replicas: list[int] | None = None,
@@ -303,7 +312,7 @@ def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | s
     nxt = get_manifest(store, next_checkpoint)
     if not nxt.replay:
         return
-    job = job_of(store, nxt.config)
+    job = job_of(store, nxt.config, with_data=False)
     for s, stage in enumerate(result.stages):
         if stage.reason:
             continue

@@ -7,12 +7,19 @@ Levels, per committed step (DESIGN.md section 7):
 1. chain: steps are contiguous and each step's parent is the previous checkpoint (the
    genesis for step 1); every attestation's signature, taken from the `commitStep`
    transaction itself, recovers to the node the ledger recorded, a member of the run
-   with stake at that block; the contributions root matches the attested digests.
+   with stake at that block; the contributions root matches the attested digests; from
+   ledger version 2 on, the replicas of each stage co-signed one new shard digest, the
+   step's shards root hashes them, and the manifest's stage links are exactly those
+   (version 1 runs, committed before co-signed shards, are checked under their own typed data).
 2. content: the manifest, its stage shards, every contribution and every round-start
    state are present and hash to their CIDs; the manifest agrees with the chain (step,
    parent, run, config, metrics digest, each slot's contribution digest and data-shard hash).
 3. aggregate: applying the outer step to the parent shards with the published
    contributions reproduces every new shard bit for bit.
+   data: the dataset, tokenizer and token file the run's config names are in the store
+   and hash to their CIDs, and each (step, replica) shard re-derived from the token file
+   has the attested `dataShard` digest (lineage/datasets.py); with `data_full`, the stored
+   dataset re-tokenized with the recorded tokenizer gives the token file's CID again.
 4. replay (`replay` > 0, a fraction of the (step, replica) pairs, sampled deterministically
    from the head's CID, at least one): re-running the replica's inner steps from its
    published start state reproduces its contributions (lineage/replay.py: exact on the
@@ -47,7 +54,7 @@ from eth_utils import keccak
 
 from trainer.errors import ConfigError
 
-from .attest import ContributionClaim, Domain
+from .attest import ContributionClaim, Domain, expand_signature
 from .blockstore import Blockstore
 from .chain import StepRecord
 from .cid import DAG_CBOR, block_name, cid_from_digest, digest_of
@@ -57,7 +64,8 @@ from .query import open_ledger
 from .runrecord import RunRecord
 from .unixfs import check_file, file_cid, read_bytes
 
-LEVELS = ("chain", "content", "aggregate")
+DATA = "data"
+LEVELS = ("chain", "content", "aggregate", DATA)
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
 
 #: (store, [(checkpoint CID, replica)], tolerance) -> results; lineage.replay.replay_many by
@@ -112,9 +120,11 @@ def _check(cond: bool, reason: str | Callable[[], str]) -> None:
 
 
 def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = LEVELS,
-               replay: float = 0.0, tolerance: float = 0.0, replayer: Replayer | None = None) -> RunReport:
+               replay: float = 0.0, tolerance: float = 0.0, replayer: Replayer | None = None,
+               data_full: bool = False) -> RunReport:
     """Audit a run (levels above); `replay` is the fraction of (step, replica) pairs to
-    replay, `tolerance` the relative L2 a replay may differ by (0: bit for bit)."""
+    replay, `tolerance` the relative L2 a replay may differ by (0: bit for bit);
+    `data_full` also re-tokenizes the dataset (a run-level check)."""
     if not 0.0 <= replay <= 1.0 or math.isnan(replay):
         raise ConfigError(f"--replay must be a fraction between 0 and 1 (got {replay:g})")
     if not 0.0 <= tolerance < math.inf:
@@ -130,13 +140,13 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             calls = ledger.commit_calls(steps)
             calldata = {s.step: calls[s.tx] for s in steps}
             stakes = ledger.stakes_at((a["node"], s.block) for s in steps for a in s.attestations)
-        domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+        domain = ledger.domain  # its version fixes the typed data the steps were signed under
         checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
         pruned = _pruned(store, run_dir, checkpoints[-1] if steps else None, ledger, record.run_id)
     genesis = cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)
     work = _Work(store, steps, [genesis, *checkpoints], record.run_id,
                  cid_from_digest(bytes(created["configDigest"]), DAG_CBOR),
-                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv != "chain"),
+                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv not in ("chain", DATA)),
                  pruned.blocks)
     members = set(created["nodes"])
     with _levels_2_3_started(work) as results:  # in worker processes, while level 1 runs here
@@ -145,16 +155,23 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
             try:
                 _verify_chain(rec, i + 1, work.checkpoints[i], calldata[rec.step], domain,
                               record.run_id, members, stakes, work.R, work.S)
+                if domain.version != "1":  # co-signed shards exist from ledger version 2 on
+                    _verify_cosigned(store, rec, checkpoints[i], calldata[rec.step]["attestations"], work.S)
                 chain.append(None)
             except (_Fail, DlxError) as exc:
                 chain.append(str(exc))
-    report = RunReport(record.run_id, [])
+    data = _verify_data(store, work.config, steps, data_full) if DATA in levels or data_full else _Data()
+    report = RunReport(record.run_id, [], run_failures=list(data.run_failures))
     if not steps:  # nothing to vouch for: a run that committed no step is not "verified"
         report.run_failures.append(f"no committed steps (run.json status: {record.status})")
     for i, rec in enumerate(steps):
         sr = StepReport(rec.step, str(checkpoints[i]), unavailable=dict(pruned.unavailable.get(rec.step, {})))
         for level in levels:
-            failure = chain[i] if level == "chain" else results[i][level]
+            if level == DATA and data.unavailable:
+                sr.unavailable[DATA] = data.unavailable
+                continue
+            failure = chain[i] if level == "chain" else data.failures.get(rec.step) if level == DATA \
+                else results[i][level]
             if failure is None:
                 sr.passed.append(level)
             else:
@@ -167,6 +184,43 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if replay > 0 and steps:
         _verify_replay(store, report, steps, work.R, replay, tolerance, replayer, pruned.starts_gone)
     return report
+
+
+@dataclass
+class _Data:
+    """The data level's findings: step -> first failure; or why it cannot be checked."""
+
+    failures: dict[int, str] = field(default_factory=dict)
+    unavailable: str | None = None
+    run_failures: list[str] = field(default_factory=list)  # --data-full's
+
+
+def _verify_data(store: Any, config: Any, steps: list[StepRecord], full: bool) -> _Data:
+    """The data level of every step, and with `full` the re-tokenization (lineage.datasets)."""
+    from .datasets import (
+        check_shards,
+        check_stored,
+        check_tokenization,
+        fetch_prepared,
+        record_of_config,
+    )
+    from .replay import job_of
+
+    try:
+        doc = dag_cbor.decode(store.get(config))
+        record = record_of_config(doc)
+    except DlxError as exc:
+        return _Data({s.step: f"config {config}: {exc}" for s in steps})
+    if record is None:
+        return _Data(unavailable="the run predates recorded data: its config names no token file")
+    job = job_of(store, config, with_data=False)
+    problems = check_stored(store, record)
+    if problems:
+        return _Data({s.step: problems[0] for s in steps}, run_failures=problems if full else [])
+    prepared = fetch_prepared(store, record)
+    attested = [(s.step, int(a["replica"]), bytes(a["dataShard"])) for s in steps for a in s.attestations]
+    return _Data(check_shards(prepared, job, attested),
+                 run_failures=check_tokenization(store, record, job) if full else [])
 
 
 @dataclass(frozen=True)
@@ -196,7 +250,7 @@ def _pruned(store: Any, run_dir: Path, head: Any, ledger: Any, run_id: int) -> _
         return _Pruned()
     from .replay import job_of
 
-    sync = job_of(store, hist[-1].config).outer.rule == "sync"
+    sync = job_of(store, hist[-1].config, with_data=False).outer.rule == "sync"
 
     def lost(cids: Any) -> bool:
         return any(block_name(c)[0] in gone for c in cids)
@@ -383,14 +437,15 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
     _check(len(atts) == R * S, f"{len(atts)} attestations for {R * S} slots")
     _check(len(rec.attestations) == R * S, f"{len(rec.attestations)} attestation events for {R * S} slots")
     for slot, (att, event) in enumerate(zip(atts, sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"])), strict=True)):
-        replica, stage, contribution, data_shard, code, loss, signature = (
-            att["replica"], att["stage"], att["contribution"], att["dataShard"], att["codeHash"],
-            att["lossMicros"], att["signature"])
+        replica, stage = att["replica"], att["stage"]
         _check((replica, stage) == divmod(slot, S), f"attestation {slot} is for slot ({replica}, {stage})")
-        claim = ContributionClaim(run_id, rec.step, replica, stage, rec.parent, bytes(contribution),
-                                  bytes(data_shard), bytes(code), int(loss))
+        claim = ContributionClaim(run_id, rec.step, replica, stage, rec.parent, bytes(att["contribution"]),
+                                  bytes(att["dataShard"]), bytes(att["codeHash"]), int(att["lossMicros"]),
+                                  bytes(att.get("newShard", bytes(32))))
         try:
-            signer = claim.recover(domain, bytes(signature))
+            # Version 1 took 65-byte signatures; version 2 takes EIP-2098's (r, vs).
+            signature = bytes(att["signature"]) if "signature" in att else expand_signature(att["r"], att["vs"])
+            signer = claim.recover(domain, signature)
         except Exception:  # eth_keys raises several types for malformed signatures
             raise _Fail(f"slot ({replica}, {stage}): malformed signature") from None
         _check(signer == event["node"], f"slot ({replica}, {stage}): signature recovers to {signer}, "
@@ -399,6 +454,29 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
         _check(stakes[(event["node"], rec.block)] > 0, f"slot ({replica}, {stage}): {signer} had no stake")
     root = keccak(b"".join(bytes(a["contribution"]) for a in atts))
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
+
+
+def _verify_cosigned(store: Blockstore, rec: StepRecord, checkpoint: Any, atts: list[dict[str, Any]],
+                     S: int) -> None:
+    """Level 1 from ledger version 2 on: every replica of a stage co-signed one new shard
+    digest, the step's shards root hashes them, and the manifest links exactly those shards
+    (a coordinator can commit nothing but what the replicas computed)."""
+    shards = [bytes(atts[s]["newShard"]) for s in range(S)]
+    for slot, att in enumerate(atts):
+        r, s = divmod(slot, S)
+        _check(bytes(att["newShard"]) == shards[s], lambda r=r, s=s, att=att: (
+            f"stage {s}: replica {r} co-signed shard 0x{bytes(att['newShard']).hex()[:16]}.., "
+            f"replica 0 0x{shards[s].hex()[:16]}.."))
+    _check(rec.shards_root == keccak(b"".join(shards)), "shards root does not match the co-signed shards")
+    try:
+        links = get_manifest(store, checkpoint).stages
+    except DlxError as exc:
+        raise _Fail(f"manifest unreadable, so its shard links cannot be checked: {exc}") from None
+    _check(len(links) == S, f"{len(links)} stage shards for {S} stages")
+    for s, cid in enumerate(links):
+        _check(digest_of(cid) == shards[s], lambda s=s, cid=cid: (
+            f"stage {s}: the manifest links shard {cid}, not the one its replicas co-signed "
+            f"(0x{shards[s].hex()[:16]}..)"))
 
 
 def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int, prev: Any, config: Any,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,19 @@ import pytest
 
 from lineage.anvil import Anvil, dev_accounts
 from lineage.chain import Chain, Ledger
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_cache(tmp_path_factory):
+    """Tests (and the processes they start) tokenize into a data cache of their own, never
+    the user's (~/.cache/dlx): `DLX_CACHE`, shared by the session."""
+    old = os.environ.get("DLX_CACHE")
+    os.environ["DLX_CACHE"] = str(tmp_path_factory.mktemp("dlx-cache"))
+    yield Path(os.environ["DLX_CACHE"])
+    if old is None:
+        os.environ.pop("DLX_CACHE", None)
+    else:
+        os.environ["DLX_CACHE"] = old
 
 
 @pytest.fixture(scope="module")

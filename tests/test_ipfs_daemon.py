@@ -215,7 +215,7 @@ def test_a_run_stored_in_the_daemon_trains_and_verifies(daemon, tmp_path, small_
                          text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
-    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate"]] * 2
+    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data"]] * 2
     head = json.loads((run_dir / "run.json").read_text())["head"]
     assert IpfsStore(daemon.api).has(head)
 

@@ -87,7 +87,9 @@ def test_export_loads_in_transformers_with_the_head_checkpoints_logits(run, tmp_
     lineage = json.loads((out / "lineage.json").read_text())
     assert lineage == {"tokenizer": "bytes", "run": record["run_id"], "name": "hf-cli", "step": 2,
                        "checkpoint": record["head"], "parent": lineage["parent"], "config": record["config"],
-                       "ledger": record["ledger"], "chain_id": record["chain_id"]}
+                       "ledger": record["ledger"], "chain_id": record["chain_id"], "data": lineage["data"]}
+    assert lineage["data"]["tokenizer"] == "bytes" and lineage["data"]["tokens"].startswith("baf")
+    assert not (out / "tokenizer.json").exists()  # a byte vocabulary needs no tokenizer files
     cp, ours = _ours(run_dir)
     assert str(cp.cid) == record["head"] and len(cp.manifest.stages) == 2
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

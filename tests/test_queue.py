@@ -108,7 +108,7 @@ def _the_verify_queue_replays_the_run_on_the_workers(stack: Path, run_dir: str, 
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr
     report = json.loads(res.stdout)
     assert sorted((r["step"], r["replica"]) for r in report["replay"]) == [(1, 0), (1, 1), (2, 0), (2, 1)]
-    assert all(s["passed"] == ["chain", "content", "aggregate", "replay"] for s in report["steps"]), report
+    assert all(s["passed"] == ["chain", "content", "aggregate", "data", "replay"] for s in report["steps"]), report
     bad = replay_via_queue(s.redis_url, s.blocks, [(lineage["steps"][0]["checkpoint"], 5)], timeout=120)
     assert not bad[0]["ok"] and "no replica 5" in bad[0]["error"]
     with pytest.raises(ReplayQueueError, match="no worker consumes the verify queue"):

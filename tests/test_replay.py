@@ -128,7 +128,7 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads(res.stdout)
     assert report["ok"] and report["replay_seconds"] > 0
-    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "replay"]] * 3
+    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data", "replay"]] * 3
     assert sorted((r["step"], r["replica"]) for r in report["replay"]) == [(t, r) for t in (1, 2, 3) for r in (0, 1)]
     for r in report["replay"]:
         assert r["ok"] and r["seconds"] > 0 and not r["error"]
@@ -193,7 +193,7 @@ def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run,
     res = dlx("verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json")
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads(res.stdout)
-    assert report["ok"] and [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "replay"]] * 3
+    assert report["ok"] and [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data", "replay"]] * 3
     assert all(s["exact"] for r in report["replay"] for s in r["stages"]) and len(report["replay"]) == 6
     m2, m3 = steps[2], steps[3]
     assert [len(row) for row in m2.replay] == [2, 2]

@@ -148,7 +148,7 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
     monkeypatch.setattr(V, "MIN_STEPS_PER_WORKER", 1)
     monkeypatch.setattr(V.os, "cpu_count", lambda: 3)
     forked = V.verify_run(run_dir).as_json()
-    assert forked["ok"] and [s["passed"] for s in forked["steps"]] == [["chain", "content", "aggregate"]] * 3
+    assert forked["ok"] and [s["passed"] for s in forked["steps"]] == [["chain", "content", "aggregate", "data"]] * 3
 
     # a kept block the policy needs is still a failure when gone
     gone = hist[3].stages[0]

@@ -50,7 +50,7 @@ def test_an_honest_run_passes_chain_content_and_aggregate(trained_run):
     assert code == 0, report
     assert report["ok"] and len(report["steps"]) == 3
     for step in report["steps"]:
-        assert step["passed"] == ["chain", "content", "aggregate"]
+        assert step["passed"] == ["chain", "content", "aggregate", "data"]
 
 
 @pytest.mark.slow

@@ -433,29 +433,38 @@ def load_init_weights(module: nn.Module, init_dir: str) -> None:
 
 # -- exporting ----------------------------------------------------------------------------
 
-def write_hf_dir(out: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], lineage: dict[str, Any]) -> None:
+def write_hf_dir(out: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], lineage: dict[str, Any],
+                 tokenizer: bytes | None = None) -> None:
     """Write a Hugging Face model directory at `out`: config.json, model.safetensors
-    (transformers' names, float32, contiguous), generation_config.json and lineage.json
-    (`lineage`, plus "tokenizer": "bytes": a byte vocabulary needs no tokenizer files, so
-    none are written). `params` are the full model's (our names). `out` must not exist or
-    be an empty directory; everything is written in a temporary directory renamed into
-    place, so a failure leaves nothing behind."""
+    (transformers' names, float32, contiguous), generation_config.json, lineage.json
+    (`lineage`, plus "tokenizer") and, with `tokenizer` (a tokenizer.json's bytes, as the run
+    trained with), tokenizer.json and tokenizer_config.json, so `AutoTokenizer` loads it; a
+    byte vocabulary ("tokenizer": "bytes") needs no tokenizer files, and none are written.
+    `params` are the full model's (our names). `out` must not exist or be an empty
+    directory; everything is written in a temporary directory renamed into place, so a
+    failure leaves nothing behind."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty")
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in to_hf(params, cfg).items()}
-    files = {
+    eos = _eos_id(tokenizer)
+    files: dict[str, Any] = {
         "config.json": hf_config(cfg),
         "generation_config.json": {
-            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+            "bos_token_id": None, "eos_token_id": eos, "pad_token_id": None,
             "do_sample": True, "temperature": 0.8, "top_k": 50, "max_length": cfg.seq_len,
         },
-        "lineage.json": {"tokenizer": "bytes", **lineage},
+        "lineage.json": {"tokenizer": "bytes" if tokenizer is None else "tokenizer.json", **lineage},
     }
+    if tokenizer is not None:
+        files["tokenizer_config.json"] = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": cfg.seq_len,
+                                          **({"eos_token": EOS_TOKEN} if eos is not None else {})}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_file(dict(sorted(tensors.items())), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        if tokenizer is not None:
+            (tmp / "tokenizer.json").write_bytes(tokenizer)  # byte for byte the file the run recorded
         for name, doc in files.items():
             (tmp / name).write_text(json.dumps(doc, indent=2) + "\n")
         os.rename(tmp, out)  # replaces an empty directory; refuses a non-empty one
@@ -465,3 +474,17 @@ def write_hf_dir(out: Path, cfg: ModelConfig, params: dict[str, torch.Tensor], l
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+EOS_TOKEN = "<|endoftext|>"  # the document separator of the token files (trainer.dataset)
+
+
+def _eos_id(tokenizer: bytes | None) -> int | None:
+    """The id of `<|endoftext|>` among a tokenizer.json's added tokens, if it has one."""
+    if tokenizer is None:
+        return None
+    try:
+        added = json.loads(tokenizer).get("added_tokens", [])
+    except (ValueError, AttributeError):
+        raise ConfigError("the run's tokenizer.json is not JSON") from None
+    return next((t["id"] for t in added if isinstance(t, dict) and t.get("content") == EOS_TOKEN), None)

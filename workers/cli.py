@@ -122,11 +122,16 @@ def train(
         job = load_job_file(job_file)  # validated before anything heavy is imported or started
 
     from trainer.launch import check_local
+    from workers.cli_data import ticking
     from workers.console import Ticker, console, human_seconds, megabytes
     from workers.local import Callbacks, default_run_dir, preflight, resume_job, run_job
 
     run_dir = resume or run_dir or default_run_dir(job)
-    device = check_local(job) if resume else preflight(job, run_dir, rpc)
+    if resume:
+        device = check_local(job)
+    else:
+        with Ticker("data", 0) as data_bar:  # tokenizing, where this machine has not yet
+            device = preflight(job, run_dir, rpc, data_progress=ticking(data_bar))
     err, out = console(stderr=True), console()
     T, H = job.outer.steps, job.outer.inner_steps
     bar = Ticker("train", T * H)
@@ -174,9 +179,11 @@ def verify(
     tolerance: Annotated[float, typer.Option("--tolerance", help="Relative L2 a replayed contribution may differ by (default 0: bit for bit, as on the machine class that trained).")] = 0.0,
     queue: Annotated[bool, typer.Option("--queue", help="Fan the replays out to the workers' `verify` queue (Redis from --stack or DLX_REDIS_URL) instead of replaying here.")] = False,
     stack_dir: Annotated[Path, typer.Option("--stack", help="The local stack's directory (`dlx up`), for --queue.")] = Path(".dlx"),
+    data_full: Annotated[bool, typer.Option("--data-full", help="Also re-tokenize the stored dataset with the recorded tokenizer and check it gives the token file's CID.")] = False,
 ) -> None:
     """Audit every committed step: chain (links, signatures, stakes), content (every block
-    present and matching its CID), aggregate (outer step recomputed bit for bit), and with
+    present and matching its CID), aggregate (outer step recomputed bit for bit), data (each
+    replica's shard re-derived from the stored token file has the attested digest), and with
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
@@ -187,7 +194,7 @@ def verify(
     ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
     with ticker or nullcontext():
         report = verify_run(run_dir, rpc, replay=replay, tolerance=tolerance,
-                            replayer=_ticking(ticker, replayer) if ticker else None)
+                            replayer=_ticking(ticker, replayer) if ticker else None, data_full=data_full)
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:
@@ -255,6 +262,7 @@ def _queue_replayer(run_dir: Path, stack_dir: Path):
 
 
 app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  # dlx cas ...
+app.add_typer(__import__("workers.cli_data", fromlist=["app"]).app, name="data")  # dlx data prepare
 
 
 __import__("workers.cli_jobs", fromlist=["register"]).register(app, user_errors)  # worker, submit, status, ...

@@ -300,6 +300,11 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
     refuse_what_the_workers_cannot_serve(job, stack, store)
+    from lineage.blockstore import Blockstore
+    from lineage.datasets import prepare_dataset
+
+    # Tokenized here, once; every rank fetches the token file by CID from the stack's store.
+    data, _ = prepare_dataset(job.data, job.model.vocab_size, Blockstore(stack.blocks).put)
     job_id = store.create({
         # `[model] init` paths are the job file's; the rank tasks resolve them from here.
         "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
@@ -308,6 +313,7 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
         "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
         "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,
+        "data": data.to_json(),
     })
     store.update(job_id, run_dir=str(stack.runs / job_id))
     _send_ranks(stack.redis_url, job_id, job.world_size, attempt=1)

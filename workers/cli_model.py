@@ -10,8 +10,10 @@ A checkpoint is its manifest's CID; `--run-dir` takes the head from the run's ru
 model is the union of the stage shards' `param/` tensors (the outer momentum is not part
 of a model) under the job configuration the manifest links. `export` writes the
 directory `trainer.hf.write_hf_dir` describes, with lineage.json naming the run, step,
-checkpoint, ledger and chain; `generate` streams the model's continuation of a UTF-8
-prompt (byte tokens) to stdout (`trainer.generate`). Blocks come from `--store DIR`,
+checkpoint, ledger and chain; `generate` streams the model's continuation of a
+prompt to stdout (`trainer.generate`). A run with a tokenizer (lineage.datasets) exports it
+as tokenizer.json (with tokenizer_config.json, for `AutoTokenizer`), and `generate` encodes
+and decodes with it; a byte-level run uses UTF-8 bytes. Blocks come from `--store DIR`,
 `--ipfs-api ADDR`, the run directory, or $DLX_STORE / $DLX_IPFS_API, as for `dlx lineage`.
 """
 
@@ -38,6 +40,8 @@ class Checkpoint:
     job: Any  # trainer.config.JobConfig
     params: dict[str, Any]  # the full model's parameters (our names), float32
     record: Any = None  # lineage.runrecord.RunRecord, when found through --run-dir
+    data: Any = None  # lineage.datasets.DataRecord of the run's config (None: it predates them)
+    tokenizer: bytes | None = None  # the run's tokenizer.json (None: byte tokens)
 
     def lineage(self) -> dict[str, Any]:
         """What lineage.json says of where the model came from."""
@@ -51,6 +55,7 @@ class Checkpoint:
             "config": str(m.config),
             "ledger": r.ledger if r is not None else None,
             "chain_id": r.chain_id if r is not None else None,
+            **({"data": self.data.to_json()} if self.data is not None else {}),
         }
 
 
@@ -85,7 +90,21 @@ def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
     if step is not None:
         cid, manifest = _walk_to(blocks, cid, manifest, step)
     job = _job(blocks, manifest.config)
-    return Checkpoint(cid, manifest, job, _params(blocks, manifest), record)
+    data, tokenizer = _tokenizer(blocks, manifest.config)
+    return Checkpoint(cid, manifest, job, _params(blocks, manifest), record, data, tokenizer)
+
+
+def _tokenizer(blocks: Any, config: Any) -> tuple[Any, bytes | None]:
+    """The run's data record and tokenizer.json bytes (read by CID, re-hashed)."""
+    import dag_cbor
+
+    from lineage.datasets import record_of_config
+    from lineage.unixfs import read_bytes
+
+    data = record_of_config(dag_cbor.decode(blocks.get(config)))
+    if data is None or data.tokenizer is None:
+        return data, None
+    return data, read_bytes(blocks, data.tokenizer)
 
 
 def _manifest(blocks: Any, cid: Any) -> Any:
@@ -121,7 +140,7 @@ def _job(blocks: Any, config: Any) -> Any:
     from trainer.config import one_line
 
     try:
-        return job_of(blocks, config)
+        return job_of(blocks, config, with_data=False)
     except ValidationError as err:
         raise _error(f"the checkpoint's job configuration {config} is invalid: {one_line(err)}") from None
     except (KeyError, TypeError, ValueError) as exc:
@@ -150,6 +169,41 @@ def _params(blocks: Any, manifest: Any) -> dict[str, Any]:
                     raise _error(f"parameter {name} is in more than one stage shard")
                 params[name] = t
     return params
+
+
+def _text_codec(tokenizer: bytes | None, prompt: str, out: Any) -> tuple[list[int], Any, Any]:
+    """The prompt's token ids, a callback writing each generated token's text to `out` as
+    soon as it is whole, and one ending the line: byte tokens without a tokenizer, else the
+    run's own tokenizer (text emitted as the decoded sequence grows)."""
+    if tokenizer is None:
+        decoder = _decoder()
+
+        def emit_byte(token: int) -> None:
+            # Tokens past the byte range (a larger vocabulary) stand for no text.
+            text = decoder.decode(bytes([token])) if token < 256 else "\ufffd"
+            out.write(text)
+            out.flush()
+
+        return list(prompt.encode("utf-8")), emit_byte, lambda: out.write(decoder.decode(b"", final=True) + "\n")
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(tokenizer.decode("utf-8"))
+    generated: list[int] = []
+    shown = [""]
+
+    def emit(token: int) -> None:
+        generated.append(token)
+        text = tok.decode(generated)
+        if not text.endswith("\ufffd"):  # a character still waiting for its last byte
+            out.write(text[len(shown[0]):])
+            out.flush()
+            shown[0] = text
+
+    def finish() -> None:
+        out.write(tok.decode(generated)[len(shown[0]):] + "\n")
+        out.flush()
+
+    return tok.encode(prompt).ids, emit, finish
 
 
 def _decoder() -> Any:
@@ -187,7 +241,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
             cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
             from trainer.hf import write_hf_dir
 
-            write_hf_dir(output, cp.job.model, cp.params, cp.lineage())
+            write_hf_dir(output, cp.job.model, cp.params, cp.lineage(), tokenizer=cp.tokenizer)
         sys.stderr.write(f"exported step {cp.manifest.step} ({cp.cid}) of run {cp.lineage()['run']}\n")
         sys.stdout.write(f"{output}\n")
 
@@ -195,8 +249,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     @user_errors
     def generate(
         target: TargetArg = None,
-        prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (UTF-8; each byte is a token).")] = "",
-        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="How many tokens (bytes) to generate.")] = 200,
+        prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (encoded with the run's tokenizer; one token per UTF-8 byte where it has none).")] = "",
+        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="How many tokens to generate.")] = 200,
         temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature; 0 is greedy.")] = 0.8,
         top_k: Annotated[int, typer.Option("--top-k", help="Sample among the K likeliest tokens.")] = 50,
         seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler: the same seed gives the same text.")] = 0,
@@ -222,18 +276,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
 
         model = build_model(cp.job.model, cp.job.seed)
         load_params(model, cp.params)
-        decoder = _decoder()
-        out = sys.stdout
-
-        def emit(token: int) -> None:
-            # Tokens past the byte range (a larger vocabulary) stand for no text.
-            text = decoder.decode(bytes([token])) if token < 256 else "\ufffd"
-            if text:
-                out.write(text)
-                out.flush()
-
-        out.write(prompt)
-        out.flush()
-        sample(model, list(prompt.encode("utf-8")), max_new_tokens, temperature, top_k, seed, emit)
-        out.write(decoder.decode(b"", final=True) + "\n")
-        out.flush()
+        ids, emit, finish = _text_codec(cp.tokenizer, prompt, sys.stdout)
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+        sample(model, ids, max_new_tokens, temperature, top_k, seed, emit)
+        finish()

@@ -16,7 +16,6 @@ from the last step committed on chain, as `dlx resume JOB` does for the queue.
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import os
 import shutil
@@ -25,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -37,13 +36,13 @@ from lineage.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts
 from lineage.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain import Chain, Ledger, artifact
 from lineage.cid import DAG_CBOR, cid_from_digest
+from lineage.datasets import prepare_dataset, with_prepared
 from lineage.manifest import get_manifest
 from lineage.retention import Retention
 from lineage.runrecord import RunRecord
 from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
-from trainer.data import corpus_digest
 from trainer.errors import ConfigError
 from trainer.launch import check_local, stop_event, train_local
 
@@ -143,12 +142,14 @@ def refuse_cheat_off_local_chain(job: JobConfig, rpc: str | None, chain_id: int 
                                  *, queue: bool = False) -> None:
     """A job with a `[cheat]` section (test-only misbehaviour) runs only on a local chain:
     the embedded anvil (no RPC URL), or chain id 31337 on a loopback host. `chain_id` is
-    asked of the chain when not given. The job queue (`queue`) has no equivocate mode:
-    there each node signs in its own worker, and only `dlx train` holds every slot's key."""
+    asked of the chain when not given. The job queue (`queue`) has no signer modes
+    (equivocate, equivocate_result, shared_key): there each node signs in its own worker,
+    and only `dlx train` holds every slot's key."""
     if not job.cheat:
         return
-    if queue and any(c.mode == "equivocate" for c in job.cheat):
-        raise ConfigError("cheat: mode 'equivocate' runs only under `dlx train`, not the job queue")
+    for c in job.cheat:
+        if queue and c.mode in cheat.SIGNER_MODES:
+            raise ConfigError(f"cheat: mode {c.mode!r} runs only under `dlx train`, not the job queue")
     if rpc is None:
         return
     refusal = f"cheat: refused on {rpc}: cheating nodes run only on a local chain " \
@@ -167,7 +168,8 @@ def refuse_cheat_off_local_chain(job: JobConfig, rpc: str | None, chain_id: int 
 def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, job: JobConfig,
                         run_dir: Path) -> Signer:
     """Test-only cheat: sign as `sign` does, and for each equivocating slot also sign a
-    second claim that differs only in its contribution digest; both signed claims go to
+    second claim that differs only in its contribution digest (equivocate) or its co-signed
+    shard digest (equivocate_result, `cheat.second_claim`); both signed claims go to
     <run dir>/equivocation/step-N-a.json (the one committed) and step-N-b.json."""
     S = job.parallel.stages
 
@@ -176,7 +178,7 @@ def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, 
         for replica, stage in cheat.equivocating_slots(job, step):
             slot = replica * S + stage
             honest = claims[slot]
-            other = replace(honest, contribution=hashlib.sha256(honest.contribution).digest())
+            other = cheat.second_claim(job, step, honest)
             out = run_dir / EQUIVOCATION_DIR
             out.mkdir(exist_ok=True)
             SignedClaim(domain, honest, signatures[slot]).save(out / f"step-{step}-a.json")
@@ -208,11 +210,14 @@ def check_chain(job: JobFile, rpc: str | None) -> None:
         chain.require_funds(address, stake, "chain.stake_wei: a stake")
 
 
-def preflight(job: JobFile, run_dir: Path, rpc: str | None) -> str:
-    """Check everything that can fail cheaply, before anything is created or started;
-    returns the device the ranks will use, with why (`trainer.launch.check_local`)."""
+def preflight(job: JobFile, run_dir: Path, rpc: str | None,
+              data_progress: Callable[[str, int, int], None] | None = None) -> str:
+    """Check everything that can fail cheaply, before anything is created or started, and
+    tokenize the data (once per machine: lineage.datasets); returns the device the ranks
+    will use, with why (`trainer.launch.check_local`)."""
     check_run_dir(run_dir)
     device = check_local(job)
+    prepare_dataset(job.data, job.model.vocab_size, progress=data_progress)  # bad data: nothing written
     refuse_cheat_off_local_chain(job, rpc or job.chain.rpc, job.chain.chain_id)
     check_chain(job, rpc)  # it answers, has the job's chain id, and the node keys can pay
     if (rpc or job.chain.rpc) is None:
@@ -341,23 +346,25 @@ def _open_chain(stack: ExitStack, state: Path | None, rpc: str | None, chain_id:
 
 def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submitter: LocalAccount,
           slot_keys: list[LocalAccount], cb: Callbacks) -> LedgerSink:
-    training = job.training_config()
+    store = record.open_store(run_dir)
+    data, prepared = prepare_dataset(job.data, job.model.vocab_size, store.put)  # tokenized in preflight
+    training = with_prepared(job.training_config(), prepared)
     config = {
         # A cheat stays out of the record: a cheating node does not announce itself.
         "job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),
-        "corpus": corpus_digest(training.data),
+        "data": data.to_doc(),
         "code": code_hash(),
     }
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    signer = local_signer(slot_keys, domain)
+    signer = local_signer(slot_keys, domain, training)
     if training.cheat:
         signer = equivocating_signer(signer, slot_keys, domain, training, run_dir)
     return LedgerSink(
-        job=training, config=config, store=record.open_store(run_dir), ledger=ledger,
+        job=training, config=config, store=store, ledger=ledger,
         submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
         run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
-        on_progress=cb.progress,
+        independence=job.chain.independence, on_progress=cb.progress,
         on_committed=Retention.for_job(job, record.open_store(run_dir), ledger, record, cb.committed),
         tracking=job.tracking,
     )

@@ -34,7 +34,7 @@ from typing import Any
 from celery.utils.log import get_task_logger
 
 from lineage.anvil import free_port
-from lineage.attest import ContributionClaim, Domain, loss_micros
+from lineage.attest import ContributionClaim, Domain, loss_micros, shard_digest
 
 from .celery_app import app, redis_url
 from .jobs import TERMINAL, WORKER_PATIENCE_S, JobError, JobStore, connect
@@ -95,13 +95,13 @@ def _claim_json(c: ContributionClaim) -> dict[str, Any]:
     return {"run_id": c.run_id, "step": c.step, "replica": c.replica, "stage": c.stage,
             "parent": c.parent.hex(), "contribution": c.contribution.hex(),
             "data_shard": c.data_shard.hex(), "code_hash": c.code_hash.hex(),
-            "loss_micros": c.loss_micros}
+            "loss_micros": c.loss_micros, "new_shard": c.new_shard.hex()}
 
 
 def _claim_from_json(d: dict[str, Any]) -> ContributionClaim:
     return ContributionClaim(d["run_id"], d["step"], d["replica"], d["stage"], bytes.fromhex(d["parent"]),
                              bytes.fromhex(d["contribution"]), bytes.fromhex(d["data_shard"]),
-                             bytes.fromhex(d["code_hash"]), d["loss_micros"])
+                             bytes.fromhex(d["code_hash"]), d["loss_micros"], bytes.fromhex(d["new_shard"]))
 
 
 @app.task(bind=True, name="workers.tasks.run_rank", acks_late=True)
@@ -203,7 +203,8 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     if rank == 0:
         store.update(job_id, state="running", nodes=nodes, world=world)
 
-    sink = _rank0_sink(store, job_id, attempt, rec, job, me, nodes) if rank == 0 else None
+    training = _training_config(rec, job)  # the token file fetched by CID from the run's store
+    sink = _rank0_sink(store, job_id, attempt, rec, job, training, me, nodes) if rank == 0 else None
     start = _resume_point(rec, job, rank) if rec.get("resume_from") else None
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
@@ -212,9 +213,9 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
 
     gpu = _GPUS.take()
     control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
-                          cancellable=True, start=start, emit_contributions=True,
+                          cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
                           timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu)
-    proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", job.training_config(), events, control),
+    proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", training, events, control),
                        kwargs={"log": str(rank_log(rec["run_dir"], rank, attempt))}, daemon=False)
     try:
         proc.start()
@@ -383,21 +384,41 @@ def _attest_pending(store: JobStore, job_id: str, attempt: int, rank: int, me: N
             return
         mine = pending.pop(step)
         claim = _claim_from_json(claim_d)
-        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), divmod(rank, int(rec["stages"])))
-        got = (claim.contribution, claim.data_shard, claim.loss_micros, (claim.replica, claim.stage))
+        # The shard digest too: this rank co-signs only the new stage shard it computed itself.
+        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard,
+                    divmod(rank, int(rec["stages"])))
+        got = (claim.contribution, claim.data_shard, claim.loss_micros, claim.new_shard, (claim.replica, claim.stage))
         if expected != got:
             raise JobError(f"rank {rank} refuses to attest step {step}: rank 0's claim differs from its own work")
         store.put_signature(job_id, attempt, step, rank, claim.sign(domain, me.account.key))
 
 
-def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, me: NodeIdentity,
-                nodes: list[str]) -> Any:
+def _blocks(rec: dict[str, Any]) -> Path:
+    """The run's blockstore directory (the stack's, shared by its workers)."""
+    return Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"]
+
+
+def _training_config(rec: dict[str, Any], job: Any) -> Any:
+    """The job's training config, reading the token file the job record names, fetched by
+    CID from the run's store into this worker's data cache (re-hashed: a node trains on the
+    data named on chain or not at all). A job queued before data records: as configured."""
+    from lineage.blockstore import Blockstore
+    from lineage.datasets import DataRecord, fetch_prepared, with_prepared
+
+    training = job.training_config()
+    if "data" not in rec:
+        return training
+    return with_prepared(training, fetch_prepared(Blockstore(_blocks(rec)), DataRecord.from_doc(rec["data"])))
+
+
+def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, training: Any,
+                me: NodeIdentity, nodes: list[str]) -> Any:
     from lineage.blockstore import Blockstore
     from lineage.chain import Chain, Ledger
+    from lineage.datasets import DataRecord
     from lineage.retention import Retention
     from lineage.runrecord import RunRecord
     from trainer.artifacts import code_hash
-    from trainer.data import corpus_digest
     from workers.sink import LedgerSink
 
     chain = Chain(rec["rpc"], int(rec["chain_id"]))
@@ -410,16 +431,15 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
                            stack=rec.get("stack"))
-    training = job.training_config()
     config = {"job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),  # a cheat stays unrecorded
-              "corpus": corpus_digest(training.data), "code": code_hash()}
+              **({"data": DataRecord.from_doc(rec["data"]).to_doc()} if "data" in rec else {}), "code": code_hash()}
     domain = Domain(chain.chain_id, ledger.ledger.address)
     sink = LedgerSink(
         job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,
         submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain),
         record=record, run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
-        tracking=job.tracking,
+        independence=job.chain.independence, tracking=job.tracking,
         on_committed=Retention.for_job(job, Blockstore(record.blocks_dir(run_dir)), ledger, record),
     )
     if rec.get("resume_from"):
@@ -432,7 +452,7 @@ def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
     from lineage.manifest import get_manifest
     from workers.local import resume_point
 
-    store = Blockstore(Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"])
+    store = Blockstore(_blocks(rec))
     return resume_point(store, get_manifest(store, rec["resume_from"]["checkpoint"]), job, rank)
 
 
