@@ -35,7 +35,6 @@ from trainer.errors import ConfigError
 __all__ = [
     "Corpus",
     "ShardData",
-    "corpus_digest",
     "derive_seed",
     "load_corpus",
     "shard_digest",
@@ -179,8 +178,3 @@ def with_prepared_data(job: J) -> J:
         return job
     corpus = load_corpus(job.data, job.model.vocab_size)
     return job.model_copy(update={"data": job.data.with_prepared(corpus.prepared)})
-
-
-def corpus_digest(cfg: DataConfig, vocab_size: int | None = None) -> str:
-    """sha256 hex of the corpus's token file, for the config record."""
-    return load_corpus(cfg, vocab_size).digest
