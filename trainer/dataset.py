@@ -28,9 +28,10 @@ file is read and encoded in pieces of about `PIECE_BYTES`, cut only after a newl
 two characters that are not whitespace, where byte-level BPE's pre-tokenizer splits anyway
 (so the pieces encode as the whole file would; a user tokenizer that merges across such a
 newline would differ, deterministically; a file with no such newline, CRLF line ends say,
-is one piece). Everything streams: documents are read lazily, encoded
-in batches (`Tokenizer.encode_batch`) and written as they come, held-out ones to a side
-file appended at the end, so memory does not grow with the corpus.
+is one piece). Everything streams: documents are read lazily, encoded in batches
+(`Tokenizer.encode_batch`) and written as they come, held-out ones to a side file appended
+at the end, so memory does not grow with the corpus (scripts/bench_data.py: about 110 MB
+peak for 64 MB of JSON Lines, BPE included).
 """
 
 from __future__ import annotations
