@@ -1,10 +1,17 @@
 """EIP-712 attestations: a node's signed statement of what it contributed to a step.
 
-Typed data (DESIGN.md section 4), domain `{name: "DiLoCoXLedger", version: "1", chainId,
+Typed data (DESIGN.md section 4), domain `{name: "DiLoCoXLedger", version: "2", chainId,
 verifyingContract}`, primary type
 
     Contribution(uint256 runId, uint64 step, uint32 replica, uint32 stage, bytes32 parent,
-                 bytes32 contribution, bytes32 dataShard, bytes32 codeHash, int64 lossMicros)
+                 bytes32 contribution, bytes32 dataShard, bytes32 codeHash, int64 lossMicros,
+                 bytes32 newShard)
+
+`newShard` is the digest of the new outer shard of the slot's stage that the node computed
+itself after the outer step (`shard_digest`: its UnixFS file CID's sha-256, the digest the
+manifest links the shard by); the replicas of a stage co-sign it. Ledgers of version 1
+(deployed before co-signed shards) signed the same message without `newShard`: a `Domain`
+carries the version of the ledger it names, and claims under version 1 keep verifying.
 
 The ledger checks the same digest on chain (`TrainingLedger.commitStep`), so a signature
 is bound to one chain, one ledger deployment, one run and one step.
@@ -23,10 +30,16 @@ from eth_utils import is_address, keccak, to_checksum_address
 
 from trainer.errors import DlxError
 
-DOMAIN_NAME = "DiLoCoXLedger"
-DOMAIN_VERSION = "1"
+from .cid import digest_of
+from .unixfs import file_cid
 
-_TYPES = {
+DOMAIN_NAME = "DiLoCoXLedger"
+#: The ledger version this code deploys and signs for.
+DOMAIN_VERSION = "2"
+#: Every ledger version a claim or a committed step may have been signed under.
+DOMAIN_VERSIONS = ("1", "2")
+
+_TYPES_V1 = {
     "EIP712Domain": [
         {"name": "name", "type": "string"},
         {"name": "version", "type": "string"},
@@ -45,12 +58,23 @@ _TYPES = {
         {"name": "lossMicros", "type": "int64"},
     ],
 }
+_TYPES = {**_TYPES_V1, "Contribution": [*_TYPES_V1["Contribution"], {"name": "newShard", "type": "bytes32"}]}
 
 
 @dataclass(frozen=True)
 class Domain:
+    """The EIP-712 domain of one ledger deployment; `version` is the ledger's (its
+    `eip712Domain()`), which fixes the `Contribution` type signed under it."""
+
     chain_id: int
     verifying_contract: str
+    version: str = DOMAIN_VERSION
+
+
+def shard_digest(data: bytes) -> bytes:
+    """The digest a node co-signs for a stage shard's bytes: its UnixFS file CID's sha-256,
+    as the manifest links the shard (nothing is stored)."""
+    return digest_of(file_cid(data))
 
 
 @dataclass(frozen=True)
@@ -66,28 +90,36 @@ class ContributionClaim:
     data_shard: bytes
     code_hash: bytes
     loss_micros: int
+    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (not signed under version 1)
 
     def typed_data(self, domain: Domain) -> dict[str, Any]:
+        message = {
+            "runId": self.run_id,
+            "step": self.step,
+            "replica": self.replica,
+            "stage": self.stage,
+            "parent": self.parent,
+            "contribution": self.contribution,
+            "dataShard": self.data_shard,
+            "codeHash": self.code_hash,
+            "lossMicros": self.loss_micros,
+        }
+        if domain.version == "1":
+            types = _TYPES_V1
+        else:
+            if len(self.new_shard) != 32:
+                raise ClaimError(f"a version {domain.version} claim needs a 32-byte newShard")
+            types, message["newShard"] = _TYPES, self.new_shard
         return {
-            "types": _TYPES,
+            "types": types,
             "primaryType": "Contribution",
             "domain": {
                 "name": DOMAIN_NAME,
-                "version": DOMAIN_VERSION,
+                "version": domain.version,
                 "chainId": domain.chain_id,
                 "verifyingContract": domain.verifying_contract,
             },
-            "message": {
-                "runId": self.run_id,
-                "step": self.step,
-                "replica": self.replica,
-                "stage": self.stage,
-                "parent": self.parent,
-                "contribution": self.contribution,
-                "dataShard": self.data_shard,
-                "codeHash": self.code_hash,
-                "lossMicros": self.loss_micros,
-            },
+            "message": message,
         }
 
     def signable(self, domain: Domain) -> SignableMessage:
@@ -108,13 +140,29 @@ class ContributionClaim:
         return Account.recover_message(self.signable(domain), signature=signature)
 
 
+class ClaimError(DlxError, ValueError):
+    """A signed-claim document is malformed or does not prove what it is used for."""
+
+
+def compact_signature(signature: bytes) -> tuple[bytes, bytes]:
+    """A 65-byte (r, s, v) signature as EIP-2098's (r, vs), as the ledger takes it: s with
+    y's parity (v - 27) in its top bit."""
+    if len(signature) != 65 or signature[64] not in (27, 28):
+        raise ClaimError("a signature is 65 bytes (r, s, v) with v 27 or 28")
+    s = int.from_bytes(signature[32:64], "big") | ((signature[64] - 27) << 255)
+    return signature[:32], s.to_bytes(32, "big")
+
+
+def expand_signature(r: bytes, vs: bytes) -> bytes:
+    """Inverse of `compact_signature`: the 65-byte (r, s, v) form."""
+    word = int.from_bytes(vs, "big")
+    s = word & ((1 << 255) - 1)
+    return bytes(r) + s.to_bytes(32, "big") + bytes([27 + (word >> 255)])
+
+
 def loss_micros(loss: float) -> int:
     """A loss as the int64 millionths carried in attestations."""
     return int(round(loss * 1_000_000))
-
-
-class ClaimError(DlxError, ValueError):
-    """A signed-claim document is malformed or does not prove what it is used for."""
 
 
 #: The claim's JSON keys and whether each is a bytes32 (0x-hex) or an integer.
@@ -132,11 +180,12 @@ class SignedClaim:
 
         {"domain": {"name", "version", "chainId", "verifyingContract"},
          "claim": {"runId", "step", "replica", "stage", "parent", "contribution",
-                   "dataShard", "codeHash", "lossMicros"},
+                   "dataShard", "codeHash", "lossMicros", "newShard"},
          "signature": "0x..."}
 
-    bytes32 fields and the signature are 0x-hex; the domain's name and version must be the
-    ledger's, since a signature under any other domain proves nothing to it.
+    bytes32 fields and the signature (65 bytes, r s v) are 0x-hex; the domain's name must be
+    the ledger's and its version one the ledger has had (`newShard` exists from version 2
+    on), since a signature under any other domain proves nothing to it.
     """
 
     domain: Domain
@@ -156,11 +205,11 @@ class SignedClaim:
 
     def as_dict(self) -> dict[str, Any]:
         claim = {}
-        for key, (attr, kind) in _CLAIM_FIELDS.items():
+        for key, (attr, kind) in _claim_fields(self.domain.version).items():
             value = getattr(self.claim, attr)
             claim[key] = "0x" + value.hex() if kind is bytes else int(value)
         return {
-            "domain": {"name": DOMAIN_NAME, "version": DOMAIN_VERSION, "chainId": self.domain.chain_id,
+            "domain": {"name": DOMAIN_NAME, "version": self.domain.version, "chainId": self.domain.chain_id,
                        "verifyingContract": to_checksum_address(self.domain.verifying_contract)},
             "claim": claim,
             "signature": "0x" + self.signature.hex(),
@@ -182,20 +231,22 @@ class SignedClaim:
         domain, claim, sig = doc.get("domain"), doc.get("claim"), doc.get("signature")
         if not isinstance(domain, dict) or not isinstance(claim, dict) or not isinstance(sig, str):
             raise ClaimError("a signed claim is a JSON object with domain, claim and signature")
-        if (domain.get("name"), domain.get("version")) != (DOMAIN_NAME, DOMAIN_VERSION):
-            raise ClaimError(f"domain is {domain.get('name')!r} version {domain.get('version')!r}, "
-                             f"not {DOMAIN_NAME!r} version {DOMAIN_VERSION!r}")
+        version = domain.get("version")
+        if domain.get("name") != DOMAIN_NAME or version not in DOMAIN_VERSIONS:
+            raise ClaimError(f"domain is {domain.get('name')!r} version {version!r}, "
+                             f"not {DOMAIN_NAME!r} version {' or '.join(map(repr, DOMAIN_VERSIONS))}")
         contract = domain.get("verifyingContract")
         if not isinstance(contract, str) or not is_address(contract):
             raise ClaimError(f"domain.verifyingContract is not an address: {contract!r}")
+        fields = _claim_fields(version)
         values: dict[str, Any] = {}
-        for key, (attr, kind) in _CLAIM_FIELDS.items():
+        for key, (attr, kind) in fields.items():
             values[attr] = _field(claim, key, kind)
-        unknown = set(claim) - set(_CLAIM_FIELDS)
+        unknown = set(claim) - set(fields)
         if unknown:
             raise ClaimError(f"unknown claim field(s): {', '.join(sorted(unknown))}")
         return cls(
-            Domain(_int(domain.get("chainId"), "domain.chainId"), to_checksum_address(contract)),
+            Domain(_int(domain.get("chainId"), "domain.chainId"), to_checksum_address(contract), version),
             ContributionClaim(**values),
             _hex(sig, "signature", 65),
         )
@@ -215,6 +266,11 @@ class SignedClaim:
             return cls.from_json(text)
         except ClaimError as exc:
             raise ClaimError(f"{path}: {exc}") from None
+
+
+def _claim_fields(version: str) -> dict[str, tuple[str, type]]:
+    """The claim's JSON fields under ledger version `version`."""
+    return _CLAIM_FIELDS if version == "1" else {**_CLAIM_FIELDS, "newShard": ("new_shard", bytes)}
 
 
 def _field(claim: dict[str, Any], key: str, kind: type) -> Any:

@@ -1,5 +1,10 @@
 """Typed access to the ledger contracts (NodeRegistry, TrainingLedger) over web3.
 
+A `Ledger` reads its deployment's version (ERC-5267 `eip712Domain()`) and speaks it:
+version 2 (this code's contracts) co-signs stage shards and takes EIP-2098 signatures;
+version 1 deployments (contracts/legacy/) are read with their own ABI, so runs committed
+before the change still verify.
+
 Transactions are signed locally by the sending account and waited on; a revert is
 decoded against the contracts' ABIs so the error names the contract's custom error and
 its arguments (`LedgerStaleParent(expected=0x.., got=0x..)`) instead of a bare selector.
@@ -28,7 +33,7 @@ from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception, We
 from web3.logs import DISCARD
 
 from .anvil import PROJECT_ROOT
-from .attest import DOMAIN_NAME, DOMAIN_VERSION
+from .attest import DOMAIN_NAME, DOMAIN_VERSION, DOMAIN_VERSIONS, Domain, compact_signature
 from .errors import ChainError, ChainRevertError
 
 #: Where slashed stake goes when no treasury is named: nobody holds its key.
@@ -43,10 +48,19 @@ def contracts_out() -> Path:
     return Path(os.environ.get("DLX_CONTRACTS_OUT", PROJECT_ROOT / "contracts" / "out"))
 
 
+#: Independence modes of a run (`ITrainingLedger.Independence`): what may not sign slots of
+#: two replicas of one step, a node key or an operator's nodes.
+INDEPENDENCE = {"keys": 0, "operators": 1}
+
+
 @cache
 def artifact(name: str) -> tuple[list[dict[str, Any]], str]:
-    """(abi, creation bytecode) of contract `name` from forge's `out/` directory."""
-    path = contracts_out() / f"{name}.sol" / f"{name}.json"
+    """(abi, creation bytecode) of contract `name` from forge's `out/` directory, or of a
+    superseded version (`TrainingLedger-v1`) from contracts/legacy/."""
+    if "-v" in name:
+        path = PROJECT_ROOT / "contracts" / "legacy" / f"{name}.json"
+    else:
+        path = contracts_out() / f"{name}.sol" / f"{name}.json"
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -142,7 +156,7 @@ def _view(fn: Any, context: str) -> Any:
 
 @dataclass(frozen=True)
 class Attestation:
-    """One slot's signed claim, as `commitStep` takes it."""
+    """One slot's signed claim, as `commitStep` takes it (`signature`: 65 bytes, r s v)."""
 
     replica: int
     stage: int
@@ -151,10 +165,13 @@ class Attestation:
     code_hash: bytes
     loss_micros: int
     signature: bytes
+    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (ledger version 2)
 
     def as_tuple(self) -> tuple:
+        """The ledger's `Attestation` struct (version 2: the signature as EIP-2098 r, vs)."""
+        r, vs = compact_signature(self.signature)
         return (self.replica, self.stage, self.contribution, self.data_shard,
-                self.code_hash, self.loss_micros, self.signature)
+                self.code_hash, self.loss_micros, self.new_shard, r, vs)
 
 
 _NONCE_RETRIES = 8
@@ -264,6 +281,12 @@ class StepRecord:
     tx: str
     block: int
     attestations: list[dict[str, Any]]
+    shards_root: bytes | None = None  # keccak256 of the co-signed shard digests (version 2)
+
+    def shards(self, stages: int) -> list[bytes]:
+        """The stage shard digests replica 0 co-signed, in stage order (version 2 events)."""
+        by_slot = {(int(a["replica"]), int(a["stage"])): a for a in self.attestations}
+        return [bytes(by_slot[(0, s)]["newShard"]) for s in range(stages)]
 
 
 @dataclass(frozen=True)
@@ -289,6 +312,7 @@ class Resolution:
     bond: int
     bond_to: str
     rejected_steps: list[int] = field(default_factory=list)
+    slashed_nodes: list[str] = field(default_factory=list)  # every node slashed (an aggregate: its co-signers)
     head_step: int | None = None  # the new head after a rollback
     head: bytes | None = None
     tx: str = ""
@@ -300,7 +324,19 @@ class Ledger:
     def __init__(self, chain: Chain, registry: str, ledger: str) -> None:
         self.chain = chain
         self.registry = chain.contract("NodeRegistry", registry)
-        self.ledger = chain.contract("TrainingLedger", ledger)
+        self.version = ledger_version(chain, ledger)
+        name = "TrainingLedger" if self.version == DOMAIN_VERSION else f"TrainingLedger-v{self.version}"
+        self.ledger = chain.contract(name, ledger)
+
+    @property
+    def domain(self) -> Domain:
+        """The EIP-712 domain attestations to this deployment are signed in."""
+        return Domain(self.chain.chain_id, self.ledger.address, self.version)
+
+    def _require_current(self, what: str) -> None:
+        if self.version != DOMAIN_VERSION:
+            raise ChainError(f"{what} needs a version {DOMAIN_VERSION} ledger; {self.ledger.address} is "
+                             f"version {self.version} (its runs can be read and verified, not extended)")
 
     @classmethod
     def deploy(
@@ -414,10 +450,14 @@ class Ledger:
         min_stake: int,
         arbiters: list[str] | None = None,
         quorum: int = 0,
+        independence: str = "keys",
     ) -> int:
+        """Create a run; `independence` ("keys" or "operators", `INDEPENDENCE`) is what may
+        not sign slots of two replicas of one step."""
+        self._require_current("createRun")
         fn = self.ledger.functions.createRun(
             config_digest, genesis_digest, [to_checksum_address(n) for n in nodes],
-            replicas, stages, challenge_window, min_stake, arbiters or [], quorum,
+            replicas, stages, challenge_window, min_stake, arbiters or [], quorum, INDEPENDENCE[independence],
         )
         receipt = self.chain.transact(fn, sender, context="createRun")
         (event,) = self.ledger.events.RunCreated().process_receipt(receipt)
@@ -434,6 +474,7 @@ class Ledger:
         metrics_digest: bytes,
         attestations: list[Attestation],
     ) -> str:
+        self._require_current("commitStep")
         root = keccak(b"".join(a.contribution for a in attestations))
         fn = self.ledger.functions.commitStep(
             run_id, step, parent, checkpoint, root, metrics_digest,
@@ -504,6 +545,7 @@ class Ledger:
                 contributions_root=bytes(a["contributionsRoot"]),
                 metrics_digest=bytes(a["metricsDigest"]), submitter=a["submitter"],
                 tx=tx, block=int(log["blockNumber"]), attestations=by_tx.get(tx, []),
+                shards_root=bytes(a["shardsRoot"]) if "shardsRoot" in a else None,
             ))
         return sorted(records, key=lambda r: r.block)
 
@@ -561,17 +603,31 @@ class Ledger:
         self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
     ) -> tuple[int, str]:
         """`report_equivocation`, also returning the transaction hash."""
+        self._require_current("reportEquivocation")
         fn = self.ledger.functions.reportEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
         receipt = self.chain.transact(fn, sender, context=f"reportEquivocation(run {run_id}, step {step})")
         (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
         return int(event["args"]["amount"]), receipt["transactionHash"].to_0x_hex()
 
-    def signers(self, run_id: int, step: int) -> list[str]:
-        """The node keys that attested `step` on the run's current chain, in slot order."""
+    def report_result_equivocation(
+        self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
+    ) -> tuple[int, str]:
+        """Prove that one node co-signed two shards for one stage; returns (wei slashed, tx)."""
+        self._require_current("reportResultEquivocation")
+        fn = self.ledger.functions.reportResultEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
+        receipt = self.chain.transact(fn, sender, context=f"reportResultEquivocation(run {run_id}, step {step})")
+        (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        return int(event["args"]["amount"]), receipt["transactionHash"].to_0x_hex()
+
+    def _record(self, run_id: int, step: int) -> StepRecord:
         for record in self.steps(run_id):
             if record.step == step:
-                return [a["node"] for a in record.attestations]
+                return record
         raise ChainError(f"run {run_id} has no step {step} on its current chain")
+
+    def signers(self, run_id: int, step: int) -> list[str]:
+        """The node keys that attested `step` on the run's current chain, in slot order."""
+        return [a["node"] for a in self._record(run_id, step).attestations]
 
     def open_challenge(
         self,
@@ -594,19 +650,50 @@ class Ledger:
         evidence: bytes = bytes(32),
     ) -> tuple[int, str]:
         """`open_challenge`, also returning the transaction hash."""
+        self._require_current("openChallenge")
+        record = self._record(run_id, step)
         fn = self.ledger.functions.openChallenge(
-            run_id, step, replica, stage, self.signers(run_id, step), evidence
+            run_id, step, replica, stage, [a["node"] for a in record.attestations], record.shards_root, evidence
         )
         receipt = self.chain.transact(fn, challenger, value=bond,
                                       context=f"openChallenge(run {run_id}, step {step})")
         (event,) = self.ledger.events.ChallengeOpened().process_receipt(receipt, errors=DISCARD)
         return int(event["args"]["challengeId"]), receipt["transactionHash"].to_0x_hex()
 
+    def open_aggregate_challenge(
+        self, challenger: LocalAccount, *, run_id: int, step: int, stage: int, bond: int,
+        evidence: bytes = bytes(32),
+    ) -> tuple[int, str]:
+        """Challenge stage `stage`'s co-signed shard of `step` (not the aggregate of the
+        published contributions: every co-signer answers), posting `bond` wei; returns
+        (challenge id, transaction hash)."""
+        self._require_current("openAggregateChallenge")
+        record = self._record(run_id, step)
+        stages = int(self.run_created(run_id)["stages"])
+        fn = self.ledger.functions.openAggregateChallenge(
+            run_id, step, stage, [a["node"] for a in record.attestations], record.shards(stages), evidence
+        )
+        receipt = self.chain.transact(fn, challenger, value=bond,
+                                      context=f"openAggregateChallenge(run {run_id}, step {step}, stage {stage})")
+        (event,) = self.ledger.events.ChallengeOpened().process_receipt(receipt, errors=DISCARD)
+        return int(event["args"]["challengeId"]), receipt["transactionHash"].to_0x_hex()
+
+    def co_signers_of(self, challenge_id: int) -> list[str]:
+        """The co-signers an aggregate challenge holds (empty for a replay challenge)."""
+        if self.version != DOMAIN_VERSION:
+            return []
+        return [str(a) for a in _view(self.ledger.functions.coSignersOf(challenge_id),
+                                      f"coSignersOf({challenge_id})")]
+
     def challenge(self, challenge_id: int) -> dict[str, Any]:
         """Challenge `challenge_id` as stored, plus the evidence digest of its opening event."""
         c = _view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
-        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "openedAt", "node", "challenger", "bond")
+        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "aggregate", "openedAt", "node",
+                "challenger", "bond")
+        if self.version != DOMAIN_VERSION:
+            keys = tuple(k for k in keys if k != "aggregate")
         out = dict(zip(keys, c, strict=True))
+        out.setdefault("aggregate", False)
         logs = self.ledger.events.ChallengeOpened().get_logs(
             from_block=0, argument_filters={"challengeId": challenge_id})
         out["evidence"] = bytes(logs[0]["args"]["evidence"]) if logs else bytes(32)
@@ -653,7 +740,7 @@ class Ledger:
 
     def verdict_signer(self, challenge_id: int, upheld: bool, signature: bytes) -> str:
         """The key that signed `signature` over `Verdict(challenge_id, upheld)`."""
-        msg = _verdict_message(self.chain.chain_id, self.ledger.address, challenge_id, upheld)
+        msg = _verdict_message(self.chain.chain_id, self.ledger.address, challenge_id, upheld, self.version)
         try:
             return str(Account.recover_message(msg, signature=signature))
         except Exception:  # eth_keys raises several types for a malformed signature
@@ -680,6 +767,7 @@ class Ledger:
             bond=sum(int(e["args"]["amount"]) for e in released),
             bond_to=released[0]["args"]["to"] if released else "",
             rejected_steps=[int(e["args"]["step"]) for e in rejected],
+            slashed_nodes=[e["args"]["node"] for e in slashed],
             head_step=int(rolled[0]["args"]["toStep"]) if rolled else None,
             head=bytes(rolled[0]["args"]["head"]) if rolled else None,
             tx=receipt["transactionHash"].to_0x_hex(),
@@ -723,11 +811,12 @@ class Ledger:
         return int(_view(self.ledger.functions.finalizedStep(run_id), f"finalizedStep({run_id})"))
 
     def step_info(self, run_id: int, step: int) -> dict[str, Any]:
-        """The stored record of `step`: checkpoint, signersHash, committedAt, epoch,
-        openChallenges, rejected."""
-        (checkpoint, signers_hash, committed_at, epoch, open_challenges, rejected) = _view(
+        """The stored record of `step`: checkpoint, witnessHash (version 1: signersHash),
+        committedAt, epoch, openChallenges, rejected."""
+        (checkpoint, witness_hash, committed_at, epoch, open_challenges, rejected) = _view(
             self.ledger.functions.stepInfo(run_id, step), f"stepInfo({run_id}, {step})")
-        return {"checkpoint": bytes(checkpoint), "signersHash": bytes(signers_hash),
+        key = "witnessHash" if self.version == DOMAIN_VERSION else "signersHash"
+        return {"checkpoint": bytes(checkpoint), key: bytes(witness_hash),
                 "committedAt": int(committed_at), "epoch": int(epoch),
                 "openChallenges": int(open_challenges), "rejected": bool(rejected)}
 
@@ -751,11 +840,26 @@ _VERDICT_TYPES = {
 }
 
 
-def _verdict_message(chain_id: int, ledger: str, challenge_id: int, upheld: bool) -> SignableMessage:
+def ledger_version(chain: Chain, address: str) -> str:
+    """The version a TrainingLedger deployment signs under (its ERC-5267 `eip712Domain()`);
+    this code's own version where the address answers no such call (nothing deployed yet)."""
+    abi, _ = artifact("TrainingLedger")
+    probe = chain.w3.eth.contract(address=to_checksum_address(address), abi=abi)
+    try:
+        _, name, version, *_ = probe.functions.eip712Domain().call()
+    except (OSError, Web3Exception, ValueError):
+        return DOMAIN_VERSION
+    if name != DOMAIN_NAME or version not in DOMAIN_VERSIONS:
+        raise ChainError(f"{address} is not a DiLoCoX ledger this code reads (domain {name!r} version {version!r})")
+    return str(version)
+
+
+def _verdict_message(chain_id: int, ledger: str, challenge_id: int, upheld: bool,
+                     version: str = DOMAIN_VERSION) -> SignableMessage:
     return encode_typed_data(full_message={
         "types": _VERDICT_TYPES,
         "primaryType": "Verdict",
-        "domain": {"name": DOMAIN_NAME, "version": DOMAIN_VERSION, "chainId": chain_id,
+        "domain": {"name": DOMAIN_NAME, "version": version, "chainId": chain_id,
                    "verifyingContract": to_checksum_address(ledger)},
         "message": {"challengeId": challenge_id, "upheld": upheld},
     })

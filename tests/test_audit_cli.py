@@ -289,7 +289,7 @@ def test_signed_claims_round_trip_and_refuse_malformed_documents(accounts):
     claim = ContributionClaim(7, 3, 1, 0, h("p"), h("c"), h("d"), h("code"), -42)
     signed = SignedClaim.sign(claim, domain, accounts[3].key)
     doc = json.loads(signed.to_json())
-    assert doc["domain"] == {"name": "DiLoCoXLedger", "version": "1", "chainId": 31337,
+    assert doc["domain"] == {"name": "DiLoCoXLedger", "version": "2", "chainId": 31337,
                              "verifyingContract": domain.verifying_contract}
     assert doc["claim"]["parent"] == "0x" + h("p").hex() and doc["claim"]["lossMicros"] == -42
     back = SignedClaim.from_json(signed.to_json())

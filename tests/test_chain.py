@@ -1,5 +1,6 @@
 """The Python chain client against the real contracts on a real anvil: deployment,
-staking, runs, EIP-712 attestations checked on chain, and decoded reverts."""
+staking, runs, EIP-712 attestations checked on chain (with co-signed stage shards and
+independent replicas), decoded reverts, and a version 1 ledger still read and verified."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import hashlib
 import pytest
 from eth_utils import keccak
 
-from lineage.attest import ContributionClaim, Domain
-from lineage.chain import Attestation, Chain
+from lineage.attest import ContributionClaim
+from lineage.chain import Attestation, Chain, Ledger
+from lineage.cid import DAG_CBOR, cid_from_digest
 from lineage.errors import ChainError, ChainRevertError
+from lineage.verify import _verify_chain
 
 ETHER = 10**18
 R, S = 2, 2
@@ -20,37 +23,41 @@ def h(label: str) -> bytes:
     return hashlib.sha256(label.encode()).digest()
 
 
-def _run(ledger, accounts, min_stake=ETHER):
+def _run(ledger, accounts, min_stake=ETHER, independence="keys"):
     nodes = accounts[1:1 + R * S]
     for n in nodes:
         ledger.ensure_staked(n, ETHER)
     run_id = ledger.create_run(
         accounts[0], config_digest=h("config"), genesis_digest=h("genesis"),
         nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=3600,
-        min_stake=min_stake,
+        min_stake=min_stake, independence=independence,
     )
     return run_id, nodes
 
 
-def _attest(ledger, run_id, step, parent, nodes, signers=None, tag="c"):
-    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
+def _attest(ledger, run_id, step, parent, nodes, signers=None, tag="c", shards=None):
+    """One attestation per slot; every replica co-signs stage s's shard `shards[s]`."""
+    domain = ledger.domain
+    shards = shards or {}
     out = []
     for slot, node in enumerate(signers or nodes):
         r, s = divmod(slot, S)
         claim = ContributionClaim(run_id, step, r, s, parent, h(f"{tag}{step}{slot}"), h(f"d{r}"),
-                                  h("code"), -1_500_000 + slot)
+                                  h("code"), -1_500_000 + slot, shards.get(slot, h(f"shard{step}{s}")))
         out.append(Attestation(r, s, claim.contribution, claim.data_shard, claim.code_hash,
-                               claim.loss_micros, claim.sign(domain, node.key)))
+                               claim.loss_micros, claim.sign(domain, node.key), claim.new_shard))
     return out
 
 
 def test_python_digest_equals_the_contracts_eip712_digest(ledger, accounts):
-    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    claim = ContributionClaim(3, 9, 1, 0, h("p"), h("c"), h("d"), h("code"), -42)
-    onchain = ledger.ledger.functions.contributionDigest(
-        3, 9, 1, 0, h("p"), h("c"), h("d"), h("code"), -42).call()
+    domain = ledger.domain
+    assert domain.version == "2"
+    claim = ContributionClaim(3, 9, 1, 0, h("p"), h("c"), h("d"), h("code"), -42, h("shard"))
+    sig = claim.sign(domain, accounts[3].key)
+    att = Attestation(1, 0, h("c"), h("d"), h("code"), -42, sig, h("shard"))
+    onchain = ledger.ledger.functions.contributionDigest(3, 9, h("p"), att.as_tuple()).call()
     assert bytes(onchain) == claim.digest(domain)
-    assert claim.recover(domain, claim.sign(domain, accounts[3].key)) == accounts[3].address
+    assert claim.recover(domain, sig) == accounts[3].address
 
 
 def test_steps_commit_in_a_chain_and_read_back_from_events(ledger, accounts):
@@ -68,6 +75,69 @@ def test_steps_commit_in_a_chain_and_read_back_from_events(ledger, accounts):
     assert steps[1].parent == h("ckpt1") and steps[1].checkpoint == h("ckpt2")
     assert [a["node"] for a in steps[0].attestations] == [n.address for n in nodes]
     assert steps[0].contributions_root == keccak(b"".join(h(f"c1{i}") for i in range(R * S)))
+    assert steps[0].shards(S) == [h("shard10"), h("shard11")]
+    assert steps[0].shards_root == keccak(h("shard10") + h("shard11"))
+
+
+def test_a_replica_co_signing_another_shard_is_refused_naming_stage_and_replica(ledger, accounts):
+    run_id, nodes = _run(ledger, accounts)
+    atts = _attest(ledger, run_id, 1, h("genesis"), nodes, shards={3: h("wrong")})
+    with pytest.raises(ChainRevertError, match="LedgerShardMismatch") as exc:
+        ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),
+                           metrics_digest=h("m"), attestations=atts)
+    assert exc.value.error_args == {"stage": 1, "replica": 1, "expected": h("shard11"), "got": h("wrong")}
+
+
+def test_one_node_in_two_replicas_is_refused_naming_it_and_both_replicas(ledger, accounts):
+    run_id, nodes = _run(ledger, accounts)
+    signers = [nodes[0], nodes[1], nodes[2], nodes[0]]  # node 0 signs (0, 0) and (1, 1)
+    with pytest.raises(ChainRevertError, match="LedgerNotIndependent") as exc:
+        ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),
+                           metrics_digest=h("m"), attestations=_attest(ledger, run_id, 1, h("genesis"), nodes, signers))
+    assert exc.value.error_args == {"node": nodes[0].address.lower(), "replicaA": 0, "replicaB": 1}
+
+
+def test_an_operators_run_refuses_one_operators_nodes_in_two_replicas(ledger, accounts):
+    operator = accounts[11]
+    nodes = accounts[1:1 + R * S]
+    for n in nodes:
+        ledger.ensure_staked(n, ETHER, operator if n in (nodes[0], nodes[3]) else None)
+    run_id = ledger.create_run(accounts[0], config_digest=h("config"), genesis_digest=h("genesis"),
+                               nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=3600,
+                               min_stake=ETHER, independence="operators")
+    assert ledger.ledger.functions.independenceOf(run_id).call() == 1
+    with pytest.raises(ChainRevertError, match="LedgerNotIndependent") as exc:
+        ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),
+                           metrics_digest=h("m"), attestations=_attest(ledger, run_id, 1, h("genesis"), nodes))
+    assert exc.value.error_args == {"node": nodes[3].address.lower(), "replicaA": 0, "replicaB": 1}
+
+
+def test_a_version_1_ledger_is_read_and_its_steps_verify_under_their_own_typed_data(ledger, accounts):
+    """A run committed before co-signed shards: its ledger says version 1 and keeps verifying."""
+    chain = ledger.chain
+    old = Ledger(chain, ledger.registry.address, chain.deploy("TrainingLedger-v1", accounts[0], ledger.registry.address))
+    assert old.version == "1" and old.domain.version == "1"
+    nodes = accounts[1:1 + R * S]
+    for n in nodes:
+        ledger.ensure_staked(n, ETHER)
+    fn = old.ledger.functions.createRun(h("config"), h("genesis"), [n.address for n in nodes], R, S, 3600, ETHER, [], 0)
+    chain.transact(fn, accounts[0], context="createRun v1")
+    claims = [ContributionClaim(1, 1, r, s, h("genesis"), h(f"c{r}{s}"), h(f"d{r}"), h("code"), 7)
+              for r in range(R) for s in range(S)]
+    atts = [(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(old.domain, n.key))
+            for c, n in zip(claims, nodes, strict=True)]
+    root = keccak(b"".join(c.contribution for c in claims))
+    chain.transact(old.ledger.functions.commitStep(1, 1, h("genesis"), h("ckpt1"), root, h("m"), atts),
+                   accounts[0], context="commitStep v1")
+    (record,) = old.steps(1)
+    assert record.shards_root is None and len(record.attestations) == R * S
+    call = old.commit_calls([record])[record.tx]
+    stakes = old.stakes_at((a["node"], record.block) for a in record.attestations)
+    members = set(old.run_created(1)["nodes"])
+    _verify_chain(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call, old.domain, 1, members, stakes, R, S)
+    with pytest.raises(ChainError, match="needs a version 2 ledger"):
+        old.commit_step(accounts[0], run_id=1, step=2, parent=h("ckpt1"), checkpoint=h("x"),
+                        metrics_digest=h("m"), attestations=[])
 
 
 def test_a_stale_parent_is_refused_with_the_decoded_custom_error(ledger, accounts):

@@ -74,4 +74,4 @@ def test_commit_calls_in_batches_equal_one_read_per_step(ledger, accounts):
     for s in steps:
         call = one_by_one[s.tx]
         assert call["step"] == s.step and len(call["attestations"]) == R * S
-        assert all(len(a["signature"]) == 65 for a in call["attestations"])
+        assert all(len(a["r"]) == len(a["vs"]) == 32 for a in call["attestations"])  # EIP-2098 signatures

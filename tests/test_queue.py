@@ -88,6 +88,8 @@ def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path, sm
     lineage = json.loads(res.stdout)
     assert [s["step"] for s in lineage["steps"]] == [1, 2]
     assert len(set(lineage["steps"][0]["nodes"])) == 2  # two workers, two node keys
+    nodes = lineage["steps"][0]["nodes"]  # slot order; each worker's two slots in one replica
+    assert nodes[0] == nodes[1] != nodes[2] == nodes[3], nodes
     res = dlx("status", job, "--stack", str(stack))
     assert res.returncode == 0 and "completed" in res.stdout
     _the_verify_queue_replays_the_run_on_the_workers(stack, st["run_dir"], lineage)

@@ -2,7 +2,9 @@
 nodes stake and commit steps; an equivocation proof slashes one node at once; a verifier
 challenges a step, an arbiter quorum upholds it, the head rolls back and the challenger is
 paid; a frivolous challenge costs its bond; steps become final; and in the end withdrawals
-and claims pay out exactly what the registry still held, down to zero."""
+and claims pay out exactly what the registry still held, down to zero. Then the co-signed
+shards: a result equivocation slashes at once, and an upheld aggregate challenge slashes
+every co-signer of the stage's shard."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import pytest
 from eth_utils import keccak
 
 from lineage.anvil import rpc_call
-from lineage.attest import ContributionClaim, Domain
-from lineage.chain import Attestation, Chain, Ledger
+from lineage.attest import ContributionClaim
+from lineage.chain import Attestation, Chain, Ledger, sign_verdict
 from lineage.errors import ChainRevertError
 
 ETHER = 10**18
@@ -26,15 +28,16 @@ def h(label: str) -> bytes:
     return hashlib.sha256(label.encode()).digest()
 
 
-def _claim(run_id: int, step: int, slot: int, parent: bytes, contribution: bytes) -> ContributionClaim:
+def _claim(run_id: int, step: int, slot: int, parent: bytes, contribution: bytes,
+           new_shard: bytes | None = None) -> ContributionClaim:
     r, s = divmod(slot, S)
-    return ContributionClaim(run_id, step, r, s, parent, contribution, h(f"shard{step}{r}"), h("code"), -7 + slot)
+    return ContributionClaim(run_id, step, r, s, parent, contribution, h(f"shard{step}{r}"), h("code"), -7 + slot,
+                             new_shard or h(f"new{step}{s}{parent.hex()}"))
 
 
 def _signed(ledger: Ledger, claim: ContributionClaim, key) -> Attestation:
-    domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
-                       claim.code_hash, claim.loss_micros, claim.sign(domain, key))
+                       claim.code_hash, claim.loss_micros, claim.sign(ledger.domain, key), claim.new_shard)
 
 
 def _commit(ledger: Ledger, sender, run_id: int, step: int, parent: bytes, signers, tag: str) -> bytes:
@@ -120,8 +123,9 @@ def test_the_whole_slashing_story(story):
     assert ledger.credit_of(treasury.address) == 2 * ETHER
     assert [s.step for s in ledger.steps(run_id)] == [1]
 
-    # The run goes on from step 1; the two honest nodes cover the slashed nodes' slots.
-    signers = [nodes[0], nodes[2], nodes[2], nodes[0]]
+    # The run goes on from step 1; the two honest nodes each take a whole replica (both of its
+    # stages): one node may not sign for two replicas, the independent witnesses of a step.
+    signers = [nodes[0], nodes[0], nodes[2], nodes[2]]
     with pytest.raises(ChainRevertError, match="LedgerInsufficientStake"):
         _commit(ledger, deployer, run_id, 2, ckpt1, nodes, "b")
     new2 = _commit(ledger, deployer, run_id, 2, ckpt1, signers, "b")
@@ -181,9 +185,35 @@ def test_a_window_at_the_unbonding_delay_is_refused(story):
                           challenge_window=DELAY, min_stake=ETHER)
 
 
-def test_signers_hash_matches_the_events(story):
+def test_witness_hash_matches_the_events(story):
     _, ledger, run_id, deployer, nodes, *_ = story
     _commit(ledger, deployer, run_id, 1, h("genesis"), nodes, "x")
-    signers = ledger.signers(run_id, 1)
-    packed = b"".join(bytes(12) + bytes.fromhex(a[2:]) for a in signers)
-    assert ledger.step_info(run_id, 1)["signersHash"] == keccak(packed)[:20]
+    (record,) = ledger.steps(run_id)
+    packed = b"".join(bytes(12) + bytes.fromhex(a[2:]) for a in ledger.signers(run_id, 1))
+    assert record.shards_root == keccak(b"".join(record.shards(S)))
+    assert ledger.step_info(run_id, 1)["witnessHash"] == keccak(keccak(packed) + record.shards_root)[:20]
+
+
+def test_a_result_equivocation_and_an_aggregate_challenge_slash(story):
+    chain, ledger, run_id, deployer, nodes, verifier, reporter, treasury, arbiters = story
+    genesis = h("genesis")
+    ckpt1 = _commit(ledger, deployer, run_id, 1, genesis, nodes, "a")
+    # Node 0 co-signed stage 0's shard of step 1, and also signed another shard for it.
+    honest = _signed(ledger, _claim(run_id, 1, 0, genesis, h("a-c1-0")), nodes[0].key)
+    other = _signed(ledger, _claim(run_id, 1, 0, genesis, h("a-c1-0"), h("another shard")), nodes[0].key)
+    slashed, _ = ledger.report_result_equivocation(reporter, run_id=run_id, step=1, parent=genesis, a=honest, b=other)
+    assert slashed == 2 * ETHER and ledger.stake_of(nodes[0].address) == 0
+    with pytest.raises(ChainRevertError, match="LedgerAlreadySlashed"):
+        ledger.report_result_equivocation(reporter, run_id=run_id, step=1, parent=genesis, a=other, b=honest)
+    # Stage 1's co-signed shard of step 1 is disputed: both its co-signers answer for it.
+    challenge, _ = ledger.open_aggregate_challenge(verifier, run_id=run_id, step=1, stage=1, bond=ETHER)
+    assert ledger.challenge(challenge)["aggregate"]
+    assert ledger.co_signers_of(challenge) == [nodes[1].address, nodes[3].address]
+    assert [ledger.open_challenges_of(n.address) for n in nodes] == [0, 1, 0, 1]
+    signatures = [sign_verdict(chain.chain_id, ledger.ledger.address, challenge, True, a.key)
+                  for a in sorted(arbiters[:2], key=lambda a: int(a.address, 16))]
+    done = ledger.resolve_with(deployer, challenge_id=challenge, upheld=True, signatures=signatures)
+    assert sorted(done.slashed_nodes) == sorted([nodes[1].address, nodes[3].address])
+    assert done.slashed == 4 * ETHER and done.rejected_steps == [1]
+    assert ledger.head(run_id) == (genesis, 0) and ckpt1 != genesis
+    assert [ledger.open_challenges_of(n.address) for n in nodes] == [0, 0, 0, 0]

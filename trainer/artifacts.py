@@ -71,6 +71,10 @@ class Contribution:
     optimizer state, compressor state; safetensors, sorted keys; under the partial rule
     also ``round/merge_step``, int64 (1,), the inner step the round merged before, -1 for
     none). Empty for the baseline.
+
+    `new_shard` is the digest this rank computed of its own stage's new outer shard after the
+    outer step (`RankControl.shard_digest` of the `StageShard.data` bytes it would publish):
+    the replicas of a stage co-sign it on the ledger, so each computes it from its own state.
     """
 
     replica: int
@@ -79,6 +83,7 @@ class Contribution:
     data_shard: bytes  # 32-byte sha256 of the round's tokens for this replica
     loss: float  # mean training loss of this replica over the round's H inner steps
     start_state: bytes = b""  # the round's start state (see above), for replay
+    new_shard: bytes = b""  # 32-byte digest of this rank's own new stage shard (see above)
 
 
 @dataclass(frozen=True)
@@ -129,6 +134,10 @@ class Progress:
 
 
 class StepSink(Protocol):
+    """Where a run's steps go. A sink may also have a `shard_digest(bytes) -> bytes`
+    attribute, a picklable module-level function: the launcher hands it to every rank
+    (`RankControl.shard_digest`), which then reports the digest of its own new stage shard."""
+
     def on_genesis(self, genesis: GenesisArtifacts) -> None: ...
     def on_step(self, step: StepArtifacts) -> None: ...
     def on_progress(self, progress: Progress) -> None: ...

@@ -529,7 +529,8 @@ class TransportConfig(_Section):
         return mbps
 
 
-CheatMode = Literal["poison", "skip_work", "stale_parent", "equivocate", "bad_aggregate"]
+CheatMode = Literal["poison", "skip_work", "stale_parent", "equivocate", "bad_aggregate", "collude_shard",
+                    "wrong_shard", "shared_key", "equivocate_result"]
 
 
 class CheatConfig(_Section):
@@ -543,7 +544,10 @@ class CheatConfig(_Section):
         description="poison: publish (and send) the pseudo-gradient plus noise; skip_work: "
         "the replica skips its inner steps but claims the round; stale_parent: the commit "
         "names an older parent; equivocate: the slot's node also signs a second, different "
-        "claim; bad_aggregate: the coordinator stores a stage shard that is not the aggregate."
+        "claim; bad_aggregate: the coordinator stores a stage shard that is not the aggregate; "
+        "collude_shard: every replica of the stage co-signs such a shard; wrong_shard: the slot co-signs "
+        "another shard than its peers; shared_key: replica 0's key signs the slot; equivocate_result: "
+        "the node also signs a claim with another co-signed shard."
     )
     replica: int = Field(0, ge=0, description="The cheating slot's replica.")
     stage: int = Field(0, ge=0, description="The cheating slot's stage (skip_work: all stages).")

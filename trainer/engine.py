@@ -108,6 +108,10 @@ class RankControl:
     timeout_s: float | None = None  # collective timeout: how soon a lost peer fails a round
     emit_contributions: bool = False  # every rank emits ("contribution", (step, Contribution))
     gpu: int | None = None  # the CUDA device this rank may use (None: none is free for it)
+    # The digest a rank co-signs for its stage's new shard bytes (the UnixFS file CID's
+    # sha-256 the manifest links it by, `lineage.attest.shard_digest`): passed in, since the
+    # trainer knows no CIDs. None: contributions carry no shard digest (no ledger).
+    shard_digest: Callable[[bytes], bytes] | None = None
 
 
 class Cancelled(Exception):
@@ -642,6 +646,9 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
         """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
         t = applied.round
         digest, round_loss, start_state = applied.tag
+        # Every replica serialises its own new outer shard: the replicas of a stage are
+        # independent witnesses of the aggregate, and each co-signs the digest of its own.
+        own_shard = shard_bytes()
         contribution = Contribution(
             replica=topo.replica,
             stage=topo.stage,
@@ -649,6 +656,8 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
             data_shard=digest,
             loss=round_loss,
             start_state=start_state,
+            new_shard=b"" if control.shard_digest is None else cheat.cosigned_shard(
+                job, t, topo.replica, topo.stage, own_shard, control.shard_digest),
         )
         if control.emit_contributions:  # so this rank's node can check what it attests
             emit("contribution", (t, contribution))
@@ -656,7 +665,7 @@ def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, dev
         if topo.replica == 0:  # the committed weights, whatever the local ones are now
             with contextlib.nullcontext() if allreduce else diloco.outer_weights():
                 eval_loss = pipeline.eval_loss(eval_batches)
-        shard = StageShard(topo.stage, shard_bytes()) if topo.replica == 0 else None
+        shard = StageShard(topo.stage, own_shard) if topo.replica == 0 else None
         stats = {
             **clock,
             "bytes_sent": float(transport.bytes_sent),

@@ -305,7 +305,8 @@ def _train_local(
     # Every rank gets the same `cancellable` (RankControl's deadlock hazard).
     controls = [
         RankControl(stop_requested=StopFlag(stop) if stop is not None and rank == 0 else None,
-                    cancellable=stop is not None, start=start[rank] if start else None)
+                    cancellable=stop is not None, start=start[rank] if start else None,
+                    shard_digest=getattr(sink, "shard_digest", None))  # a ledger's sink co-signs shards
         for rank in range(world)
     ]
     procs = [

@@ -526,6 +526,10 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                 raise AuditError(f"{key.address} is not an arbiter of run {c['runId']}")
             _err(f"challenge {challenge_id}: run {c['runId']} step {c['step']} slot ({c['replica']}, {c['stage']}), "
                  f"node {c['node']}, challenger {c['challenger']}, bond {fmt_wei(int(c['bond']))}")
+            if replay and c["aggregate"]:
+                raise AuditError(f"challenge {challenge_id} disputes stage {c['stage']}'s co-signed shard (co-signers "
+                                 f"{', '.join(lg.co_signers_of(challenge_id))}), not a slot's replay: recompute it "
+                                 "with `dlx verify` (its aggregate level)")
             if replay:
                 _err(check_vote_by_replay(lg, endpoint_blocks(ep, store, ipfs_api), c, verdict, tolerance))
             sig = sign_verdict(lg.chain.chain_id, lg.ledger.address, challenge_id, verdict, key.key)
@@ -632,13 +636,14 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         claim_b: Annotated[Path, typer.Argument(help="The conflicting signed claim (JSON).")],
         rpc: RpcOpt = None, chain_id: ChainIdOpt = None, stack: StackOpt = None,
     ) -> None:
-        """Slash a node that signed two different contributions for one slot of one step:
-        the two signed claims are the proof (checked here first, then by the ledger)."""
+        """Slash a node that signed two different contributions for one slot of one step, or
+        co-signed two different new shards for one stage of one step: the two signed claims
+        are the proof (checked here first, then by the ledger)."""
         from lineage.attest import SignedClaim
         from lineage.chain import Attestation
 
         a, b = SignedClaim.load(claim_a), SignedClaim.load(claim_b)
-        node = check_equivocation(a, b)
+        node, result = check_equivocation(a, b)
         if chain_id is not None and chain_id != a.domain.chain_id:
             raise AuditError(f"wrong chain id: the claims are signed for chain {a.domain.chain_id}, not {chain_id}")
         reporter = load_key("reporter")
@@ -647,31 +652,36 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         c = a.claim
         with ep.connect(writable=True) as lg:
             atts = [Attestation(x.claim.replica, x.claim.stage, x.claim.contribution, x.claim.data_shard,
-                                x.claim.code_hash, x.claim.loss_micros, x.signature) for x in (a, b)]
-            amount, tx = lg.report_equivocation_tx(reporter, run_id=c.run_id, step=c.step, parent=c.parent,
-                                                   a=atts[0], b=atts[1])
+                                x.claim.code_hash, x.claim.loss_micros, x.signature, x.claim.new_shard) for x in (a, b)]
+            report = lg.report_result_equivocation if result else lg.report_equivocation_tx
+            amount, tx = report(reporter, run_id=c.run_id, step=c.step, parent=c.parent, a=atts[0], b=atts[1])
+        what = f"stage {c.stage}'s new shard" if result else f"slot ({c.replica}, {c.stage})"
         _out(f"slashed {node}: {fmt_wei(amount)} for equivocating at run {c.run_id} step {c.step} "
-             f"slot ({c.replica}, {c.stage}); reporter {reporter.address}")
+             f"{what}; reporter {reporter.address}")
         _out(f"tx      {tx}")
 
 
-def check_equivocation(a: Any, b: Any) -> str:
-    """The node that signed both claims, if they prove an equivocation; else a clear error."""
+def check_equivocation(a: Any, b: Any) -> tuple[str, bool]:
+    """The node that signed both claims, if they prove an equivocation, and whether it is one
+    on the result (two co-signed shards for one stage, any replicas; ledger version 2) rather
+    than on a slot's contribution; else a clear error."""
     if a.domain != b.domain:
         raise AuditError(f"the claims are for different ledgers: chain {a.domain.chain_id} "
                          f"{a.domain.verifying_contract} and chain {b.domain.chain_id} {b.domain.verifying_contract}")
     ca, cb = a.claim, b.claim
-    for name in ("run_id", "step", "replica", "stage"):
+    cosigned = a.domain.version != "1" and ca.new_shard != cb.new_shard
+    for name in ("run_id", "step", "stage") if cosigned else ("run_id", "step", "replica", "stage"):
         if getattr(ca, name) != getattr(cb, name):
             raise AuditError(f"the claims are for different slots: {name} {getattr(ca, name)} and {getattr(cb, name)}")
     if ca.parent != cb.parent:
         raise AuditError("the claims build on different parents: re-attesting after a rollback is no equivocation")
-    if ca.contribution == cb.contribution:
+    result = cosigned and (ca.contribution == cb.contribution or ca.replica != cb.replica)
+    if ca.contribution == cb.contribution and not result:
         raise AuditError(f"both claims carry contribution 0x{ca.contribution.hex()}: no equivocation")
     signer_a, signer_b = a.recover(), b.recover()
     if signer_a != signer_b:
         raise AuditError(f"the claims are signed by different keys: {signer_a} and {signer_b}")
-    return signer_a
+    return signer_a, result
 
 
 def write_report(path: Path, page: str) -> None:

@@ -44,6 +44,11 @@ class ChainConfig(_Section):
         "cannot be challenged.",
     )
     quorum: int = Field(0, ge=0, description="Verdicts needed to resolve a challenge (1..len(arbiters)).")
+    independence: Literal["keys", "operators"] = Field(
+        "keys",
+        description="What may not sign slots of two replicas of one step: a node key (keys), or the nodes of one "
+        "operator, the registry's operator address of a node (operators).",
+    )
 
     @field_validator("rpc")
     @classmethod

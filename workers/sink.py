@@ -4,8 +4,9 @@ For every step it stores the stage shards, the contributions and the ranks' roun
 states (what replay verification starts from) as UnixFS files (the CIDs
 `ipfs add --cid-version=1` gives the same bytes: a raw block up to 256 KiB, a dag-pb root
 above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each
-(replica, stage) slot's node key sign an EIP-712 `Contribution`, and commits the step on
-the ledger.
+(replica, stage) slot's node key sign an EIP-712 `Contribution` (with the digest of the new
+stage shard that slot's rank computed itself: the replicas co-sign the aggregate), and
+commits the step on the ledger.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 Every inner step's progress and every committed step's metrics also go to
@@ -26,7 +27,7 @@ import dag_cbor
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
 
-from lineage.attest import ContributionClaim, Domain, loss_micros
+from lineage.attest import ContributionClaim, Domain, loss_micros, shard_digest
 from lineage.blockstore import Blockstore
 from lineage.chain import Attestation, Ledger
 from lineage.cid import digest_of, parse_cid
@@ -47,11 +48,14 @@ TIMINGS_FILE = "timings.jsonl"
 Signer = Callable[[int, list[ContributionClaim]], list[bytes]]
 
 
-def local_signer(keys: list[LocalAccount], domain: Domain) -> Signer:
-    """Sign every slot's claim with that slot's key, held in this process (`dlx train`)."""
+def local_signer(keys: list[LocalAccount], domain: Domain, job: JobConfig | None = None) -> Signer:
+    """Sign every slot's claim with that slot's key, held in this process (`dlx train`);
+    a `job` with the test-only shared_key cheat signs a slot with another slot's key."""
 
     def sign(step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        return [c.sign(domain, keys[i].key) for i, c in enumerate(claims)]
+        if job is None:
+            return [c.sign(domain, keys[i].key) for i, c in enumerate(claims)]
+        return [c.sign(domain, keys[cheat.signing_slot(job, step, c.replica, c.stage)].key) for c in claims]
 
     return sign
 
@@ -63,6 +67,9 @@ def content_digest(data: bytes) -> bytes:
 
 class LedgerSink:
     """Stores and commits each outer step; one node key per (replica, stage) slot."""
+
+    #: What each rank co-signs for its new stage shard (trainer.artifacts.StepSink).
+    shard_digest = staticmethod(shard_digest)
 
     def __init__(
         self,
@@ -78,6 +85,7 @@ class LedgerSink:
         min_stake: int,
         arbiters: list[str] | None = None,
         quorum: int = 0,
+        independence: str = "keys",
         slot_keys: list[LocalAccount] | None = None,
         slot_nodes: list[str] | None = None,
         signer: Signer | None = None,
@@ -87,10 +95,11 @@ class LedgerSink:
     ) -> None:
         """Either `slot_keys` (one local key per slot: `dlx train`) or `slot_nodes` and a
         `signer` that obtains each slot's signature from its own node (the job queue).
-        `tracking`: the job file's `[tracking]` section (workers.jobfile.TrackingConfig)."""
+        `tracking`: the job file's `[tracking]` section (workers.jobfile.TrackingConfig);
+        `independence`: the run's `[chain] independence` ("keys" or "operators")."""
         if slot_keys is not None:
             slot_nodes = [k.address for k in slot_keys]
-            signer = local_signer(slot_keys, Domain(ledger.chain.chain_id, ledger.ledger.address))
+            signer = local_signer(slot_keys, ledger.domain, job)
         if slot_nodes is None or signer is None:
             raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
         if len(slot_nodes) != job.world_size:
@@ -107,6 +116,7 @@ class LedgerSink:
         self.challenge_window = challenge_window
         self.min_stake = min_stake
         self.arbiters, self.quorum = list(arbiters or []), quorum
+        self.independence = independence
         self.code = code_hash()
         self._progress = on_progress
         self._committed = on_committed
@@ -142,6 +152,7 @@ class LedgerSink:
             min_stake=self.min_stake,
             arbiters=self.arbiters,
             quorum=self.quorum,
+            independence=self.independence,
         )
         self._head = head
         r = self.record
@@ -190,16 +201,20 @@ class LedgerSink:
             if (contrib.replica, contrib.stage) != divmod(slot, S):
                 raise TrainingError(f"step {step.step}: contribution {slot} is for slot "
                                     f"({contrib.replica}, {contrib.stage})")
+            if len(contrib.new_shard) != 32:
+                raise TrainingError(f"step {step.step}: slot {slot} computed no new shard digest "
+                                    "(the ranks need RankControl.shard_digest)")
             claims.append(ContributionClaim(
                 run_id=self.record.run_id, step=step.step, replica=contrib.replica,
                 stage=contrib.stage, parent=parent, contribution=digest_of(cid),
                 data_shard=contrib.data_shard, code_hash=self.code,
-                loss_micros=loss_micros(contrib.loss),
+                loss_micros=loss_micros(contrib.loss), new_shard=contrib.new_shard,
             ))
         if not self._already_committed(step.step, checkpoint):  # redelivery: nothing to do
             signatures = self.signer(step.step, claims)
             attestations = [
-                Attestation(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, sig)
+                Attestation(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, sig,
+                            c.new_shard)
                 for c, sig in zip(claims, signatures, strict=True)
             ]
             self.ledger.commit_step(

@@ -5,7 +5,10 @@ rank on one worker node:
 
 1. it joins the job's rendezvous record in Redis with its node address; rank 0 also
    publishes its TCPStore address; all wait until the world is complete or the deadline
-   passes (then the job fails saying how many slots were needed and how many came);
+   passes (then the job fails saying how many slots were needed and how many came); the
+   task's rank is then its ticket, and each task trains the slot `replica_aligned` gives it,
+   so that a node's slots lie in one replica (the ledger's independence rule; ticket 0 stays
+   rank 0, the rendezvous host);
 2. it runs the rank in a child process (torch.distributed over gloo), relaying events;
 3. every rank attests its own work: when rank 0 publishes the claim for its slot, the
    rank checks the claimed contribution, data shard and loss against what it computed
@@ -104,6 +107,33 @@ def _claim_from_json(d: dict[str, Any]) -> ContributionClaim:
                              bytes.fromhex(d["code_hash"]), d["loss_micros"], bytes.fromhex(d["new_shard"]))
 
 
+def replica_aligned(joined: dict[int, str], replicas: int, stages: int) -> list[int]:
+    """The tickets (the rank each task was queued as) in the order of the ranks they train.
+
+    The ledger lets a node sign slots of one replica per step only, and a worker with several
+    slots takes several tickets, whichever the queue hands it; so each node's tickets are
+    packed into replicas together, largest groups first (ticket 0's node first, keeping
+    ticket 0 at rank 0: it hosts the rendezvous store). Every task computes the same order
+    from the same complete `joined` map (ticket -> node). A node holding more tickets than
+    a replica has stages, or whose group fits no replica's room, spills into the next room
+    (and the ledger refuses its steps, naming it)."""
+    groups: dict[str, list[int]] = {}
+    for ticket in sorted(joined):
+        groups.setdefault(joined[ticket], []).append(ticket)
+    first, *rest = sorted(groups.values(), key=lambda g: (g[0] != 0, -len(g), g[0]))
+    rooms: list[list[int]] = [first[:stages], *([] for _ in range(replicas - 1))]
+    spill = first[stages:]
+    for group in rest:
+        room = next((r for r in rooms if len(r) + len(group) <= stages), None)
+        if room is None:
+            spill.extend(group)
+        else:
+            room.extend(group)
+    for ticket in spill:
+        next(r for r in rooms if len(r) < stages).append(ticket)
+    return [t for room in rooms for t in room]
+
+
 @app.task(bind=True, name="workers.tasks.run_rank", acks_late=True)
 def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     """Run `rank` of job `job_id` (attempt `attempt`) on this worker node."""
@@ -199,13 +229,16 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
             raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
                            f"{len(joined)} joined within {rec.get('rendezvous_s', 60)} s")
         time.sleep(POLL_S)
-    nodes = [joined[i] for i in range(world)]
+    by_ticket = [joined[i] for i in range(world)]  # liveness is kept per task (ticket)
+    order = replica_aligned(joined, job.parallel.replicas, job.parallel.stages)
+    slot = order.index(rank)  # the rank this task trains and attests
+    nodes = [joined[t] for t in order]
     if rank == 0:
         store.update(job_id, state="running", nodes=nodes, world=world)
 
     training = _training_config(rec, job)  # the token file fetched by CID from the run's store
     sink = _rank0_sink(store, job_id, attempt, rec, job, training, me, nodes) if rank == 0 else None
-    start = _resume_point(rec, job, rank) if rec.get("resume_from") else None
+    start = _resume_point(rec, job, slot) if rec.get("resume_from") else None
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
     from trainer.engine import RankControl
@@ -215,8 +248,8 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
                           cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
                           timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu)
-    proc = ctx.Process(target=_rank_main, args=(rank, world, f"tcp://{address}", training, events, control),
-                       kwargs={"log": str(rank_log(rec["run_dir"], rank, attempt))}, daemon=False)
+    proc = ctx.Process(target=_rank_main, args=(slot, world, f"tcp://{address}", training, events, control),
+                       kwargs={"log": str(rank_log(rec["run_dir"], slot, attempt))}, daemon=False)
     try:
         proc.start()
     except BaseException:
@@ -232,12 +265,12 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                     raise JobError(f"rank {rank} ({me.address}): another task took over this rank's lease")
                 lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
                 if lost and beat.trusted:  # asked after the read: it may have waited out an outage
-                    who = ", ".join(f"rank {r} ({nodes[r]})" for r in lost)
+                    who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
                     raise JobError(f"lost {who}: its worker stopped answering; the round failed")
             try:
                 kind, _, payload = events.get(timeout=POLL_S)
             except queue.Empty:
-                _attest_pending(store, job_id, attempt, rank, me, pending, rec)
+                _attest_pending(store, job_id, attempt, slot, me, pending, rec)
                 if proc.is_alive():
                     if time.monotonic() - last_state > HEARTBEAT_S:
                         last_state = time.monotonic()
@@ -248,12 +281,12 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 try:  # its last events ("done" among them) may have landed after the wait gave up
                     kind, _, payload = events.get(timeout=POLL_S)
                 except queue.Empty:
-                    raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me,
+                    raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me,
                                           f"training process exited with code {proc.exitcode}")) from None
             if kind == "contribution":
                 step, contribution = payload
                 pending[step] = contribution
-                _attest_pending(store, job_id, attempt, rank, me, pending, rec)
+                _attest_pending(store, job_id, attempt, slot, me, pending, rec)
             elif kind == "genesis" and sink is not None:
                 sink.on_genesis(payload)
             elif kind == "step" and sink is not None:
@@ -271,16 +304,16 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 beat.stop(final_ttl_s=3600)  # ended, not lost: peers may still be finishing the step
                 # Steps gathered before the stop still get committed: attest them first.
                 while pending:
-                    _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
+                    _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
                 if rank == 0:
                     store.finish(job_id, "cancelled")
                 return {"rank": rank, "state": "cancelled"}
             elif kind == "error":
-                raise JobError(_blame(store, job_id, attempt, world, nodes, rank, me, str(payload)))
+                raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me, str(payload)))
             elif kind == "done":
                 beat.stop(final_ttl_s=3600)  # finished ranks are never "lost"
                 while pending:
-                    _attest_pending(store, job_id, attempt, rank, me, pending, rec, wait=True)
+                    _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
                 if rank == 0:
                     store.finish(job_id, "completed")
                 return {"rank": rank, "state": "completed"}
@@ -465,4 +498,4 @@ def replay(store_spec: str, items: list[list[Any]], tolerance: float) -> list[di
     return replay_chunk(store_spec, [(c, r) for c, r in items], tolerance)
 
 
-__all__ = ["RedisSigner", "StopFlag", "replay", "run_rank"]
+__all__ = ["RedisSigner", "StopFlag", "replay", "replica_aligned", "run_rank"]

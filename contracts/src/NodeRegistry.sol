@@ -180,6 +180,19 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
+    function holdNode(address nodeKey) external onlyLedger {
+        _nodes[nodeKey].openChallenges += 1;
+        emit NodeHeld(nodeKey);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function releaseNode(address nodeKey) external onlyLedger {
+        // Underflow (a release without a matching hold) reverts with a panic, as in releaseBond.
+        _nodes[nodeKey].openChallenges -= 1;
+        emit NodeReleased(nodeKey);
+    }
+
+    /// @inheritdoc INodeRegistry
     function stakeOf(address node) external view returns (uint256) {
         return _nodes[node].stake;
     }
@@ -205,6 +218,14 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     /// @inheritdoc INodeRegistry
     function operatorOf(address node) external view returns (address) {
         return _nodes[node].operator;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function operatorsOf(address[] calldata nodes) external view returns (address[] memory operators) {
+        operators = new address[](nodes.length);
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            operators[i] = _nodes[nodes[i]].operator;
+        }
     }
 
     /// @inheritdoc INodeRegistry

@@ -13,7 +13,11 @@ import {ITrainingLedger} from "./interfaces/ITrainingLedger.sol";
 /// slashes equivocating nodes on proof, lets staked verifiers challenge a step's replay
 /// before an arbiter quorum, rolls the head back past rejected steps, and finalizes steps
 /// whose challenge window passed.
-/// @dev Signing domain: {name: "DiLoCoXLedger", version: "1", chainId, verifyingContract}.
+/// @dev Signing domain: {name: "DiLoCoXLedger", version: "2", chainId, verifyingContract}
+/// (ERC-5267 `eip712Domain()` tells a verifier which version a deployment speaks; version 1
+/// signed no `newShard` and took 65-byte signatures). Each attestation co-signs the new
+/// shard of its stage, the replicas of a stage must agree on it, and within a step a node
+/// (or an operator, as the run chose) signs the slots of at most one replica.
 /// Events carry everything a lineage query needs, so queries read logs, not storage.
 ///
 /// Step records are stored by step number. A rollback to step k-1 marks steps k..head
@@ -27,7 +31,7 @@ import {ITrainingLedger} from "./interfaces/ITrainingLedger.sol";
 contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @inheritdoc ITrainingLedger
     bytes32 public constant CONTRIBUTION_TYPEHASH = keccak256(
-        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros)"
+        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
     );
 
     /// @inheritdoc ITrainingLedger
@@ -35,20 +39,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     uint8 private constant _EQUIVOCATION = 0;
     uint8 private constant _FAILED_REPLAY = 1;
-
-    /// @dev The EIP-712 `Contribution` message, field for field; `abi.encode` of this static
-    /// struct is its EIP-712 `encodeData`.
-    struct Contribution {
-        uint256 runId;
-        uint64 step;
-        uint32 replica;
-        uint32 stage;
-        bytes32 parent;
-        bytes32 contribution;
-        bytes32 dataShard;
-        bytes32 codeHash;
-        int64 lossMicros;
-    }
+    uint8 private constant _BAD_AGGREGATE = 2;
+    uint8 private constant _RESULT_EQUIVOCATION = 3;
 
     /// @dev The signer list whose eligibility was last checked in full for a run (the first
     /// 24 bytes of its hash, collision-resistant to 2^96 work), and the registry's
@@ -59,8 +51,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @dev One training run. `creator`, the shape and `quorum` share a slot; so do the
-    /// head, the window, the final step and the epoch. The head checkpoint is
-    /// `steps[headStep].checkpoint`.
+    /// head, the window, the final step, the epoch and the independence mode (commitStep
+    /// reads that slot anyway). The head checkpoint is `steps[headStep].checkpoint`.
     struct Run {
         address creator;
         uint32 replicas;
@@ -70,6 +62,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint64 challengeWindow;
         uint64 finalizedStep;
         uint32 epoch;
+        Independence independence;
         bytes32 configDigest;
         uint256 minStake;
         address[] arbiters;
@@ -87,10 +80,11 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     mapping(uint256 runId => Run) private _runs;
     mapping(uint256 challengeId => Challenge) private _challenges;
     mapping(bytes32 offence => bool) private _slashed;
+    mapping(uint256 challengeId => address[]) private _coSigners;
 
     /// @param registry_ The registry whose stakes back attestations; it must bind this
     /// ledger ({INodeRegistry-bindLedger}) before slashing and challenges work.
-    constructor(INodeRegistry registry_) EIP712("DiLoCoXLedger", "1") {
+    constructor(INodeRegistry registry_) EIP712("DiLoCoXLedger", "2") {
         _registry = registry_;
         // Every window stays strictly below the unbonding delay (see NodeRegistry).
         _maxChallengeWindow = registry_.unbondingDelay() - 1;
@@ -109,9 +103,11 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint64 challengeWindow_,
         uint256 minStake,
         address[] calldata arbiters,
-        uint32 quorum
+        uint32 quorum,
+        uint8 independence
     ) external returns (uint256 runId) {
         if (replicas == 0 || stages == 0) revert LedgerInvalidShape(replicas, stages);
+        if (independence > uint8(type(Independence).max)) revert LedgerInvalidIndependence(independence);
         if (nodes.length == 0) revert LedgerNoNodes();
         if (quorum > arbiters.length || (quorum == 0 && arbiters.length != 0)) {
             revert LedgerInvalidQuorum(quorum, arbiters.length);
@@ -122,6 +118,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         runId = ++_runCount;
         Run storage run = _runs[runId];
         _storeRun(run, configDigest, genesisDigest, replicas, stages, challengeWindow_, minStake, quorum);
+        run.independence = Independence(independence);
         _addMembers(run, nodes);
         _addArbiters(run, arbiters);
         _emitRunCreated(runId, nodes);
@@ -143,19 +140,19 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         bytes32 head = run.steps[headStep].checkpoint;
         if (parent != head) revert LedgerStaleParent(head, parent);
         if (checkpoint == bytes32(0)) revert LedgerZeroDigest();
-        (address[] memory signers, bytes32 signersHash) =
+        (address[] memory signers, bytes32 signersHash, bytes32 shardsRoot) =
             _verifyAttestations(run, runId, step, parent, contributionsRoot, attestations);
 
         run.headStep = step;
         run.steps[step] = StepInfo({
             checkpoint: checkpoint,
-            signersHash: bytes20(signersHash),
+            witnessHash: _witnessHash(signersHash, shardsRoot),
             committedAt: uint40(block.timestamp),
             epoch: run.epoch,
             openChallenges: 0,
             rejected: false
         });
-        emit StepCommitted(runId, step, checkpoint, parent, contributionsRoot, metricsDigest, msg.sender);
+        emit StepCommitted(runId, step, checkpoint, parent, contributionsRoot, metricsDigest, msg.sender, shardsRoot);
         for (uint256 i = 0; i < attestations.length; ++i) {
             _emitContributionAttested(runId, step, signers[i], attestations[i]);
         }
@@ -209,39 +206,74 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @inheritdoc ITrainingLedger
+    function reportResultEquivocation(
+        uint256 runId,
+        uint64 step,
+        bytes32 parent,
+        Attestation calldata a,
+        Attestation calldata b
+    ) external returns (uint256 slashed) {
+        Run storage run = _existingRun(runId);
+        if (a.stage != b.stage) revert LedgerDifferentStages(a.stage, b.stage);
+        if (a.newShard == b.newShard) revert LedgerSameShard(a.newShard);
+        address node = _attestationSigner(runId, step, parent, a);
+        address other = _attestationSigner(runId, step, parent, b);
+        if (node != other) revert LedgerSignerMismatch(node, other);
+        if (!run.members[node]) revert LedgerNotMember(runId, node);
+        // Any replica: one node co-signing two results for a stage is one offence.
+        bytes32 offence = offenceId(_RESULT_EQUIVOCATION, runId, step, type(uint32).max, a.stage, parent, node);
+        if (_slashed[offence]) revert LedgerAlreadySlashed(offence, node);
+
+        _slashed[offence] = true;
+        emit ResultEquivocationSlashed(runId, step, node, a.stage, parent, a.newShard, b.newShard, msg.sender);
+        // slither-disable-next-line unused-return -- the reporter's reward is in the registry's Slashed event.
+        (slashed,) = _registry.slash(node, msg.sender);
+    }
+
+    /// @inheritdoc ITrainingLedger
     function openChallenge(
         uint256 runId,
         uint64 step,
         uint32 replica,
         uint32 stage,
         address[] calldata signers,
+        bytes32 shardsRoot,
         bytes32 evidence
     ) external payable returns (uint256 challengeId) {
         Run storage run = _existingRun(runId);
         if (run.quorum == 0) revert LedgerNoArbiters(runId);
         StepInfo storage record = _challengeableStep(run, runId, step);
-        address node = _slotSigner(run, runId, record, replica, stage, signers);
-        uint256 required = _required(run.minStake);
-        uint256 staked = _registry.stakeOf(msg.sender);
-        if (staked < required) revert LedgerInsufficientStake(msg.sender, staked, required);
-        if (msg.value < required) revert LedgerInsufficientBond(required, msg.value);
-
-        challengeId = ++_challengeCount;
-        _challenges[challengeId] = Challenge({
-            runId: runId,
-            step: step,
-            epoch: record.epoch,
-            replica: replica,
-            stage: stage,
-            resolved: false,
-            openedAt: uint40(block.timestamp),
-            node: node,
-            challenger: msg.sender,
-            bond: msg.value
-        });
-        record.openChallenges += 1;
+        if (replica >= run.replicas || stage >= run.stages) revert LedgerSlotOutOfRange(runId, replica, stage);
+        _checkWitnesses(record, signers, shardsRoot);
+        // A matching hash means `signers` has exactly replicas * stages entries.
+        address node = signers[uint256(replica) * run.stages + stage];
+        challengeId = _storeChallenge(run, runId, step, record, replica, stage, node, false);
         _emitChallengeOpened(challengeId, evidence);
         _registry.holdBond{value: msg.value}(node);
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function openAggregateChallenge(
+        uint256 runId,
+        uint64 step,
+        uint32 stage,
+        address[] calldata signers,
+        bytes32[] calldata shards,
+        bytes32 evidence
+    ) external payable returns (uint256 challengeId) {
+        Run storage run = _existingRun(runId);
+        if (run.quorum == 0) revert LedgerNoArbiters(runId);
+        StepInfo storage record = _challengeableStep(run, runId, step);
+        address[] memory coSigners = _coSignersAt(run, runId, record, stage, signers, shards);
+        challengeId = _storeChallenge(run, runId, step, record, 0, stage, coSigners[0], true);
+        _coSigners[challengeId] = coSigners;
+        _emitChallengeOpened(challengeId, evidence);
+        emit AggregateChallenged(challengeId, stage, shards[stage], coSigners);
+        _registry.holdBond{value: msg.value}(coSigners[0]);
+        for (uint256 r = 1; r < coSigners.length; ++r) {
+            // slither-disable-next-line calls-loop -- the registry is this ledger's own, fixed at deployment.
+            _registry.holdNode(coSigners[r]);
+        }
     }
 
     /// @inheritdoc ITrainingLedger
@@ -258,23 +290,21 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         // a new commit of the same step number (which bumped the epoch).
         bool current = record.epoch == c.epoch;
         if (current) record.openChallenges -= 1;
-        bool slash = false;
+        address[] memory nodes = _answering(c, challengeId);
+        bool[] memory slash = new bool[](nodes.length);
+        bool slashed = false;
         if (upheld) {
-            bytes32 offence =
-                offenceId(_FAILED_REPLAY, runId, c.step, c.replica, c.stage, bytes32(uint256(c.epoch)), c.node);
-            if (!_slashed[offence]) {
-                _slashed[offence] = true;
-                slash = true;
-            }
+            slashed = _markOffences(c, nodes, slash);
             if (current && !record.rejected) _rollback(run, runId, c.step, challengeId);
         }
-        emit ChallengeResolved(challengeId, runId, c.step, c.node, upheld, slash);
+        emit ChallengeResolved(challengeId, runId, c.step, c.node, upheld, slashed);
 
-        address node = c.node;
-        address payee = upheld ? c.challenger : _registry.operatorOf(node);
-        // slither-disable-next-line unused-return -- the amounts are in the registry's Slashed event.
-        if (slash) _registry.slash(node, c.challenger);
-        _registry.releaseBond(node, payee, c.bond);
+        address payee = upheld ? c.challenger : _registry.operatorOf(c.node);
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            // slither-disable-next-line unused-return,calls-loop -- amounts are in the registry's Slashed events; the registry is fixed at deployment.
+            if (slash[i]) _registry.slash(nodes[i], c.challenger);
+        }
+        _release(c, nodes, payee);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -289,7 +319,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         StepInfo storage record = _runs[c.runId].steps[c.step];
         if (record.epoch == c.epoch) record.openChallenges -= 1;
         emit ChallengeExpired(challengeId, c.runId, c.step, c.node);
-        _registry.releaseBond(c.node, c.challenger, c.bond);
+        _release(c, _answering(c, challengeId), c.challenger);
     }
 
     // ------------------------------------------------------------------------ views
@@ -354,6 +384,17 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @inheritdoc ITrainingLedger
+    function coSignersOf(uint256 challengeId) external view returns (address[] memory) {
+        _existingChallenge(challengeId);
+        return _coSigners[challengeId];
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function independenceOf(uint256 runId) external view returns (Independence) {
+        return _existingRun(runId).independence;
+    }
+
+    /// @inheritdoc ITrainingLedger
     function challengeCount() external view returns (uint256) {
         return _challengeCount;
     }
@@ -374,29 +415,12 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @inheritdoc ITrainingLedger
-    function contributionDigest(
-        uint256 runId,
-        uint64 step,
-        uint32 replica,
-        uint32 stage,
-        bytes32 parent,
-        bytes32 contribution,
-        bytes32 dataShard,
-        bytes32 codeHash,
-        int64 lossMicros
-    ) external view returns (bytes32) {
-        Contribution memory message = Contribution({
-            runId: runId,
-            step: step,
-            replica: replica,
-            stage: stage,
-            parent: parent,
-            contribution: contribution,
-            dataShard: dataShard,
-            codeHash: codeHash,
-            lossMicros: lossMicros
-        });
-        return _hashTypedDataV4(keccak256(abi.encode(CONTRIBUTION_TYPEHASH, message)));
+    function contributionDigest(uint256 runId, uint64 step, bytes32 parent, Attestation calldata a)
+        external
+        view
+        returns (bytes32)
+    {
+        return _hashTypedDataV4(_contributionHash(runId, step, parent, a));
     }
 
     /// @inheritdoc ITrainingLedger
@@ -456,7 +480,16 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// emit it from its own stack frame without via-ir.
     function _emitRunCreated(uint256 runId, address[] calldata nodes) private {
         Run storage run = _runs[runId];
-        emit RunCreated(runId, run.creator, run.configDigest, run.steps[0].checkpoint, run.replicas, run.stages, nodes);
+        emit RunCreated(
+            runId,
+            run.creator,
+            run.configDigest,
+            run.steps[0].checkpoint,
+            run.replicas,
+            run.stages,
+            nodes,
+            run.independence
+        );
     }
 
     /// @dev Emits {ChallengeOpened} from the stored challenge (openChallenge's own frame has
@@ -468,22 +501,22 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         );
     }
 
-    /// @dev Emits {ContributionAttested} for `a`, signed by `node`. Its six data fields are
-    /// `Attestation`'s first six, so they are copied from calldata into scratch memory in one
-    /// go: commitStep emits one per slot, and Solidity's encoder would allocate fresh memory
-    /// each time. _verifyAttestations has validated every copied field.
+    /// @dev Emits {ContributionAttested} for `a`, signed by `node`. Its seven data fields are
+    /// `Attestation`'s first seven, so they are copied from calldata into scratch memory in
+    /// one go: commitStep emits one per slot, and Solidity's encoder would allocate fresh
+    /// memory each time. _verifyAttestations has validated every copied field.
     // slither-disable-next-line assembly -- scratch-memory copy; see the comment above.
     function _emitContributionAttested(uint256 runId, uint64 step, address node, Attestation calldata a) private {
         bytes32 topic = ContributionAttested.selector;
         assembly ("memory-safe") {
             let m := mload(0x40)
-            calldatacopy(m, a, 0xc0)
-            log4(m, 0xc0, topic, runId, step, node)
+            calldatacopy(m, a, 0xe0)
+            log4(m, 0xe0, topic, runId, step, node)
         }
     }
 
     /// @dev Checks the attestations against the run and `contributionsRoot`; returns the
-    /// signer of each, in slot order.
+    /// signer of each in slot order, their hash, and the root of the co-signed stage shards.
     function _verifyAttestations(
         Run storage run,
         uint256 runId,
@@ -491,19 +524,26 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         bytes32 parent,
         bytes32 contributionsRoot,
         Attestation[] calldata attestations
-    ) private returns (address[] memory signers, bytes32 signersHash) {
+    ) private returns (address[] memory signers, bytes32 signersHash, bytes32 shardsRoot) {
         uint32 stages = run.stages;
         uint256 slots = uint256(run.replicas) * stages;
         if (attestations.length != slots) revert LedgerWrongAttestationCount(slots, attestations.length);
 
         signers = new address[](slots);
         bytes32[] memory contributions = new bytes32[](slots);
+        bytes32[] memory shards = new bytes32[](stages);
         for (uint256 i = 0; i < slots; ++i) {
             Attestation calldata a = attestations[i];
             // replica * stages + stage == i with stage < stages pins replica < replicas too.
             // Reading lossMicros validates it (an int64 must be sign-extended in calldata).
             if (a.stage >= stages || uint256(a.replica) * stages + a.stage != i || a.lossMicros != a.lossMicros) {
                 revert LedgerSlotOutOfOrder(i, a.replica, a.stage);
+            }
+            // Replica 0 states each stage's shard; every later replica must co-sign the same.
+            if (i < stages) {
+                shards[i] = a.newShard;
+            } else if (a.newShard != shards[a.stage]) {
+                revert LedgerShardMismatch(a.stage, a.replica, shards[a.stage], a.newShard);
             }
             signers[i] = _attestationSigner(runId, step, parent, a);
             contributions[i] = a.contribution;
@@ -514,17 +554,21 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         // abi.encodePacked of a bytes32[] is its elements back to back, without a length.
         bytes32 expectedRoot = keccak256(abi.encodePacked(contributions));
         if (contributionsRoot != expectedRoot) revert LedgerContributionsRootMismatch(expectedRoot, contributionsRoot);
+        shardsRoot = keccak256(abi.encodePacked(shards));
     }
 
     /// @dev Reverts unless every one of `signers` is a member of `run` with an active stake of
-    /// at least the run's minimum (and above zero).
+    /// at least the run's minimum (and above zero), and the replicas are independent
+    /// ({_checkIndependent}).
     ///
-    /// The check is cached per run: a run's membership and minimum never change, and a node's
-    /// active stake only ever drops through {INodeRegistry-unbond} or a slash, each of which
-    /// bumps the registry's {INodeRegistry-stakeDecreases} counter. So when this step's signer
-    /// list is the one last checked and the counter has not moved since, every signer is
-    /// still eligible, and the per-signer reads (a membership slot here and a stake slot in
-    /// the registry, both cold) are skipped. Steady runs sign with the same nodes every step.
+    /// The check is cached per run: a run's membership, minimum and independence mode never
+    /// change, nor does a node's operator, and a node's active stake only ever drops through
+    /// {INodeRegistry-unbond} or a slash, each of which bumps the registry's
+    /// {INodeRegistry-stakeDecreases} counter. So when this step's signer list is the one
+    /// last checked and the counter has not moved since, every signer is still eligible and
+    /// the replicas still independent, and the per-signer reads (a membership slot here and
+    /// a stake slot in the registry, both cold) are skipped. Steady runs sign with the same
+    /// nodes every step.
     function _checkEligible(Run storage run, uint256 runId, address[] memory signers, bytes32 signersHash) private {
         uint64 decreases = _registry.stakeDecreases();
         EligibleSigners storage cache = run.eligible;
@@ -539,8 +583,29 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         for (uint256 i = 0; i < signers.length; ++i) {
             if (stakes[i] < required) revert LedgerInsufficientStake(signers[i], stakes[i], required);
         }
+        _checkIndependent(run, signers);
         cache.signers = bytes24(signersHash);
         cache.atDecreases = decreases;
+    }
+
+    /// @dev Reverts with {LedgerNotIndependent} if a witness (the node key, or under
+    /// `Operators` its operator) signs slots of two replicas. Slots are replica-major, so each
+    /// slot is compared with the slots of the replicas before its own: quadratic in the
+    /// slots, and run only when the eligibility cache misses.
+    function _checkIndependent(Run storage run, address[] memory signers) private view {
+        address[] memory witnesses =
+            run.independence == Independence.Operators ? _registry.operatorsOf(signers) : signers;
+        uint256 stages = run.stages;
+        for (uint256 i = stages; i < witnesses.length; ++i) {
+            uint256 replicaStart = i - i % stages;
+            for (uint256 j = 0; j < replicaStart; ++j) {
+                if (witnesses[i] == witnesses[j]) {
+                    // casting to 'uint32' is safe because both are below the run's uint32 replicas
+                    // forge-lint: disable-next-line(unsafe-typecast)
+                    revert LedgerNotIndependent(signers[i], uint32(j / stages), uint32(i / stages));
+                }
+            }
+        }
     }
 
     /// @dev The record of `step` if it can be challenged now; reverts with the reason if not.
@@ -565,22 +630,107 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         }
     }
 
-    /// @dev The node that attested slot (`replica`, `stage`) of `record`, given the record's
-    /// signers in slot order.
-    function _slotSigner(
+    /// @dev Reverts unless `signers` and `shardsRoot` hash to `record`'s witness hash.
+    function _checkWitnesses(StepInfo storage record, address[] calldata signers, bytes32 shardsRoot) private view {
+        bytes20 got = _witnessHash(keccak256(abi.encodePacked(signers)), shardsRoot);
+        if (got != record.witnessHash) revert LedgerWitnessMismatch(record.witnessHash, got);
+    }
+
+    /// @dev The co-signers of stage `stage`'s shard in `record`, in replica order, given the
+    /// record's signers in slot order and its co-signed shards in stage order.
+    function _coSignersAt(
         Run storage run,
         uint256 runId,
         StepInfo storage record,
+        uint32 stage,
+        address[] calldata signers,
+        bytes32[] calldata shards
+    ) private view returns (address[] memory coSigners) {
+        uint32 stages = run.stages;
+        if (stage >= stages) revert LedgerSlotOutOfRange(runId, 0, stage);
+        _checkWitnesses(record, signers, keccak256(abi.encodePacked(shards)));
+        // A matching hash means `signers` has replicas * stages entries and `shards` stages.
+        coSigners = new address[](run.replicas);
+        for (uint256 r = 0; r < coSigners.length; ++r) {
+            coSigners[r] = signers[r * stages + stage];
+        }
+    }
+
+    /// @dev What a step record keeps of its witnesses: see {ITrainingLedger-StepInfo}.
+    function _witnessHash(bytes32 signersHash, bytes32 shardsRoot) private pure returns (bytes20) {
+        return bytes20(keccak256(abi.encode(signersHash, shardsRoot)));
+    }
+
+    /// @dev Checks the challenger's stake and bond against `run`'s minimum and stores a new
+    /// challenge of `record` against `node`; returns its id.
+    function _storeChallenge(
+        Run storage run,
+        uint256 runId,
+        uint64 step,
+        StepInfo storage record,
         uint32 replica,
         uint32 stage,
-        address[] calldata signers
-    ) private view returns (address) {
-        uint32 stages = run.stages;
-        if (replica >= run.replicas || stage >= stages) revert LedgerSlotOutOfRange(runId, replica, stage);
-        bytes20 got = bytes20(keccak256(abi.encodePacked(signers)));
-        if (got != record.signersHash) revert LedgerSignersMismatch(record.signersHash, got);
-        // A matching hash means `signers` has exactly replicas * stages entries.
-        return signers[uint256(replica) * stages + stage];
+        address node,
+        bool aggregate
+    ) private returns (uint256 challengeId) {
+        uint256 required = _required(run.minStake);
+        uint256 staked = _registry.stakeOf(msg.sender);
+        if (staked < required) revert LedgerInsufficientStake(msg.sender, staked, required);
+        if (msg.value < required) revert LedgerInsufficientBond(required, msg.value);
+
+        challengeId = ++_challengeCount;
+        _challenges[challengeId] = Challenge({
+            runId: runId,
+            step: step,
+            epoch: record.epoch,
+            replica: replica,
+            stage: stage,
+            resolved: false,
+            aggregate: aggregate,
+            openedAt: uint40(block.timestamp),
+            node: node,
+            challenger: msg.sender,
+            bond: msg.value
+        });
+        record.openChallenges += 1;
+    }
+
+    /// @dev The nodes challenge `c` holds: its co-signers for an aggregate challenge, else its node.
+    function _answering(Challenge storage c, uint256 challengeId) private view returns (address[] memory nodes) {
+        if (c.aggregate) return _coSigners[challengeId];
+        nodes = new address[](1);
+        nodes[0] = c.node;
+    }
+
+    /// @dev Records the offence of each of `nodes` (challenge `c` upheld) and sets `slash[i]`
+    /// where node i was not slashed for it before; returns whether any was.
+    function _markOffences(Challenge storage c, address[] memory nodes, bool[] memory slash)
+        private
+        returns (bool any)
+    {
+        uint8 kind = c.aggregate ? _BAD_AGGREGATE : _FAILED_REPLAY;
+        bytes32 epoch = bytes32(uint256(c.epoch));
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            // casting to 'uint32' is safe because i is below the run's uint32 replicas
+            // forge-lint: disable-next-line(unsafe-typecast)
+            uint32 replica = c.aggregate ? uint32(i) : c.replica;
+            bytes32 offence = offenceId(kind, c.runId, c.step, replica, c.stage, epoch, nodes[i]);
+            if (!_slashed[offence]) {
+                _slashed[offence] = true;
+                slash[i] = true;
+                any = true;
+            }
+        }
+    }
+
+    /// @dev Releases challenge `c`'s bond (held against `nodes[0]`) to `payee` and the holds
+    /// on its further co-signers.
+    function _release(Challenge storage c, address[] memory nodes, address payee) private {
+        _registry.releaseBond(nodes[0], payee, c.bond);
+        for (uint256 i = 1; i < nodes.length; ++i) {
+            // slither-disable-next-line calls-loop -- the registry is this ledger's own, fixed at deployment.
+            _registry.releaseNode(nodes[i]);
+        }
     }
 
     /// @dev Reverts unless `signatures` are at least the run's quorum of distinct arbiters'
@@ -619,16 +769,16 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         view
         returns (address)
     {
-        return ECDSA.recoverCalldata(_hashTypedDataV4(_contributionHash(runId, step, parent, a)), a.signature);
+        return ECDSA.recover(_hashTypedDataV4(_contributionHash(runId, step, parent, a)), a.r, a.vs);
     }
 
     /// @dev The EIP-712 `hashStruct` of the `Contribution` that `a` attests, built in scratch
     /// memory past the free memory pointer: commitStep hashes one per slot, and allocating a
     /// struct and its encoding each time would grow memory with every attestation.
-    /// `Attestation`'s first six fields are static, in `Contribution` order around `parent`:
-    /// replica and stage at offsets 0x00 and 0x20; contribution, dataShard, codeHash and
-    /// lossMicros from 0x40 to 0xbf. Callers validate the fields they read (commitStep reads
-    /// them all), and a dirty word only hashes to a message nobody signed.
+    /// `Attestation`'s first seven fields are in `Contribution` order around `parent`:
+    /// replica and stage at offsets 0x00 and 0x20; contribution, dataShard, codeHash,
+    /// lossMicros and newShard from 0x40 to 0xdf. Callers validate the fields they read
+    /// (commitStep reads them all), and a dirty word only hashes to a message nobody signed.
     // slither-disable-next-line assembly -- scratch-memory hashing; see the comment above.
     function _contributionHash(uint256 runId, uint64 step, bytes32 parent, Attestation calldata a)
         private
@@ -643,8 +793,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             mstore(add(m, 0x40), step)
             calldatacopy(add(m, 0x60), a, 0x40)
             mstore(add(m, 0xa0), parent)
-            calldatacopy(add(m, 0xc0), add(a, 0x40), 0x80)
-            structHash := keccak256(m, 0x140)
+            calldatacopy(add(m, 0xc0), add(a, 0x40), 0xa0)
+            structHash := keccak256(m, 0x160)
         }
     }
 

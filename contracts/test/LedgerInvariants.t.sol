@@ -48,8 +48,9 @@ contract LedgerInvariantTest is Test {
         assertEq(address(registry).balance, handler.ghost_in() - handler.ghost_out());
     }
 
-    // No node is slashed twice for one offence: a repeated equivocation proof reverts, and a
-    // second upheld challenge of the same slot and record takes nothing.
+    // No node is slashed twice for one offence: a repeated equivocation proof (contribution or
+    // result) reverts, and a second upheld challenge of the same slot or stage and record
+    // takes nothing from a node already slashed for it.
     function invariant_noNodeIsSlashedTwiceForOneOffence() public view {
         assertEq(handler.ghost_doubleSlashes(), 0);
     }
@@ -83,6 +84,16 @@ contract LedgerInvariantTest is Test {
             assertEq(info.checkpoint, handler.ghost_finalCheckpoint(step));
             assertFalse(info.rejected);
             assertEq(ledger.stepCheckpoint(runId, step), info.checkpoint);
+        }
+    }
+
+    // A committed step's co-signed shard digests (and its signers) never change: every step
+    // on the chain keeps the witness hash of what was committed, whatever challenges,
+    // verdicts, expiries and finality did since (only a new commit after a rollback replaces it).
+    function invariant_committedShardDigestsNeverChange() public view {
+        (, uint64 headStep) = ledger.runHead(runId);
+        for (uint64 step = 1; step <= headStep; ++step) {
+            assertEq(ledger.stepInfo(runId, step).witnessHash, handler.ghost_witness(step));
         }
     }
 

@@ -42,7 +42,7 @@ contract LedgerSlashingTest is LedgerFixture {
         copy.dataShard = b.dataShard;
         copy.codeHash = b.codeHash;
         copy.lossMicros = b.lossMicros;
-        copy.signature = _sign(keys[slot % keys.length], _digest(c.runId, c.step, c.parent, copy));
+        (copy.r, copy.vs) = vm.signCompact(keys[slot % keys.length], _digest(c.runId, c.step, c.parent, copy));
         return copy;
     }
 
@@ -67,7 +67,7 @@ contract LedgerSlashingTest is LedgerFixture {
 
     function test_createRun_acceptsTheLongestWindow() public {
         uint64 longest = UNBONDING_DELAY - 1;
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, longest, MIN_STAKE, arbiters, 2);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, longest, MIN_STAKE, arbiters, 2, 0);
         assertEq(ledger.challengeWindowOf(runId), longest);
     }
 
@@ -75,7 +75,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.expectRevert(
             abi.encodeWithSelector(ITrainingLedger.LedgerWindowTooLong.selector, UNBONDING_DELAY, UNBONDING_DELAY - 1)
         );
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2, 0);
     }
 
     function test_createRun_revertsWith_InvalidArbiter_whenAnArbiterRepeats() public {
@@ -116,7 +116,7 @@ contract LedgerSlashingTest is LedgerFixture {
         StepCall memory c = _commitNext(runId);
         ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, 1);
         assertEq(info.checkpoint, c.checkpoint);
-        assertEq(info.signersHash, bytes20(keccak256(abi.encodePacked(_signersOf(c)))));
+        assertEq(info.witnessHash, _witness(_signersOf(c), _shardsRoot(c)));
         assertEq(info.committedAt, 1_000);
         assertEq(info.epoch, 0);
         assertEq(info.openChallenges, 0);
@@ -194,7 +194,7 @@ contract LedgerSlashingTest is LedgerFixture {
         uint256 runId = _createRun();
         StepCall memory c = _nextStep(runId);
         ITrainingLedger.Attestation memory b = _conflicting(c, 0, keccak256("b"));
-        b.signature = _sign(keys[3], _digest(runId, 1, c.parent, b));
+        (b.r, b.vs) = vm.signCompact(keys[3], _digest(runId, 1, c.parent, b));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSignerMismatch.selector, nodes[0], nodes[3]));
         ledger.reportEquivocation(runId, 1, c.parent, c.attestations[0], b);
     }
@@ -206,8 +206,8 @@ contract LedgerSlashingTest is LedgerFixture {
         StepCall memory c = _nextStep(runId);
         ITrainingLedger.Attestation memory other = _attestation(keys[0], runId, 1, keccak256("new parent"), 0, 0);
         other.contribution = keccak256("recomputed");
-        other.signature = _sign(keys[0], _digest(runId, 1, keccak256("new parent"), other));
-        address recovered = ECDSA.recover(_digest(runId, 1, c.parent, other), other.signature);
+        (other.r, other.vs) = vm.signCompact(keys[0], _digest(runId, 1, keccak256("new parent"), other));
+        address recovered = ECDSA.recover(_digest(runId, 1, c.parent, other), other.r, other.vs);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSignerMismatch.selector, nodes[0], recovered));
         ledger.reportEquivocation(runId, 1, c.parent, c.attestations[0], other);
     }
@@ -221,17 +221,17 @@ contract LedgerSlashingTest is LedgerFixture {
         _resign(c, 0, outsiderKey);
         ITrainingLedger.Attestation memory b = c.attestations[0];
         ITrainingLedger.Attestation memory a = _conflicting(c, 0, keccak256("b"));
-        a.signature = _sign(outsiderKey, _digest(runId, 1, c.parent, a));
+        (a.r, a.vs) = vm.signCompact(outsiderKey, _digest(runId, 1, c.parent, a));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNotMember.selector, runId, makeAddr("outsider")));
         ledger.reportEquivocation(runId, 1, c.parent, a, b);
     }
 
-    function test_reportEquivocation_revertsWith_ECDSAInvalidSignatureLength_whenSignatureIsMalformed() public {
+    function test_reportEquivocation_revertsWith_ECDSAInvalidSignatureS_whenSignatureIsMalformed() public {
         uint256 runId = _createRun();
         StepCall memory c = _nextStep(runId);
         ITrainingLedger.Attestation memory b = _conflicting(c, 0, keccak256("b"));
-        b.signature = hex"00";
-        vm.expectRevert(abi.encodeWithSelector(ECDSA.ECDSAInvalidSignatureLength.selector, 1));
+        b.vs = bytes32(type(uint256).max); // s above n / 2: malleable, refused
+        vm.expectRevert(abi.encodeWithSelector(ECDSA.ECDSAInvalidSignatureS.selector, bytes32(type(uint256).max >> 1)));
         ledger.reportEquivocation(runId, 1, c.parent, c.attestations[0], b);
     }
 
@@ -258,7 +258,9 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.ChallengeOpened(1, runId, 1, nodes[3], 0, 1, 1, verifier, MIN_STAKE, keccak256("evidence"));
         vm.prank(verifier);
-        uint256 id = ledger.openChallenge{value: MIN_STAKE}(runId, 1, 1, 1, signers, keccak256("evidence"));
+        uint256 id = ledger.openChallenge{value: MIN_STAKE}(
+            runId, 1, 1, 1, signers, _shardsRootAt(runId, 1), keccak256("evidence")
+        );
 
         assertEq(id, 1);
         assertEq(ledger.challengeCount(), 1);
@@ -278,15 +280,15 @@ contract LedgerSlashingTest is LedgerFixture {
     function test_openChallenge_revertsWith_UnknownRun_whenRunDoesNotExist() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownRun.selector, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(1, 1, 0, 0, nodes, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(1, 1, 0, 0, nodes, _shardsRootAt(1, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
         address[] memory signers = _signersOf(_commitNext(runId));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_UnknownStep_whenStepIsAboveTheHead() public {
@@ -295,14 +297,14 @@ contract LedgerSlashingTest is LedgerFixture {
         address[] memory signers = _signersOf(c);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownStep.selector, runId, 2));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 2, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 2, 0, 0, signers, _shardsRootAt(runId, 2), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_StepFinalized_forTheGenesis() public {
         uint256 runId = _createRun();
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 0));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 0, 0, 0, nodes, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 0, 0, 0, nodes, _shardsRootAt(runId, 0), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_WindowClosed_afterTheWindow() public {
@@ -313,7 +315,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.warp(deadline + 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_SlotOutOfRange_whenSlotIsOutsideTheShape() public {
@@ -322,22 +324,39 @@ contract LedgerSlashingTest is LedgerFixture {
         address[] memory signers = _signersOf(c);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSlotOutOfRange.selector, runId, 2, 0));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 2, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 2, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
-    function test_openChallenge_revertsWith_SignersMismatch_whenSignersAreWrong() public {
+    function _witness(address[] memory signers, bytes32 shardsRoot) internal pure returns (bytes20) {
+        return bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), shardsRoot)));
+    }
+
+    function test_openChallenge_revertsWith_WitnessMismatch_whenSignersAreWrong() public {
         uint256 runId = _createRun();
         StepCall memory c = _commitNext(runId);
         address[] memory signers = _signersOf(c);
-        bytes20 expected = bytes20(keccak256(abi.encodePacked(signers)));
+        bytes32 root = _shardsRoot(c);
+        bytes20 expected = _witness(signers, root);
         signers[1] = signers[0];
         vm.expectRevert(
+            abi.encodeWithSelector(ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, root))
+        );
+        vm.prank(verifier);
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, signers, root, bytes32(0));
+    }
+
+    function test_openChallenge_revertsWith_WitnessMismatch_whenTheShardsRootIsWrong() public {
+        uint256 runId = _createRun();
+        StepCall memory c = _commitNext(runId);
+        address[] memory signers = _signersOf(c);
+        bytes20 expected = _witness(signers, _shardsRoot(c));
+        vm.expectRevert(
             abi.encodeWithSelector(
-                ITrainingLedger.LedgerSignersMismatch.selector, expected, bytes20(keccak256(abi.encodePacked(signers)))
+                ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, keccak256("other"))
             )
         );
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, signers, keccak256("other"), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_InsufficientStake_whenTheChallengerIsNotStaked() public {
@@ -349,7 +368,7 @@ contract LedgerSlashingTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientStake.selector, reporter, 0, MIN_STAKE)
         );
         vm.prank(reporter);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_InsufficientBond_whenTheBondIsBelowTheMinimumStake() public {
@@ -360,7 +379,7 @@ contract LedgerSlashingTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientBond.selector, MIN_STAKE, MIN_STAKE - 1)
         );
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE - 1}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE - 1}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function testFuzz_openChallenge_isAllowedExactlyWithinTheWindow(uint64 wait) public {
@@ -374,7 +393,7 @@ contract LedgerSlashingTest is LedgerFixture {
             vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         }
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     // ---------------------------------------------------------------- resolveChallenge
@@ -725,7 +744,7 @@ contract LedgerSlashingTest is LedgerFixture {
         // Nor can a rejected step be challenged again.
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepRejected.selector, runId, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_finalize_revertsWith_StepChallenged_whileAChallengeIsOpen() public {
@@ -747,13 +766,13 @@ contract LedgerSlashingTest is LedgerFixture {
         ledger.finalize(runId, 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function testFuzz_finalize_opensExactlyAfterTheDeadline(uint64 window, uint64 wait) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         wait = uint64(bound(wait, 0, 2 * uint256(UNBONDING_DELAY)));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
         _commitNext(runId);
         uint64 deadline = uint64(block.timestamp) + window;
         vm.warp(block.timestamp + wait);
@@ -799,7 +818,7 @@ contract LedgerSlashingTest is LedgerFixture {
     function testFuzz_unbonding_cannotFinishWhileAnAttestedStepIsChallengeable(uint64 window, uint64 gap) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         gap = uint64(bound(gap, 0, UNBONDING_DELAY));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
         address[] memory signers = _signersOf(_commitNext(runId));
         uint64 deadline = uint64(block.timestamp) + window;
         // The node unbonds some time after its last attestation ...
@@ -812,7 +831,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.warp(releaseAt);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
         vm.prank(_operatorOf("node0"));
         registry.withdraw(nodes[0]);
     }
@@ -827,7 +846,7 @@ contract LedgerSlashingTest is LedgerFixture {
         for (uint256 i = nodes.length; i < slots; ++i) {
             _addStakedNode(string.concat("extra", vm.toString(i)), MIN_STAKE);
         }
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, slots, WINDOW, MIN_STAKE, arbiters, 2);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, slots, WINDOW, MIN_STAKE, arbiters, 2, 0);
         _shapes[runId] = [uint32(1), slots];
         if (steady) _commitNext(runId);
         StepCall memory c = _nextStep(runId);
@@ -857,6 +876,34 @@ contract LedgerSlashingTest is LedgerFixture {
         }
         emit log_named_uint("isolated: transaction gas incl. base and calldata", used);
         return used - intrinsic;
+    }
+
+    /// @dev The transaction gas of one commitStep of a 1 x `slots` run (base, calldata and
+    /// execution): the figure the README reports.
+    function _commitTxGas(uint32 slots, bool steady) internal returns (uint256) {
+        uint256 execution = _commitGas(slots, steady);
+        StepCall memory c = _nextStep(ledger.runCount());
+        bytes memory data = abi.encodeCall(
+            ledger.commitStep,
+            (c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.attestations)
+        );
+        uint256 intrinsic = 21_000;
+        for (uint256 i = 0; i < data.length; ++i) {
+            intrinsic += data[i] == 0 ? 4 : 16;
+        }
+        return execution + intrinsic;
+    }
+
+    function test_gas_commitStep_transaction_withFourAttestations_isAtMost160k_andEachFurtherAtMost14k() public {
+        uint256 four = _commitTxGas(4, true);
+        uint256 eight = _commitTxGas(8, true);
+        uint256 sixteen = _commitTxGas(16, true);
+        emit log_named_uint("transaction: commitStep, 4 attestations, steady", four);
+        emit log_named_uint("transaction: per further attestation, steady (4 -> 8)", (eight - four) / 4);
+        emit log_named_uint("transaction: per further attestation, steady (4 -> 16)", (sixteen - four) / 12);
+        assertLe(four, 160_000);
+        assertLe((eight - four) / 4, 14_000);
+        assertLe((sixteen - four) / 12, 14_000);
     }
 
     function test_gas_commitStep_withFourAttestations_isAtMost200k() public {

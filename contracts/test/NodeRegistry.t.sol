@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 pragma solidity ^0.8.24;
 
-import {Test} from "forge-std/Test.sol";
+import {Test, stdError} from "forge-std/Test.sol";
 
 import {NodeRegistry} from "../src/NodeRegistry.sol";
 import {INodeRegistry} from "../src/interfaces/INodeRegistry.sol";
@@ -458,6 +458,45 @@ contract NodeRegistryTest is Test {
         assertEq(registry.openChallengesOf(node), 0);
         assertEq(registry.creditOf(reporter), 1 ether);
         _assertAccounting();
+    }
+
+    function test_holdNode_thenReleaseNode_holdsTheWithdrawalWithoutABond() public {
+        vm.expectEmit(address(registry));
+        emit INodeRegistry.NodeHeld(node);
+        registry.holdNode(node);
+        assertEq(registry.openChallengesOf(node), 1);
+        assertEq(registry.totalBonds(), 0);
+        vm.expectEmit(address(registry));
+        emit INodeRegistry.NodeReleased(node);
+        registry.releaseNode(node);
+        assertEq(registry.openChallengesOf(node), 0);
+        _assertAccounting();
+    }
+
+    function test_holdNode_revertsWith_NotLedger_whenCalledByAnother() public {
+        vm.expectRevert(abi.encodeWithSelector(INodeRegistry.RegistryNotLedger.selector, stranger));
+        vm.prank(stranger);
+        registry.holdNode(node);
+    }
+
+    function test_releaseNode_revertsWith_NotLedger_whenCalledByAnother() public {
+        registry.holdNode(node);
+        vm.expectRevert(abi.encodeWithSelector(INodeRegistry.RegistryNotLedger.selector, stranger));
+        vm.prank(stranger);
+        registry.releaseNode(node);
+    }
+
+    function test_releaseNode_panics_withoutAHold() public {
+        vm.expectRevert(stdError.arithmeticError);
+        registry.releaseNode(node);
+    }
+
+    function test_operatorsOf_givesEachNodesOperator_andZeroForAnUnknownNode() public {
+        address[] memory keys = new address[](2);
+        (keys[0], keys[1]) = (node, stranger);
+        address[] memory operators = registry.operatorsOf(keys);
+        assertEq(operators[0], registry.operatorOf(node));
+        assertEq(operators[1], address(0));
     }
 
     function test_claim_paysTheCredit_andEmitsClaimed() public {

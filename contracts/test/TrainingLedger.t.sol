@@ -19,7 +19,7 @@ contract TrainingLedgerTest is LedgerFixture {
         (, string memory name, string memory version, uint256 chainId, address verifyingContract,,) =
             ledger.eip712Domain();
         assertEq(name, "DiLoCoXLedger");
-        assertEq(version, "1");
+        assertEq(version, "2");
         assertEq(chainId, block.chainid);
         assertEq(verifyingContract, address(ledger));
     }
@@ -34,12 +34,12 @@ contract TrainingLedgerTest is LedgerFixture {
         ITrainingLedger.Attestation memory a
     ) internal view returns (bytes32) {
         bytes32 domainSeparator = keccak256(
-            abi.encode(DOMAIN_TYPEHASH, keccak256("DiLoCoXLedger"), keccak256("1"), block.chainid, verifyingContract)
+            abi.encode(DOMAIN_TYPEHASH, keccak256("DiLoCoXLedger"), keccak256("2"), block.chainid, verifyingContract)
         );
         bytes32 structHash = keccak256(
             bytes.concat(
                 abi.encode(CONTRIBUTION_TYPEHASH, runId, step, a.replica, a.stage),
-                abi.encode(parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros)
+                abi.encode(parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros, a.newShard)
             )
         );
         return keccak256(abi.encodePacked(hex"1901", domainSeparator, structHash));
@@ -67,6 +67,7 @@ contract TrainingLedgerTest is LedgerFixture {
         a.dataShard = keccak256(abi.encode(contribution));
         a.codeHash = CODE;
         a.lossMicros = lossMicros;
+        a.newShard = keccak256(abi.encode(parent, stage));
         assertEq(_digest(runId, step, parent, a), _manualDigest(address(ledger), runId, step, parent, a));
     }
 
@@ -74,7 +75,9 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_storesRun_andEmitsRunCreated() public {
         vm.expectEmit(address(ledger));
-        emit ITrainingLedger.RunCreated(1, address(this), CONFIG, GENESIS, 2, 2, nodes);
+        emit ITrainingLedger.RunCreated(
+            1, address(this), CONFIG, GENESIS, 2, 2, nodes, ITrainingLedger.Independence.Keys
+        );
         uint256 runId = _createRun();
 
         assertEq(runId, 1);
@@ -99,7 +102,7 @@ contract TrainingLedgerTest is LedgerFixture {
     }
 
     function test_createRun_acceptsZeroQuorum_whenThereAreNoArbiters() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, 1, 0, 0, new address[](0), 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, 1, 0, 0, new address[](0), 0, 0);
         assertEq(runId, 1);
     }
 
@@ -115,7 +118,7 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_NoNodes_whenNodeListIsEmpty() public {
         vm.expectRevert(ITrainingLedger.LedgerNoNodes.selector);
-        ledger.createRun(CONFIG, GENESIS, new address[](0), 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
+        ledger.createRun(CONFIG, GENESIS, new address[](0), 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     function test_createRun_revertsWith_DuplicateNode_whenANodeIsListedTwice() public {
@@ -126,17 +129,17 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumExceedsArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 4, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 4);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 4, 0);
     }
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumIsZeroWithArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 0, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 0);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 0, 0);
     }
 
     function test_createRun_revertsWith_ZeroDigest_whenGenesisIsZero() public {
         vm.expectRevert(ITrainingLedger.LedgerZeroDigest.selector);
-        ledger.createRun(CONFIG, bytes32(0), nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
+        ledger.createRun(CONFIG, bytes32(0), nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     // ---------------------------------------------------------------- views on unknown runs
@@ -173,13 +176,22 @@ contract TrainingLedgerTest is LedgerFixture {
 
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.StepCommitted(
-            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, submitter
+            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, submitter, _shardsRoot(c)
         );
         for (uint256 i = 0; i < c.attestations.length; ++i) {
             ITrainingLedger.Attestation memory a = c.attestations[i];
             vm.expectEmit(address(ledger));
             emit ITrainingLedger.ContributionAttested(
-                runId, 1, nodes[i], a.replica, a.stage, a.contribution, a.dataShard, a.codeHash, a.lossMicros
+                runId,
+                1,
+                nodes[i],
+                a.replica,
+                a.stage,
+                a.contribution,
+                a.dataShard,
+                a.codeHash,
+                a.lossMicros,
+                a.newShard
             );
         }
         vm.prank(submitter);
@@ -202,10 +214,10 @@ contract TrainingLedgerTest is LedgerFixture {
         }
     }
 
-    function test_commitStep_acceptsOneNodeSigningSeveralSlots() public {
+    function test_commitStep_acceptsOneNodeSigningSeveralStagesOfItsReplica() public {
         uint256 runId = _createRun();
         StepCall memory c = _nextStep(runId);
-        _resign(c, 3, keys[0]);
+        _resign(c, 1, keys[0]);
         _commit(c);
         assertEq(ledger.stepCheckpoint(runId, 1), c.checkpoint);
     }
@@ -223,6 +235,10 @@ contract TrainingLedgerTest is LedgerFixture {
     function testFuzz_commitStep_acceptsAnyShape(uint32 replicas, uint32 stages) public {
         replicas = uint32(bound(replicas, 1, 3));
         stages = uint32(bound(stages, 1, 3));
+        // One key per slot, so the replicas are independent.
+        for (uint256 i = nodes.length; i < uint256(replicas) * stages; ++i) {
+            _addStakedNode(string.concat("extra", vm.toString(i)), MIN_STAKE);
+        }
         uint256 runId = _createRun(replicas, stages, MIN_STAKE);
         _shapes[runId] = [replicas, stages];
 
@@ -346,12 +362,10 @@ contract TrainingLedgerTest is LedgerFixture {
 
         TrainingLedger other = new TrainingLedger(registry);
         ITrainingLedger.Attestation memory a = c.attestations[0];
-        bytes32 otherDigest = other.contributionDigest(
-            runId, c.step, a.replica, a.stage, c.parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros
-        );
+        bytes32 otherDigest = other.contributionDigest(runId, c.step, c.parent, a);
         assertEq(otherDigest, _manualDigest(address(other), runId, c.step, c.parent, a));
         assertTrue(otherDigest != _digest(runId, c.step, c.parent, a));
-        a.signature = _sign(keys[0], otherDigest);
+        (a.r, a.vs) = vm.signCompact(keys[0], otherDigest);
 
         address recovered = _recover(c, 0);
         assertTrue(recovered != nodes[0]);
@@ -359,10 +373,10 @@ contract TrainingLedgerTest is LedgerFixture {
         _commit(c);
     }
 
-    function test_commitStep_revertsWith_ECDSAInvalidSignatureLength_whenSignatureIsMalformed() public {
+    function test_commitStep_revertsWith_ECDSAInvalidSignatureS_whenSignatureIsMalformed() public {
         StepCall memory c = _nextStep(_createRun());
-        c.attestations[0].signature = hex"1234";
-        vm.expectRevert(abi.encodeWithSelector(ECDSA.ECDSAInvalidSignatureLength.selector, 2));
+        c.attestations[0].vs = bytes32(type(uint256).max); // s above n / 2: malleable, refused
+        vm.expectRevert(abi.encodeWithSelector(ECDSA.ECDSAInvalidSignatureS.selector, bytes32(type(uint256).max >> 1)));
         _commit(c);
     }
 

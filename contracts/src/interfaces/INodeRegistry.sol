@@ -85,6 +85,13 @@ interface INodeRegistry {
     /// @notice A challenge bond of `amount` wei against `node` was released to `to`.
     event BondReleased(address indexed node, address indexed to, uint256 amount);
 
+    /// @notice `node` answers for a challenge whose bond is held against another node (an
+    /// aggregate challenge holds every co-signer): its withdrawal waits for the challenge.
+    event NodeHeld(address indexed node);
+
+    /// @notice The challenge that {NodeHeld} `node` is resolved.
+    event NodeReleased(address indexed node);
+
     /// @notice `amount` wei were credited to `account`, claimable with {claim}.
     event Credited(address indexed account, uint256 amount);
 
@@ -175,6 +182,24 @@ interface INodeRegistry {
     /// - a bond of at least `amount` wei is held against `node`.
     function releaseBond(address node, address to, uint256 amount) external;
 
+    /// @notice Makes `node`'s withdrawal wait for a challenge it answers for with no bond held
+    /// against it (a further co-signer of an aggregate challenge).
+    /// @dev Emits a {NodeHeld} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is the bound ledger.
+    function holdNode(address node) external;
+
+    /// @notice Undoes one {holdNode} of `node`.
+    /// @dev Emits a {NodeReleased} event.
+    ///
+    /// Requirements:
+    ///
+    /// - the caller is the bound ledger;
+    /// - `node` is held.
+    function releaseNode(address node) external;
+
     /// @notice The active stake of `node` in wei: what backs its attestations.
     function stakeOf(address node) external view returns (uint256);
 
@@ -190,6 +215,9 @@ interface INodeRegistry {
 
     /// @notice The operator of `node` (zero for an unknown node).
     function operatorOf(address node) external view returns (address);
+
+    /// @notice The operators of `nodes`, in order (zero for an unknown node).
+    function operatorsOf(address[] calldata nodes) external view returns (address[] memory);
 
     /// @notice Whether `node` has registered.
     function isRegistered(address node) external view returns (bool);

@@ -7,6 +7,15 @@ pragma solidity ^0.8.24;
 /// @dev Digests are the 32-byte sha2-256 digests of CIDs (DESIGN.md section 4): the
 /// checkpoint manifest (dag-cbor) and each contribution (UnixFS file).
 interface ITrainingLedger {
+    /// @notice What makes the replicas of a step independent witnesses, fixed per run:
+    /// `Keys`, a node key signs the slots of at most one replica per step; `Operators`, the
+    /// nodes of one operator (the registry's {INodeRegistry-operatorOf}) sign the slots of at
+    /// most one replica per step. Either way a node may hold several stages of its replica.
+    enum Independence {
+        Keys,
+        Operators
+    }
+
     /// @notice One node's signed statement about the work of its (replica, stage) slot.
     /// @param replica The data-parallel replica index, below the run's `replicas`.
     /// @param stage The pipeline stage index, below the run's `stages`.
@@ -14,7 +23,13 @@ interface ITrainingLedger {
     /// @param dataShard Digest of the data shard the node trained on.
     /// @param codeHash Hash of the trainer source that ran.
     /// @param lossMicros The node's training loss times 1e6.
-    /// @param signature EIP-712 signature over `Contribution(...)` by the node key.
+    /// @param newShard Digest of the new outer shard of its stage that the node computed
+    /// itself after the outer step (the UnixFS file CID of the shard's bytes): every replica
+    /// of a stage computes the same outer step, so the replicas co-sign the aggregate.
+    /// @param r The signature's r.
+    /// @param vs The signature's s with the parity of its y in the top bit (EIP-2098): the
+    /// EIP-712 signature over `Contribution(...)` by the node key, in 64 bytes. A static
+    /// struct, so calldata carries no offsets or lengths for it.
     struct Attestation {
         uint32 replica;
         uint32 stage;
@@ -22,13 +37,18 @@ interface ITrainingLedger {
         bytes32 dataShard;
         bytes32 codeHash;
         int64 lossMicros;
-        bytes signature;
+        bytes32 newShard;
+        bytes32 r;
+        bytes32 vs;
     }
 
     /// @notice What the ledger knows about one committed step (step 0 is the genesis).
     /// @param checkpoint Digest of the step's checkpoint manifest.
-    /// @param signersHash The first 20 bytes of keccak256 of the attesting node keys (each
-    /// padded to 32 bytes, as `abi.encodePacked(address[])` does), in slot order.
+    /// @param witnessHash The first 20 bytes of `keccak256(abi.encode(signersHash,
+    /// shardsRoot))`: `signersHash` is keccak256 of the attesting node keys in slot order
+    /// (each padded to 32 bytes, as `abi.encodePacked(address[])` does) and `shardsRoot`
+    /// keccak256 of the co-signed stage shard digests in stage order (see {StepCommitted}).
+    /// It binds who attested and what result they co-signed; it never changes.
     /// @param committedAt Block timestamp of the commit; the challenge window starts here.
     /// @param epoch The run's rollback count when the step was committed.
     /// @param openChallenges Challenges opened against this record and not yet resolved.
@@ -38,21 +58,24 @@ interface ITrainingLedger {
     /// a step can hold 65,535 open challenges, each bonded.)
     struct StepInfo {
         bytes32 checkpoint;
-        bytes20 signersHash;
+        bytes20 witnessHash;
         uint40 committedAt;
         uint32 epoch;
         uint16 openChallenges;
         bool rejected;
     }
 
-    /// @notice A replay challenge against the node of one slot of one committed step.
+    /// @notice A challenge against one committed step: a replay challenge against the node
+    /// of one slot, or an aggregate challenge against every co-signer of one stage's shard.
     /// @param runId The run.
     /// @param step The challenged step.
     /// @param epoch The epoch of the challenged step record (a rollback makes it stale).
-    /// @param replica The challenged slot's replica.
-    /// @param stage The challenged slot's stage.
+    /// @param replica The challenged slot's replica (0 for an aggregate challenge).
+    /// @param stage The challenged slot's (or co-signed shard's) stage.
     /// @param resolved Whether the arbiters have ruled.
-    /// @param node The node key that attested the slot.
+    /// @param aggregate Whether it disputes the stage's co-signed shard (all its co-signers,
+    /// {coSignersOf}) rather than one slot's replay.
+    /// @param node The node key that attested the slot (aggregate: replica 0's co-signer).
     /// @param challenger The staked verifier that opened the challenge and posted the bond.
     /// @param bond The bond in wei.
     struct Challenge {
@@ -62,6 +85,7 @@ interface ITrainingLedger {
         uint32 replica;
         uint32 stage;
         bool resolved;
+        bool aggregate;
         uint40 openedAt;
         address node;
         address challenger;
@@ -104,6 +128,23 @@ interface ITrainingLedger {
     /// @notice `node` stakes `stake` wei, below the `required` amount.
     error LedgerInsufficientStake(address node, uint256 stake, uint256 required);
 
+    /// @notice `node` signed slots of replica `replicaA` and of replica `replicaB` in one step
+    /// (under `Operators` independence: `node`'s operator had already signed for `replicaA`).
+    error LedgerNotIndependent(address node, uint32 replicaA, uint32 replicaB);
+
+    /// @notice Replica `replica` co-signed `got` as stage `stage`'s new shard, where the
+    /// replicas before it co-signed `expected`.
+    error LedgerShardMismatch(uint32 stage, uint32 replica, bytes32 expected, bytes32 got);
+
+    /// @notice A run's independence mode is not one of {Independence}.
+    error LedgerInvalidIndependence(uint8 independence);
+
+    /// @notice The two attestations are for different stages, `stageA` and `stageB`.
+    error LedgerDifferentStages(uint32 stageA, uint32 stageB);
+
+    /// @notice The two attestations co-sign the same shard `shard`.
+    error LedgerSameShard(bytes32 shard);
+
     /// @notice The contributions root does not hash the attested contributions.
     error LedgerContributionsRootMismatch(bytes32 expected, bytes32 got);
 
@@ -138,8 +179,8 @@ interface ITrainingLedger {
     /// @notice Slot (`replica`, `stage`) is outside run `runId`'s shape.
     error LedgerSlotOutOfRange(uint256 runId, uint32 replica, uint32 stage);
 
-    /// @notice The node list given does not hash to the step's recorded signers.
-    error LedgerSignersMismatch(bytes20 expected, bytes20 got);
+    /// @notice The node list and shards root given do not hash to the step's witness hash.
+    error LedgerWitnessMismatch(bytes20 expected, bytes20 got);
 
     /// @notice The two attestations are for different slots: (`replicaA`, `stageA`) and
     /// (`replicaB`, `stageB`).
@@ -187,10 +228,13 @@ interface ITrainingLedger {
         bytes32 genesisDigest,
         uint32 replicas,
         uint32 stages,
-        address[] nodes
+        address[] nodes,
+        Independence independence
     );
 
-    /// @notice Outer step `step` of run `runId` moved the head from `parent` to `checkpoint`.
+    /// @notice Outer step `step` of run `runId` moved the head from `parent` to `checkpoint`;
+    /// `shardsRoot` is keccak256 of the stage shard digests its replicas co-signed, in stage
+    /// order (each {ContributionAttested} carries its stage's digest).
     event StepCommitted(
         uint256 indexed runId,
         uint64 indexed step,
@@ -198,10 +242,12 @@ interface ITrainingLedger {
         bytes32 parent,
         bytes32 contributionsRoot,
         bytes32 metricsDigest,
-        address submitter
+        address submitter,
+        bytes32 shardsRoot
     );
 
-    /// @notice `node` attested its contribution to slot (`replica`, `stage`) of step `step`.
+    /// @notice `node` attested its contribution to slot (`replica`, `stage`) of step `step`
+    /// and co-signed `newShard` as the stage's new outer shard.
     event ContributionAttested(
         uint256 indexed runId,
         uint64 indexed step,
@@ -211,7 +257,8 @@ interface ITrainingLedger {
         bytes32 contribution,
         bytes32 dataShard,
         bytes32 codeHash,
-        int64 lossMicros
+        int64 lossMicros,
+        bytes32 newShard
     );
 
     /// @notice `node` signed two different contributions, `contributionA` and
@@ -229,9 +276,23 @@ interface ITrainingLedger {
         address reporter
     );
 
+    /// @notice `node` co-signed two different shards, `shardA` and `shardB`, as stage
+    /// `stage`'s new shard at step `step` on top of `parent`; `reporter` proved it.
+    event ResultEquivocationSlashed(
+        uint256 indexed runId,
+        uint64 indexed step,
+        address indexed node,
+        uint32 stage,
+        bytes32 parent,
+        bytes32 shardA,
+        bytes32 shardB,
+        address reporter
+    );
+
     /// @notice `challenger` disputed the work of `node` in slot (`replica`, `stage`) of step
     /// `step` (record epoch `epoch`), posting
-    /// `bond` wei; `evidence` is a digest of its replay report.
+    /// `bond` wei; `evidence` is a digest of its replay report. An aggregate challenge
+    /// ({openAggregateChallenge}) also emits {AggregateChallenged}.
     event ChallengeOpened(
         uint256 indexed challengeId,
         uint256 indexed runId,
@@ -245,6 +306,10 @@ interface ITrainingLedger {
         bytes32 evidence
     );
 
+    /// @notice Challenge `challengeId` disputes stage `stage`'s co-signed shard `shard`;
+    /// `coSigners` (one per replica, in replica order) answer for it together.
+    event AggregateChallenged(uint256 indexed challengeId, uint32 stage, bytes32 shard, address[] coSigners);
+
     /// @notice No verdict on challenge `challengeId` came within the resolution period: it is
     /// dismissed without a ruling, the bond goes back to the challenger, the node is free
     /// to withdraw again and the step may be finalized.
@@ -252,7 +317,8 @@ interface ITrainingLedger {
 
     /// @notice The arbiters ruled on challenge `challengeId`: `upheld` or not. `slashed` says
     /// whether the node is slashed now (not when already slashed for this offence); the
-    /// registry's {INodeRegistry-Slashed} event has the amounts.
+    /// registry's {INodeRegistry-Slashed} event has the amounts. An upheld aggregate
+    /// challenge slashes every co-signer, one {INodeRegistry-Slashed} each; `node` is the first.
     event ChallengeResolved(
         uint256 indexed challengeId, uint256 indexed runId, uint64 indexed step, address node, bool upheld, bool slashed
     );
@@ -279,7 +345,8 @@ interface ITrainingLedger {
     /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
     /// - `arbiters` has no duplicates and no zero address;
     /// - `challengeWindow` is below the registry's unbonding delay;
-    /// - `genesisDigest` is not zero.
+    /// - `genesisDigest` is not zero;
+    /// - `independence` is an {Independence} value.
     function createRun(
         bytes32 configDigest,
         bytes32 genesisDigest,
@@ -289,7 +356,8 @@ interface ITrainingLedger {
         uint64 challengeWindow,
         uint256 minStake,
         address[] calldata arbiters,
-        uint32 quorum
+        uint32 quorum,
+        uint8 independence
     ) external returns (uint256 runId);
 
     /// @notice Records outer step `step` of run `runId`. Anyone may submit: the attestations'
@@ -307,6 +375,9 @@ interface ITrainingLedger {
     ///   (slot = replica * stages + stage);
     /// - each attestation is signed over (`runId`, `step`, `parent`, its fields) by a member
     ///   of the run whose registry stake is at least the run's minimum and above zero;
+    /// - the replicas are independent: no node (under `Operators`, no operator's nodes)
+    ///   signs slots of two replicas;
+    /// - every replica of a stage co-signs the same `newShard`;
     /// - `contributionsRoot` is keccak256 of the contributions concatenated in slot order.
     function commitStep(
         uint256 runId,
@@ -339,6 +410,25 @@ interface ITrainingLedger {
         Attestation calldata b
     ) external returns (uint256 slashed);
 
+    /// @notice Slashes a node that co-signed two different new shards for the same stage of
+    /// the same step on top of the same parent (for any replicas); pays the caller the
+    /// reporter's share. Trustless, as {reportEquivocation}. Returns the wei slashed.
+    /// @dev Emits a {ResultEquivocationSlashed} event (and the registry's {Slashed}).
+    ///
+    /// Requirements:
+    ///
+    /// - run `runId` exists;
+    /// - `a` and `b` are for the same stage and carry different `newShard`s;
+    /// - both are signed over (`runId`, `step`, `parent`, their fields) by one member node;
+    /// - that node was not slashed for this (run, step, stage, parent) result before.
+    function reportResultEquivocation(
+        uint256 runId,
+        uint64 step,
+        bytes32 parent,
+        Attestation calldata a,
+        Attestation calldata b
+    ) external returns (uint256 slashed);
+
     /// @notice Opens a replay challenge against the node that attested slot (`replica`,
     /// `stage`) of step `step`; `msg.value` is the bond. Returns the challenge id (from 1).
     /// @dev Emits a {ChallengeOpened} event (and the registry's {BondHeld}).
@@ -348,7 +438,8 @@ interface ITrainingLedger {
     /// - run `runId` exists and has arbiters;
     /// - `step` is a committed, non-rejected, non-final step, within its challenge window;
     /// - the slot is inside the run's shape;
-    /// - `signers` are the step's attesting nodes in slot order (from its events);
+    /// - `signers` are the step's attesting nodes in slot order and `shardsRoot` its shards
+    ///   root (both from its events);
     /// - the caller is a node whose active stake is at least the run's minimum (and not 0);
     /// - the bond is at least the run's minimum stake (and not 0).
     function openChallenge(
@@ -357,6 +448,26 @@ interface ITrainingLedger {
         uint32 replica,
         uint32 stage,
         address[] calldata signers,
+        bytes32 shardsRoot,
+        bytes32 evidence
+    ) external payable returns (uint256 challengeId);
+
+    /// @notice Opens an aggregate challenge against stage `stage` of step `step`: the shard
+    /// its replicas co-signed (`shards[stage]`) is not the outer step recomputed from the
+    /// parent shard and the published contributions (verify level 3). Every co-signer
+    /// answers for it: none may withdraw while it is open, and an upheld verdict slashes them
+    /// all. `msg.value` is the bond. Returns the challenge id.
+    /// @dev Emits {ChallengeOpened} and {AggregateChallenged} (and the registry's {BondHeld}
+    /// and one {INodeRegistry-NodeHeld} per further co-signer).
+    ///
+    /// Requirements: as {openChallenge}, with `shards` the step's co-signed digests in stage
+    /// order (keccak256 of them is its shards root) and `stage` below the run's stages.
+    function openAggregateChallenge(
+        uint256 runId,
+        uint64 step,
+        uint32 stage,
+        address[] calldata signers,
+        bytes32[] calldata shards,
         bytes32 evidence
     ) external payable returns (uint256 challengeId);
 
@@ -436,6 +547,15 @@ interface ITrainingLedger {
     /// @dev Requirements: the challenge exists.
     function challenge(uint256 challengeId) external view returns (Challenge memory);
 
+    /// @notice The co-signers an aggregate challenge holds, in replica order (empty for a
+    /// replay challenge).
+    /// @dev Requirements: the challenge exists.
+    function coSignersOf(uint256 challengeId) external view returns (address[] memory);
+
+    /// @notice The independence mode of run `runId`'s steps.
+    /// @dev Requirements: run `runId` exists.
+    function independenceOf(uint256 runId) external view returns (Independence);
+
     /// @notice The number of challenges opened so far (also the latest id).
     function challengeCount() external view returns (uint256);
 
@@ -444,7 +564,9 @@ interface ITrainingLedger {
 
     /// @notice The id of an offence by `node` at slot (`replica`, `stage`) of step `step`:
     /// `kind` 0 is an equivocation, `key` its parent; `kind` 1 a failed replay, `key` the
-    /// challenged record's epoch. One offence is slashed at most once.
+    /// challenged record's epoch; `kind` 2 a co-signed shard that is not the aggregate, `key`
+    /// the epoch; `kind` 3 a result equivocation, `key` the parent and `replica`
+    /// type(uint32).max (any). One offence is slashed at most once.
     function offenceId(uint8 kind, uint256 runId, uint64 step, uint32 replica, uint32 stage, bytes32 key, address node)
         external
         pure
@@ -468,16 +590,10 @@ interface ITrainingLedger {
     /// @notice Whether `node` is a member of run `runId` (false for an unknown run).
     function isMember(uint256 runId, address node) external view returns (bool);
 
-    /// @notice The EIP-712 digest a node signs for one contribution, for off-chain checks.
-    function contributionDigest(
-        uint256 runId,
-        uint64 step,
-        uint32 replica,
-        uint32 stage,
-        bytes32 parent,
-        bytes32 contribution,
-        bytes32 dataShard,
-        bytes32 codeHash,
-        int64 lossMicros
-    ) external view returns (bytes32);
+    /// @notice The EIP-712 digest a node signs for attestation `a` (its signature fields are
+    /// ignored), for off-chain checks.
+    function contributionDigest(uint256 runId, uint64 step, bytes32 parent, Attestation calldata a)
+        external
+        view
+        returns (bytes32);
 }

@@ -27,8 +27,9 @@ contract LedgerHandler is CommonBase, StdUtils {
     address public immutable verifier;
     address[] internal _payees;
 
-    /// @dev The signers of each step's current record, for challenges.
+    /// @dev The signers of each step's current record and the shards it co-signed, for challenges.
     mapping(uint64 step => address[]) internal _signers;
+    mapping(uint64 step => bytes32[]) internal _shards;
     uint256[] internal _openChallenges;
     uint256 internal _nonce;
 
@@ -44,6 +45,8 @@ contract LedgerHandler is CommonBase, StdUtils {
     uint64[] public ghost_finalSteps;
     mapping(uint64 step => bytes32) public ghost_finalCheckpoint;
     mapping(address node => uint256) public ghost_openChallengesAgainst;
+    /// @dev The witness hash each step's current record must keep: what the handler committed.
+    mapping(uint64 step => bytes20) public ghost_witness;
 
     constructor() {
         registry = new NodeRegistry(vm.addr(0xdead), 5_000, 1 days);
@@ -75,7 +78,7 @@ contract LedgerHandler is CommonBase, StdUtils {
         // Equivocation reports come from this handler, which is paid the reporter's share.
         _payees.push(address(this));
 
-        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
+        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     /// @dev Claims of the reporter's share land here.
@@ -115,6 +118,10 @@ contract LedgerHandler is CommonBase, StdUtils {
             }
             if (!found) return;
         }
+        // Replicas are independent witnesses: a node in both would be refused.
+        for (uint256 slot = 0; slot < 2; ++slot) {
+            if (signers[slot] == signers[2] || signers[slot] == signers[3]) return;
+        }
         (bytes32 head, uint64 headStep) = ledger.runHead(runId);
         uint64 step = headStep + 1;
         bytes32 checkpoint = keccak256(abi.encode("checkpoint", step, ++_nonce));
@@ -126,6 +133,11 @@ contract LedgerHandler is CommonBase, StdUtils {
         }
         ledger.commitStep(runId, step, head, checkpoint, keccak256(packed), bytes32(0), atts);
         _signers[step] = signers;
+        bytes32[] memory shards = new bytes32[](2);
+        (shards[0], shards[1]) = (atts[0].newShard, atts[1].newShard);
+        _shards[step] = shards;
+        ghost_witness[step] =
+            bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), keccak256(abi.encodePacked(shards)))));
     }
 
     /// @notice Tries to commit the next step with one slot signed by a member whose active
@@ -181,6 +193,45 @@ contract LedgerHandler is CommonBase, StdUtils {
         }
     }
 
+    /// @notice Reports a result equivocation by the node of a slot: two shard digests drawn
+    /// from a tiny set, so the same offence comes up again and must not be slashed again.
+    function equivocateResult(uint256 nodeSeed, uint256 stepSeed, uint256 x, uint256 y) external {
+        uint256 i = bound(nodeSeed, 0, 3);
+        uint64 step = uint64(bound(stepSeed, 1, 3));
+        bytes32 a = bytes32(bound(x, 1, 3));
+        bytes32 b = bytes32(bound(y, 1, 3));
+        if (a == b) return;
+        ITrainingLedger.Attestation memory first = _attest(_nodeKeys[i], step, GENESIS, 0, 1, a);
+        ITrainingLedger.Attestation memory second = _attest(_nodeKeys[i], step, GENESIS, 1, 1, b);
+        bytes32 offence = ledger.offenceId(3, runId, step, type(uint32).max, 1, GENESIS, _nodes[i]);
+        bool before = ledger.isSlashed(offence);
+        try ledger.reportResultEquivocation(runId, step, GENESIS, first, second) {
+            if (before) ghost_doubleSlashes += 1;
+            ghost_slashes += 1;
+        } catch (bytes memory reason) {
+            bytes4 selector = bytes4(reason);
+            if (!before || selector != ITrainingLedger.LedgerAlreadySlashed.selector) ghost_doubleSlashes += 100;
+        }
+    }
+
+    /// @notice The verifier challenges the co-signed shard of a stage of a challengeable step.
+    function challengeAggregate(uint256 stepSeed, uint256 stageSeed) external {
+        (, uint64 headStep) = ledger.runHead(runId);
+        uint64 finalized = ledger.finalizedStep(runId);
+        if (headStep <= finalized) return;
+        uint64 step = uint64(bound(stepSeed, finalized + 1, headStep));
+        ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
+        if (block.timestamp > info.committedAt + WINDOW) return;
+        uint32 stage = uint32(bound(stageSeed, 0, 1));
+        vm.prank(verifier);
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, step, stage, _signers[step], _shards[step], 0);
+        _openChallenges.push(ledger.challengeCount());
+        ghost_in += MIN_STAKE;
+        ghost_bonds += MIN_STAKE;
+        ghost_openChallengesAgainst[_signers[step][stage]] += 1;
+        ghost_openChallengesAgainst[_signers[step][2 + stage]] += 1;
+    }
+
     /// @notice The verifier challenges a slot of a challengeable step.
     function challenge(uint256 stepSeed, uint256 slotSeed) external {
         (, uint64 headStep) = ledger.runHead(runId);
@@ -191,7 +242,8 @@ contract LedgerHandler is CommonBase, StdUtils {
         if (block.timestamp > info.committedAt + WINDOW) return;
         uint256 slot = bound(slotSeed, 0, 3);
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, step, uint32(slot / 2), uint32(slot % 2), _signers[step], 0);
+        bytes32 root = keccak256(abi.encodePacked(_shards[step]));
+        ledger.openChallenge{value: MIN_STAKE}(runId, step, uint32(slot / 2), uint32(slot % 2), _signers[step], root, 0);
         _openChallenges.push(ledger.challengeCount());
         ghost_in += MIN_STAKE;
         ghost_bonds += MIN_STAKE;
@@ -204,22 +256,45 @@ contract LedgerHandler is CommonBase, StdUtils {
         uint256 id = _takeOpenChallenge(idSeed);
 
         ITrainingLedger.Challenge memory c = ledger.challenge(id);
-        bytes32 offence = ledger.offenceId(1, runId, c.step, c.replica, c.stage, bytes32(uint256(c.epoch)), c.node);
-        bool before = ledger.isSlashed(offence);
-        (uint256 unbonding,) = registry.unbondingOf(c.node);
-        uint256 stakeBefore = registry.stakeOf(c.node) + unbonding;
+        address[] memory held = _held(c, id);
+        bool[] memory before = new bool[](held.length);
+        uint256[] memory stakeBefore = new uint256[](held.length);
+        for (uint256 i = 0; i < held.length; ++i) {
+            before[i] = ledger.isSlashed(_offence(c, i, held[i]));
+            stakeBefore[i] = _stakeTotal(held[i]);
+        }
         (, uint64 headBefore) = ledger.runHead(runId);
 
         ledger.resolveChallenge(id, upheld, _verdicts(id, upheld));
 
-        (unbonding,) = registry.unbondingOf(c.node);
-        uint256 stakeAfter = registry.stakeOf(c.node) + unbonding;
-        if (upheld && !before) ghost_slashes += 1;
-        if (before && stakeAfter != stakeBefore) ghost_doubleSlashes += 1;
+        for (uint256 i = 0; i < held.length; ++i) {
+            if (upheld && !before[i]) ghost_slashes += 1;
+            if (before[i] && _stakeTotal(held[i]) != stakeBefore[i]) ghost_doubleSlashes += 1;
+            if (upheld && !ledger.isSlashed(_offence(c, i, held[i]))) ghost_doubleSlashes += 100;
+            ghost_openChallengesAgainst[held[i]] -= 1;
+        }
         (, uint64 headAfter) = ledger.runHead(runId);
         if (headAfter < headBefore) ghost_rollbacks += 1;
         ghost_bonds -= c.bond;
-        ghost_openChallengesAgainst[c.node] -= 1;
+    }
+
+    /// @dev The nodes challenge `id` holds: its co-signers (aggregate) or its node.
+    function _held(ITrainingLedger.Challenge memory c, uint256 id) internal view returns (address[] memory held) {
+        if (c.aggregate) return ledger.coSignersOf(id);
+        held = new address[](1);
+        held[0] = c.node;
+    }
+
+    /// @dev The offence an upheld challenge `c` charges its `i`-th held node with.
+    function _offence(ITrainingLedger.Challenge memory c, uint256 i, address node) internal view returns (bytes32) {
+        bytes32 epoch = bytes32(uint256(c.epoch));
+        if (c.aggregate) return ledger.offenceId(2, runId, c.step, uint32(i), c.stage, epoch, node);
+        return ledger.offenceId(1, runId, c.step, c.replica, c.stage, epoch, node);
+    }
+
+    function _stakeTotal(address node) internal view returns (uint256) {
+        (uint256 unbonding,) = registry.unbondingOf(node);
+        return registry.stakeOf(node) + unbonding;
     }
 
     /// @notice Nobody rules on an open challenge within the resolution period: it expires.
@@ -232,7 +307,10 @@ contract LedgerHandler is CommonBase, StdUtils {
         if (block.timestamp <= deadline) vm.warp(deadline + 1);
         ledger.expireChallenge(id);
         ghost_bonds -= c.bond;
-        ghost_openChallengesAgainst[c.node] -= 1;
+        address[] memory held = _held(c, id);
+        for (uint256 i = 0; i < held.length; ++i) {
+            ghost_openChallengesAgainst[held[i]] -= 1;
+        }
     }
 
     /// @notice Finalizes the next step if its window passed and nothing holds it.
@@ -316,11 +394,9 @@ contract LedgerHandler is CommonBase, StdUtils {
         a.dataShard = keccak256(abi.encode("shard", step, replica));
         a.codeHash = keccak256("code");
         a.lossMicros = -1;
-        bytes32 digest = ledger.contributionDigest(
-            runId, step, replica, stage, parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros
-        );
-        (uint8 v, bytes32 r, bytes32 s) = vm.sign(key, digest);
-        a.signature = abi.encodePacked(r, s, v);
+        a.newShard = keccak256(abi.encode("new shard", salt, step, stage));
+        // equivocateResult draws tiny salts; commits use the nonce, which never repeats.
+        (a.r, a.vs) = vm.signCompact(key, ledger.contributionDigest(runId, step, parent, a));
     }
 
     /// @dev Verdicts by the first two arbiters, sorted by address.

@@ -14,7 +14,7 @@ abstract contract LedgerFixture is Test {
     bytes32 internal constant DOMAIN_TYPEHASH =
         keccak256("EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)");
     bytes32 internal constant CONTRIBUTION_TYPEHASH = keccak256(
-        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros)"
+        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
     );
     bytes32 internal constant CONFIG = keccak256("config");
     bytes32 internal constant GENESIS = keccak256("genesis");
@@ -132,16 +132,61 @@ abstract contract LedgerFixture is Test {
     function _challenge(StepCall memory c, uint32 replica, uint32 stage) internal returns (uint256) {
         address[] memory signers = _signersOf(c);
         vm.prank(verifier);
-        return ledger.openChallenge{value: MIN_STAKE}(c.runId, c.step, replica, stage, signers, keccak256("evidence"));
+        return ledger.openChallenge{value: MIN_STAKE}(
+            c.runId, c.step, replica, stage, signers, _shardsRoot(c), keccak256("evidence")
+        );
+    }
+
+    /// @dev The stage shard digests step `c` co-signs, in stage order (replica 0's).
+    function _shardsOf(StepCall memory c) internal view returns (bytes32[] memory shards) {
+        (, uint32 stages) = _shapeOf(c.runId);
+        shards = new bytes32[](stages);
+        for (uint256 s = 0; s < stages; ++s) {
+            shards[s] = c.attestations[s].newShard;
+        }
+    }
+
+    function _shardsRoot(StepCall memory c) internal view returns (bytes32) {
+        return keccak256(abi.encodePacked(_shardsOf(c)));
+    }
+
+    /// @dev The shards root `_nextStep` gives step `step` of `runId` (at the current salt).
+    function _shardsRootAt(uint256 runId, uint64 step) internal view returns (bytes32) {
+        (, uint32 stages) = _shapeOf(runId);
+        bytes32[] memory shards = new bytes32[](stages);
+        for (uint32 s = 0; s < stages; ++s) {
+            shards[s] = _newShard(runId, step, s);
+        }
+        return keccak256(abi.encodePacked(shards));
+    }
+
+    function _newShard(uint256 runId, uint64 step, uint32 stage) internal view returns (bytes32) {
+        return keccak256(abi.encode("new shard", runId, step, stage, salt));
+    }
+
+    /// @dev Opens an aggregate challenge by `verifier` against stage `stage` of step `c`.
+    function _challengeAggregate(StepCall memory c, uint32 stage) internal returns (uint256) {
+        address[] memory signers = _signersOf(c);
+        bytes32[] memory shards = _shardsOf(c);
+        vm.prank(verifier);
+        return
+            ledger.openAggregateChallenge{value: MIN_STAKE}(
+                c.runId, c.step, stage, signers, shards, keccak256("evidence")
+            );
     }
 
     /// @dev A 2 x 2 run over the four setUp nodes.
     function _createRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2);
+        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     function _createRun(uint32 replicas, uint32 stages, uint256 minStake) internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, WINDOW, minStake, arbiters, 2);
+        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, WINDOW, minStake, arbiters, 2, 0);
+    }
+
+    /// @dev A 2 x 2 run over the four setUp nodes whose replicas must have distinct operators.
+    function _createOperatorRun() internal returns (uint256) {
+        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 1);
     }
 
     function _sign(uint256 key, bytes32 digest) internal pure returns (bytes memory) {
@@ -154,9 +199,7 @@ abstract contract LedgerFixture is Test {
         view
         returns (bytes32)
     {
-        return ledger.contributionDigest(
-            runId, step, a.replica, a.stage, parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros
-        );
+        return ledger.contributionDigest(runId, step, parent, a);
     }
 
     /// @dev The attestation for slot (replica, stage), signed by `key` through `ledger`.
@@ -172,7 +215,9 @@ abstract contract LedgerFixture is Test {
         a.codeHash = CODE;
         // Losses are signed: odd replicas report a negative value.
         a.lossMicros = replica % 2 == 0 ? int64(2_345_678) : int64(-1_234);
-        a.signature = _sign(key, _digest(runId, step, parent, a));
+        // Every replica of a stage computes the same new shard.
+        a.newShard = _newShard(runId, step, stage);
+        (a.r, a.vs) = vm.signCompact(key, _digest(runId, step, parent, a));
     }
 
     function _root(ITrainingLedger.Attestation[] memory attestations) internal pure returns (bytes32) {
@@ -218,10 +263,14 @@ abstract contract LedgerFixture is Test {
 
     /// @dev Re-signs attestation `i` of `c` with `key` (after a field was changed).
     function _resign(StepCall memory c, uint256 i, uint256 key) internal view {
-        c.attestations[i].signature = _sign(key, _digest(c.runId, c.step, c.parent, c.attestations[i]));
+        (c.attestations[i].r, c.attestations[i].vs) =
+            vm.signCompact(key, _digest(c.runId, c.step, c.parent, c.attestations[i]));
     }
 
     function _recover(StepCall memory c, uint256 i) internal view returns (address) {
-        return ECDSA.recover(_digest(c.runId, c.step, c.parent, c.attestations[i]), c.attestations[i].signature);
+        return
+            ECDSA.recover(
+                _digest(c.runId, c.step, c.parent, c.attestations[i]), c.attestations[i].r, c.attestations[i].vs
+            );
     }
 }
