@@ -4,9 +4,12 @@ contracts allow it.
 
 Runs trained for it: the session's honest 2x2 run (`trained_run`; tampering happens on
 copies), one 2x2 run whose nodes cheat where the ledger cannot see it (a poisoned
-contribution, skipped work, an equivocating signature) and one 2x1 run whose coordinator
-cheats (a checkpoint that is not the aggregate, then a stale parent). The cheats come from
-the test-only `[cheat]` job section (trainer/cheat.py).
+contribution, skipped work, an equivocating signature), one 2x1 run whose coordinator
+cheats (a manifest linking a shard nobody co-signed, then a stale parent), one 2x1 run whose
+replicas collude on a wrong shard (and one of them equivocates on it), and two short 2x1
+runs the ledger stops (one node signing for both replicas; a replica co-signing another
+shard than its peer). The cheats come from the test-only `[cheat]` job section
+(trainer/cheat.py).
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import pytest
 from eth_utils import to_checksum_address
 
 from lineage.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
-from lineage.attest import ContributionClaim, Domain, SignedClaim
+from lineage.attest import ContributionClaim, Domain, SignedClaim, expand_signature
 from lineage.blockstore import Blockstore
-from lineage.chain import Attestation, Ledger
+from lineage.chain import Attestation, Ledger, sign_verdict
 from lineage.cid import DAG_CBOR, digest_of, parse_cid
 from lineage.errors import ChainRevertError
 from lineage.manifest import get_manifest
@@ -66,7 +69,8 @@ stage = 1
 from_step = 2
 """
 
-# Coordinator cheats, 2x1: step 2's shard is not the aggregate; step 3 forks from step 1.
+# Coordinator cheats, 2x1: step 2's stored shard is not the aggregate (the replicas co-signed
+# the true one); step 3 forks from step 1.
 COORDINATOR_CHEATS = """
 [[cheat]]
 mode = "bad_aggregate"
@@ -75,6 +79,29 @@ from_step = 2
 [[cheat]]
 mode = "stale_parent"
 from_step = 3
+"""
+
+
+#: The arbiters (quorum 2) of the collusion run: dev accounts past the 2x1 world's keys.
+ARBITERS = dev_accounts(10)[6:9]
+
+# Replica collusion, 2x1 with arbiters: from step 2 both replicas co-sign the shard the
+# coordinator stores off the aggregate; replica 1 also signs a second claim with another shard.
+COSIGN_CHEATS = f"""
+[chain]
+arbiters = {json.dumps([a.address for a in ARBITERS])}
+quorum = 2
+
+[[cheat]]
+mode = "collude_shard"
+stage = 0
+from_step = 2
+
+[[cheat]]
+mode = "equivocate_result"
+replica = 1
+stage = 0
+from_step = 2
 """
 
 
@@ -141,12 +168,13 @@ def commit_args(ledger: Ledger, tx: str) -> dict[str, Any]:
 
 def as_attestation(a: dict[str, Any]) -> Attestation:
     return Attestation(a["replica"], a["stage"], bytes(a["contribution"]), bytes(a["dataShard"]),
-                       bytes(a["codeHash"]), int(a["lossMicros"]), bytes(a["signature"]))
+                       bytes(a["codeHash"]), int(a["lossMicros"]), expand_signature(a["r"], a["vs"]),
+                       bytes(a["newShard"]))
 
 
 def signed(claim: ContributionClaim, domain: Domain, account: Any) -> Attestation:
     return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
-                       claim.code_hash, claim.loss_micros, claim.sign(domain, account.key))
+                       claim.code_hash, claim.loss_micros, claim.sign(domain, account.key), claim.new_shard)
 
 
 # -- the runs ---------------------------------------------------------------------------
@@ -163,6 +191,26 @@ def node_cheats(tmp_path_factory, small_job) -> Path:
 def coordinator_cheats(tmp_path_factory, small_job) -> tuple[Path, subprocess.CompletedProcess[str]]:
     return train(tmp_path_factory.mktemp("coordinator-cheats"),
                  small_job("forks", stages=1, extra=COORDINATOR_CHEATS))
+
+
+@pytest.fixture(scope="module")
+def cosign_cheats(tmp_path_factory, small_job) -> Path:
+    run_dir, res = train(tmp_path_factory.mktemp("cosign-cheats"),
+                         small_job("collude", stages=1, steps=2, extra=COSIGN_CHEATS))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return run_dir
+
+
+def stopped_by_the_ledger(root: Path, small_job: Any, cheat: str) -> tuple[Path, str]:
+    """A 2x1 run whose slot (1, 0) cheats from step 2, which the ledger refuses: (run dir,
+    dlx train's last stderr line)."""
+    run_dir, res = train(root, small_job("stopped", stages=1, steps=2,
+                                         extra=f'[cheat]\nmode = "{cheat}"\nreplica = 1\nfrom_step = 2\n'))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr
+    record = RunRecord.load(run_dir)
+    assert (record.steps, record.status) == (1, "failed")
+    return run_dir, res.stderr.strip().splitlines()[-1]
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +239,7 @@ def next_step(ledger: Ledger, run_id: int) -> tuple[int, bytes, list[Contributio
     last = ledger.steps(run_id)[-1]
     claims = [
         ContributionClaim(run_id, n + 1, a["replica"], a["stage"], head, bytes(a["contribution"]),
-                          bytes(a["dataShard"]), bytes(a["codeHash"]), int(a["lossMicros"]))
+                          bytes(a["dataShard"]), bytes(a["codeHash"]), int(a["lossMicros"]), bytes(a["newShard"]))
         for a in commit_args(ledger, last.tx)["attestations"]
     ]
     return n + 1, head, claims
@@ -353,15 +401,103 @@ def test_a_tampered_manifest_fails_content_and_a_substituted_head_is_not_the_cha
 
 
 @pytest.mark.slow
-def test_a_checkpoint_that_is_not_the_aggregate_fails_the_aggregate_level(coordinator_cheats):
+def test_a_manifest_linking_a_shard_nobody_co_signed_fails_the_chain_level(coordinator_cheats):
     run_dir, _ = coordinator_cheats
     code, report = verify(run_dir)
     steps = by_step(report)
     assert code == 1 and sorted(steps) == [1, 2]
     assert steps[1]["ok"]
-    assert steps[2]["passed"] == ["chain", "content"]  # every node signed what it sent
+    shard = get_manifest(store_of(run_dir), manifest_cid(run_dir, 2)).stages[0]
+    record = RunRecord.load(run_dir)
+    with open_ledger(run_dir, record) as ledger:
+        (cosigned,) = ledger.steps(record.run_id)[1].shards(1)  # what both replicas computed
+    assert digest_of(shard) != cosigned
+    assert steps[2]["failures"]["chain"] == (
+        f"stage 0: the manifest links shard {shard}, not the one its replicas co-signed (0x{cosigned.hex()[:16]}..)")
+    assert "content" in steps[2]["passed"]  # every node signed what it sent
+    assert steps[2]["failures"]["aggregate"] == f"stage 0: recomputed shard differs from {shard}"
+
+
+# -- replicas: independent witnesses who co-sign the aggregate ----------------------------
+
+
+@pytest.mark.slow
+def test_one_node_signing_slots_of_two_replicas_is_refused_by_the_ledger(tmp_path, small_job):
+    run_dir, last = stopped_by_the_ledger(tmp_path, small_job, "shared_key")
+    node = node_keys(2)[0]  # slot (0, 0)'s key also signed slot (1, 0)
+    assert last == (f"dlx: error: commitStep(run 1, step 2): reverted with LedgerNotIndependent("
+                    f"node={node.address.lower()}, replicaA=0, replicaB=1)")
+    code, report = verify(run_dir)
+    assert code == 0 and [s["step"] for s in report["steps"]] == [1]  # the chain holds step 1 only
+
+
+@pytest.mark.slow
+def test_a_replica_co_signing_another_shard_than_its_peer_is_refused_by_the_ledger(tmp_path, small_job):
+    run_dir, last = stopped_by_the_ledger(tmp_path, small_job, "wrong_shard")
+    assert last.startswith("dlx: error: commitStep(run 1, step 2): reverted with LedgerShardMismatch("
+                           "stage=0, replica=1, expected=0x")
+    record = RunRecord.load(run_dir)
+    with open_ledger(run_dir, record) as ledger:
+        assert ledger.head(record.run_id)[1] == 1
+
+
+@pytest.mark.slow
+def test_replicas_colluding_on_a_wrong_shard_fail_the_aggregate_and_are_all_slashed(cosign_cheats):
+    run_dir = cosign_cheats
+    code, report = verify(run_dir)
+    steps = by_step(report)
+    assert code == 1 and steps[1]["ok"]
+    # The manifest links what both replicas co-signed: only recomputing the outer step shows it.
+    assert {"chain", "content"} <= set(steps[2]["passed"]) and list(steps[2]["failures"]) == ["aggregate"]
     shard = get_manifest(store_of(run_dir), manifest_cid(run_dir, 2)).stages[0]
     assert steps[2]["failures"]["aggregate"] == f"stage 0: recomputed shard differs from {shard}"
+    record = RunRecord.load(run_dir)
+    nodes = node_keys(2)
+    verifier = dev_accounts(10)[9]
+    with open_ledger(run_dir, record) as ledger:
+        fund(ledger, verifier.address)
+        ledger.ensure_staked(verifier, ETHER)
+        stakes = [ledger.stake_of(n.address) for n in nodes]
+        assert min(stakes) >= ETHER
+        challenge, _ = ledger.open_aggregate_challenge(verifier, run_id=record.run_id, step=2, stage=0, bond=ETHER,
+                                                       evidence=hashlib.sha256(b"level 3 report").digest())
+        assert ledger.co_signers_of(challenge) == [n.address for n in nodes]
+        # The arbiters recompute level 3 themselves, as the verifier did, and uphold it.
+        signatures = [sign_verdict(ledger.chain.chain_id, ledger.ledger.address, challenge, True, a.key)
+                      for a in sorted(ARBITERS[:2], key=lambda a: int(a.address, 16))]
+        done = ledger.resolve_with(verifier, challenge_id=challenge, upheld=True, signatures=signatures)
+        assert sorted(done.slashed_nodes) == sorted(n.address for n in nodes)
+        assert done.slashed == sum(stakes) and done.rejected_steps == [2]
+        assert [ledger.stake_of(n.address) for n in nodes] == [0, 0]
+        assert ledger.head(record.run_id)[1] == 1
+
+
+@pytest.mark.slow
+def test_a_result_equivocation_is_slashed_from_its_two_signed_claims(cosign_cheats, tmp_path):
+    record = RunRecord.load(cosign_cheats)
+    paths = [cosign_cheats / "equivocation" / f"step-2-{x}.json" for x in "ab"]
+    a, b = (SignedClaim.load(p) for p in paths)
+    node = node_keys(2)[1]  # slot (1, 0)
+    assert a.recover() == b.recover() == node.address
+    assert a.claim.contribution == b.claim.contribution and a.claim.new_shard != b.claim.new_shard
+    reporter = dev_accounts(10)[5]
+    env = {**os.environ, "DLX_REPORTER_KEY": "0x" + bytes(reporter.key).hex()}
+    with open_ledger(cosign_cheats, record) as ledger:
+        (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
+        assert rec.shards(1) == [a.claim.new_shard]  # claim a is the committed one
+        stake = ledger.stake_of(node.address)
+        fund(ledger, reporter.address)
+        url = ledger.chain.rpc_url
+        res = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.startswith(f"slashed {node.address}: ") and "stage 0's new shard" in res.stdout
+        assert ledger.stake_of(node.address) == 0 and stake >= ETHER
+        (log,) = ledger.ledger.events.ResultEquivocationSlashed().get_logs(
+            from_block=0, argument_filters={"runId": record.run_id})
+        assert (log["args"]["node"], log["args"]["stage"], log["args"]["step"]) == (node.address, 0, 2)
+        assert (bytes(log["args"]["shardA"]), bytes(log["args"]["shardB"])) == (a.claim.new_shard, b.claim.new_shard)
+        again = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
+        assert again.returncode == 2 and "LedgerAlreadySlashed" in again.stderr.strip().splitlines()[-1]
 
 
 # -- nodes: poisoned contributions and skipped work, caught by replay only ------------------
@@ -502,8 +638,9 @@ def test_a_cheat_is_refused_off_a_local_chain_before_anything_starts(small_job, 
     # The job queue: the same rule, and no equivocation (each node signs in its own worker).
     with pytest.raises(ConfigError, match="refused on http://10.11.12.13"):
         refuse_cheat_off_local_chain(job, "http://10.11.12.13:8545", ANVIL_CHAIN_ID, queue=True)
-    with pytest.raises(ConfigError, match="'equivocate' runs only under `dlx train`"):
-        refuse_cheat_off_local_chain(_job(small_job, '[cheat]\nmode = "equivocate"\n'), anvil.url, queue=True)
+    for mode in ("equivocate", "equivocate_result", "shared_key"):
+        with pytest.raises(ConfigError, match=f"'{mode}' runs only under `dlx train`"):
+            refuse_cheat_off_local_chain(_job(small_job, f'[cheat]\nmode = "{mode}"\n'), anvil.url, queue=True)
     # `dlx submit` refuses such a job before it touches the stack's Redis (which is not even
     # running here): one line, exit code 2, nothing queued.
     from workers.stack import Stack
