@@ -61,6 +61,11 @@ contract LedgerInvariantTest is Test {
         assertEq(handler.ghost_ineligibleAccepted(), 0);
     }
 
+    // No step is accepted whose replicas share a node: the replicas are independent witnesses.
+    function invariant_replicasNeverShareANode() public view {
+        assertEq(handler.ghost_dependentAccepted(), 0);
+    }
+
     // The head is always a committed, non-rejected step, or the genesis.
     function invariant_headIsANonRejectedStepOrGenesis() public view {
         (bytes32 head, uint64 headStep) = ledger.runHead(runId);

@@ -427,6 +427,57 @@ contract LedgerWitnessesTest is LedgerFixture {
         ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
     }
 
+    function test_openAggregateChallenge_revertsWith_InsufficientStake_whenTheChallengerIsNotStaked() public {
+        uint256 runId = _createRun();
+        StepCall memory c = _commitNext(runId);
+        (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
+        address stranger = makeAddr("stranger");
+        vm.deal(stranger, 10 ether);
+        vm.expectRevert(
+            abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientStake.selector, stranger, 0, MIN_STAKE)
+        );
+        vm.prank(stranger);
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+    }
+
+    function test_openAggregateChallenge_revertsWith_UnknownRun() public {
+        bytes32[] memory shards = new bytes32[](2);
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownRun.selector, 3));
+        vm.prank(verifier);
+        ledger.openAggregateChallenge{value: MIN_STAKE}(3, 1, 0, nodes, shards, bytes32(0));
+    }
+
+    function test_openAggregateChallenge_revertsWith_StepFinalized_onAFinalStep() public {
+        uint256 runId = _createRun();
+        StepCall memory c = _commitNext(runId);
+        (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
+        vm.warp(block.timestamp + WINDOW + 1);
+        ledger.finalize(runId, 1);
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 1));
+        vm.prank(verifier);
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+    }
+
+    function testFuzz_resolveChallenge_upheldAggregate_slashesEachCoSignerOnce(uint8 stageSeed, uint8 times) public {
+        uint256 runId = _createRun();
+        StepCall memory c = _commitNext(runId);
+        uint32 stage = uint32(bound(stageSeed, 0, 1));
+        uint256 n = bound(times, 1, 3);
+        uint256[] memory ids = new uint256[](n);
+        for (uint256 i = 0; i < n; ++i) {
+            ids[i] = _challengeAggregate(c, stage);
+        }
+        uint256 treasuryBefore = registry.creditOf(treasury);
+        for (uint256 i = 0; i < n; ++i) {
+            ledger.resolveChallenge(ids[i], true, _verdicts(ids[i], true, 2));
+        }
+        // Two co-signers slashed once each: the treasury got half of each stake, no more.
+        assertEq(registry.creditOf(treasury) - treasuryBefore, MIN_STAKE);
+        assertEq(_stakeTotal(nodes[stage]) + _stakeTotal(nodes[2 + stage]), 0);
+        assertEq(_stakeTotal(nodes[1 - stage]), MIN_STAKE);
+        _assertAccounting();
+    }
+
     function test_coSignersOf_isEmptyForAReplayChallenge_andRevertsForAnUnknownOne() public {
         uint256 runId = _createRun();
         StepCall memory c = _commitNext(runId);

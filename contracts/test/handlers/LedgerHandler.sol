@@ -41,6 +41,7 @@ contract LedgerHandler is CommonBase, StdUtils {
     uint256 public ghost_rollbacks;
     uint256 public ghost_ineligibleAccepted;
     uint256 public ghost_ineligibleRefused;
+    uint256 public ghost_dependentAccepted;
     /// @dev Every step made final, with its checkpoint at that moment.
     uint64[] public ghost_finalSteps;
     mapping(uint64 step => bytes32) public ghost_finalCheckpoint;
@@ -168,6 +169,32 @@ contract LedgerHandler is CommonBase, StdUtils {
             // Refused, and for the right reason.
             if (bytes4(reason) != ITrainingLedger.LedgerInsufficientStake.selector) ghost_ineligibleAccepted += 1;
             ghost_ineligibleRefused += 1;
+        }
+    }
+
+    /// @notice Tries to commit the next step with one node signing a slot of each replica: it
+    /// must be refused, as not independent (or, if that node lost its stake, as ineligible),
+    /// whatever the ledger cached about earlier signer lists.
+    function commitNotIndependent(uint256 seed) external {
+        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
+        uint64 step = headStep + 1;
+        uint256 twice = seed % 4;
+        ITrainingLedger.Attestation[] memory atts = new ITrainingLedger.Attestation[](4);
+        bytes memory packed;
+        for (uint256 slot = 0; slot < 4; ++slot) {
+            // Slot (1, s) signed by the node of slot (0, s) for the chosen stage.
+            uint256 key = slot == 2 + twice % 2 ? _nodeKeys[twice % 2] : _nodeKeys[slot];
+            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+            packed = bytes.concat(packed, atts[slot].contribution);
+        }
+        try ledger.commitStep(runId, step, head, keccak256(abi.encode("dependent", seed)), keccak256(packed), 0, atts) {
+            ghost_dependentAccepted += 1;
+        } catch (bytes memory reason) {
+            bytes4 selector = bytes4(reason);
+            if (
+                selector != ITrainingLedger.LedgerNotIndependent.selector
+                    && selector != ITrainingLedger.LedgerInsufficientStake.selector
+            ) ghost_dependentAccepted += 1;
         }
     }
 
