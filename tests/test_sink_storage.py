@@ -1,5 +1,6 @@
 """The sink stores shards and contributions as Kubo-identical UnixFS files, commits their
-digests, and pins the run's head. The ledger is a stand-in: this pins storage only (the
+digests (the co-signed shard digest is the digest of the shard file the manifest links),
+and pins the run's head. The ledger is a stand-in: this pins storage only (the
 chain side is covered by test_train_e2e and test_verify)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from types import SimpleNamespace
 
 from eth_account import Account
 
+from lineage.attest import Domain, shard_digest
 from lineage.blockstore import Blockstore
 from lineage.cid import DAG_CBOR, DAG_PB, RAW, cid_from_digest, digest_of
 from lineage.manifest import get_manifest
@@ -24,6 +26,7 @@ class StubLedger:
     def __init__(self) -> None:
         self.chain = SimpleNamespace(chain_id=31337)
         self.ledger = SimpleNamespace(address="0x" + "11" * 20)
+        self.domain = Domain(31337, self.ledger.address)
         self.created: dict = {}
         self.commits: list[dict] = []
 
@@ -50,7 +53,9 @@ def test_step_blocks_are_unixfs_files_whose_digests_rebuild_their_cids(tmp_path)
     rng = random.Random(0)
     big = rng.randbytes(300_000)  # over one chunk: a dag-pb root
     sink.on_genesis(GenesisArtifacts(stages=[StageShard(0, rng.randbytes(1000))]))
-    contribs = [Contribution(replica=r, stage=0, data=d, data_shard=bytes(32), loss=1.5)
+    # Each replica reports the digest of the new shard it computed itself (the same bytes).
+    contribs = [Contribution(replica=r, stage=0, data=d, data_shard=bytes(32), loss=1.5,
+                             new_shard=shard_digest(big[::-1]))
                 for r, d in enumerate([big, b"small"])]
     sink.on_step(StepArtifacts(step=1, stages=[StageShard(0, big[::-1])], contributions=contribs,
                                metrics={"eval_loss": 1.0}))
@@ -61,6 +66,7 @@ def test_step_blocks_are_unixfs_files_whose_digests_rebuild_their_cids(tmp_path)
     assert [row[0] for row in manifest.contributions] == [file_cid(big), file_cid(b"small")]
     assert [c.codec.name for row in manifest.contributions for c in row] == [DAG_PB, RAW]
     assert manifest.stages == [file_cid(big[::-1])]
+    assert all(att.new_shard == digest_of(manifest.stages[0]) for att in commit["attestations"])  # a dag-pb root
     for att, (row, data) in zip(commit["attestations"], zip(manifest.contributions, [big, b"small"],
                                                             strict=True), strict=True):
         assert att.contribution == digest_of(row[0])
