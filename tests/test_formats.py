@@ -7,7 +7,8 @@ project's code; the cross-checks at the end then hold the live code to the same 
 The examples are the document's fenced blocks whose info string is ``json example:NAME``,
 so the document cannot drift from what is checked. The fixtures (tests/data/formats/) are
 the real output of ``dlx train tests/data/formats/job.toml`` (2 replicas x 2 stages, 2 outer
-steps, low-rank 4-bit compression) on a dataset directory of five small text files: some
+steps, low-rank 4-bit compression) on the dataset directory of five small text files beside
+it, copied to /tmp/fmt/dataset (the job's ``[data] dir``, recorded in the config block): some
 of its blocks, laid out as the blockstore lays them out, and what its chain recorded
 (chain.json: the events, the `commitStep` call, the step record). A change of any format
 fails here on purpose: regenerate the run and the examples together, and say why.
