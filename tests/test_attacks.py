@@ -472,6 +472,50 @@ def test_replicas_colluding_on_a_wrong_shard_fail_the_aggregate_and_are_all_slas
         assert ledger.head(record.run_id)[1] == 1
 
 
+def key_env(**keys: Any) -> dict[str, str]:
+    """The environment of a `dlx` command signing with `keys` (role -> account)."""
+    return {**os.environ, **{f"DLX_{role.upper()}_KEY": "0x" + bytes(acct.key).hex() for role, acct in keys.items()}}
+
+
+@pytest.mark.slow
+def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_cheats, tmp_path):
+    """`dlx challenge-aggregate`, arbiters' `dlx arbiter vote --recompute`, `dlx arbiter resolve`."""
+    run_dir = copy_run(cosign_cheats, tmp_path / "run")
+    record = RunRecord.load(run_dir)
+    verifier = dev_accounts(10)[9]
+    with open_ledger(run_dir, record, writable=True) as ledger:  # kept in the run's chain
+        fund(ledger, verifier.address)
+        ledger.ensure_staked(verifier, ETHER)
+    env = key_env(node=verifier)
+    res = dlx("challenge-aggregate", 1, "--stage", 0, "--run-dir", run_dir, env=env)
+    assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
+        "dlx: error: step 1: the recomputed outer step gives every committed shard; nothing to challenge")
+    res = dlx("challenge-aggregate", 2, "--stage", 0, "--run-dir", run_dir, "--json", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    done = json.loads(res.stdout)
+    nodes = node_keys(2)
+    assert done["co_signers"] == [n.address for n in nodes] and done["stage"] == 0
+    assert done["failure"].startswith("stage 0: recomputed shard differs from ")
+    challenge = str(done["challenge"])
+    first, second = sorted(ARBITERS[:2], key=lambda a: int(a.address, 16))
+    res = dlx("arbiter", "vote", challenge, "--dismiss", "--recompute", "--run-dir", run_dir, env=key_env(arbiter=first))
+    assert res.returncode == 2 and "the recomputed outer step contradicts dismissing" in res.stderr, res.stderr
+    sigs = []
+    for arbiter in (first, second):
+        res = dlx("arbiter", "vote", challenge, "--uphold", "--recompute", "--run-dir", run_dir,
+                  env=key_env(arbiter=arbiter))
+        assert res.returncode == 0, res.stderr[-2000:]
+        sigs.append(res.stdout.strip())
+    res = dlx("arbiter", "resolve", challenge, "--uphold", *sigs, "--run-dir", run_dir, "--json", env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out["upheld"] and out["rejected_steps"] == [2] and out["head_step"] == 1
+    with open_ledger(run_dir, record) as ledger:
+        assert [ledger.stake_of(n.address) for n in nodes] == [0, 0]
+        assert sorted(log["args"]["node"] for log in ledger.registry.events.Slashed().get_logs(from_block=0)) == \
+            sorted(n.address for n in nodes)
+
+
 @pytest.mark.slow
 def test_a_result_equivocation_is_slashed_from_its_two_signed_claims(cosign_cheats, tmp_path):
     record = RunRecord.load(cosign_cheats)

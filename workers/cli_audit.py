@@ -209,6 +209,54 @@ def _step_record(lg: Any, run_id: int, step: int) -> Any:
     raise AuditError(f"run {run_id} has no step {step} on its current chain")
 
 
+def aggregate_failure(run_dir: Path, step: int, stage: int, rpc: str | None = None) -> str:
+    """Recompute the outer steps of the run in `run_dir` from the parent shards and the
+    published contributions (`dlx verify`'s aggregate level) and return step `step`'s
+    failure if it shows that stage `stage`'s committed shard, the one its replicas co-signed,
+    is not the aggregate; else an AuditError saying why there is nothing to challenge."""
+    from lineage.verify import verify_run
+
+    for sr in verify_run(run_dir, rpc, levels=("aggregate",)).steps:
+        if sr.step != step:
+            continue
+        failure = sr.failures.get("aggregate")
+        if failure is None:
+            raise AuditError(f"step {step}: the recomputed outer step gives every committed shard; nothing to challenge")
+        if not failure.startswith(f"stage {stage}: recomputed shard differs"):
+            raise AuditError(f"step {step}: {failure} (it does not show stage {stage}'s shard wrong)")
+        return failure
+    raise AuditError(f"the run in {run_dir} has no step {step} on its current chain")
+
+
+def store_aggregate_evidence(store: Any, *, run_id: int, step: int, stage: int, checkpoint: Any, cosigned: bytes,
+                             failure: str, chain_id: int, ledger: str) -> Any:
+    """Store the evidence node of an aggregate challenge; returns its CID."""
+    import dag_cbor
+
+    from lineage.cid import DAG_CBOR
+
+    node_doc = {"version": EVIDENCE_VERSION, "kind": "aggregate-mismatch", "run": run_id, "step": step,
+                "stage": stage, "checkpoint": checkpoint, "cosigned": cosigned, "failure": failure,
+                "chainId": chain_id, "ledger": ledger}
+    return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
+
+
+def check_vote_by_recompute(run_dir: Path | None, rpc: str | None, challenge: dict[str, Any], upheld: bool) -> str:
+    """For an aggregate challenge: recompute the challenged step's outer step from the run
+    in `run_dir`; refuse a verdict the result contradicts. Returns a one-line account."""
+    if run_dir is None:
+        raise AuditError("--recompute needs --run-dir: the run whose outer step is recomputed")
+    try:
+        failure = aggregate_failure(run_dir, int(challenge["step"]), int(challenge["stage"]), rpc)
+    except AuditError as exc:
+        if upheld:
+            raise AuditError(f"the recomputed outer step contradicts upholding: {exc}") from None
+        return f"recomputed: {exc}"
+    if not upheld:
+        raise AuditError(f"the recomputed outer step contradicts dismissing: {failure}")
+    return f"recomputed: {failure}"
+
+
 def _slots_of(record: Any, node: str) -> set[tuple[int, int]]:
     slots = {(int(a["replica"]), int(a["stage"])) for a in record.attestations if a["node"].lower() == node.lower()}
     if not slots:
@@ -495,6 +543,54 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         _out(f"bond      {fmt_wei(int(done['bond_wei']))} from {done['challenger']}")
         _out(f"tx        {done['tx']}")
 
+    @app.command("challenge-aggregate")
+    @user_errors
+    def challenge_aggregate(
+        step: Annotated[int, typer.Argument(min=1, help="The challenged outer step.")],
+        stage: Annotated[int, typer.Option("--stage", min=0, help="The stage whose co-signed shard is disputed.")],
+        run_dir: Annotated[Path, typer.Option("--run-dir", help="The run: its run.json, chain and blocks.")],
+        bond: Annotated[str | None, typer.Option("--bond", help="The bond, e.g. 1eth (default: the run's minimum stake).")] = None,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Recompute STEP's outer step (verify's aggregate level); if stage STAGE's committed
+        shard, which every replica co-signed, is not it, open an aggregate challenge: all the
+        co-signers answer, and an upheld verdict slashes every one (the node key, staked,
+        posts the bond)."""
+        from lineage.cid import DAG_CBOR, cid_from_digest, digest_of
+        from lineage.runrecord import RunRecord
+
+        wei = parse_amount(bond) if bond else None
+        challenger = load_key("node")
+        run_id = RunRecord.load(run_dir).run_id
+        failure = aggregate_failure(run_dir, step, stage)  # before the chain is opened for writing
+        ep = Endpoint.resolve(run_dir=run_dir)
+        blocks = endpoint_blocks(ep, None, None)
+        with ep.connect(writable=True) as lg:
+            record = _step_record(lg, run_id, step)
+            stages = int(lg.run_created(run_id)["stages"])
+            if stage >= stages:
+                raise AuditError(f"run {run_id} has {stages} stage(s): no stage {stage}")
+            evidence = store_aggregate_evidence(
+                blocks, run_id=run_id, step=step, stage=stage, checkpoint=cid_from_digest(record.checkpoint, DAG_CBOR),
+                cosigned=record.shards(stages)[stage], failure=failure, chain_id=lg.chain.chain_id,
+                ledger=lg.ledger.address)
+            if wei is None:
+                wei = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
+            challenge_id, tx = lg.open_aggregate_challenge(challenger, run_id=run_id, step=step, stage=stage,
+                                                           bond=wei, evidence=digest_of(evidence))
+            co_signers = lg.co_signers_of(challenge_id)
+        done = {"challenge": challenge_id, "run": run_id, "step": step, "stage": stage, "co_signers": co_signers,
+                "failure": failure, "evidence": str(evidence), "bond_wei": str(wei),
+                "challenger": challenger.address, "tx": tx}
+        if as_json:
+            sys.stdout.write(json.dumps(done, indent=2) + "\n")
+            return
+        _out(f"challenge {challenge_id} opened against the co-signers of run {run_id} step {step} stage {stage}: "
+             f"{', '.join(co_signers)}")
+        _out(f"evidence  {evidence} ({failure})")
+        _out(f"bond      {fmt_wei(wei)} from {challenger.address}")
+        _out(f"tx        {tx}")
+
     arbiter_app = typer.Typer(name="arbiter", no_args_is_help=True,
                               help="An arbiter's commands: sign a verdict on a challenge, submit a quorum.")
     app.add_typer(arbiter_app, name="arbiter")
@@ -506,6 +602,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         upheld: UpholdOpt = None,
         out: Annotated[Path | None, typer.Option("--out", help="Write the verdict (JSON) to this file instead of printing the signature.")] = None,
         replay: Annotated[bool, typer.Option("--replay", help="Replay the challenged slot first; refuse a verdict it contradicts.")] = False,
+        recompute: Annotated[bool, typer.Option("--recompute", help="An aggregate challenge: recompute the outer step from --run-dir first; refuse a verdict it contradicts.")] = False,
         tolerance: ToleranceOpt = 0.0,
         rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
         run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
@@ -517,6 +614,12 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         verdict = _verdict(upheld)
         key = load_key("arbiter")
         ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+        if recompute:  # verify's own chain and store, before this command holds the run's chain
+            with ep.connect() as lg:
+                c = lg.challenge(challenge_id)
+            if not c["aggregate"]:
+                raise AuditError(f"challenge {challenge_id} disputes a slot's replay: check it with --replay")
+            _err(check_vote_by_recompute(run_dir, ep.rpc, c, verdict))
         with ep.connect() as lg:
             c = lg.challenge(challenge_id)
             if c["resolved"]:
