@@ -144,9 +144,11 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
         checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
         pruned = _pruned(store, run_dir, checkpoints[-1] if steps else None, ledger, record.run_id)
     genesis = cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)
-    work = _Work(store, steps, [genesis, *checkpoints], record.run_id,
-                 cid_from_digest(bytes(created["configDigest"]), DAG_CBOR),
-                 int(created["replicas"]), int(created["stages"]), tuple(lv for lv in levels if lv not in ("chain", DATA)),
+    config = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
+    no_outer = _no_outer_step(store, config)
+    work = _Work(store, steps, [genesis, *checkpoints], record.run_id, config,
+                 int(created["replicas"]), int(created["stages"]),
+                 tuple(lv for lv in levels if lv not in ("chain", DATA) and not (no_outer and lv == "aggregate")),
                  pruned.blocks)
     members = set(created["nodes"])
     with _levels_2_3_started(work) as results:  # in worker processes, while level 1 runs here
@@ -169,6 +171,9 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
         for level in levels:
             if level == DATA and data.unavailable:
                 sr.unavailable[DATA] = data.unavailable
+                continue
+            if level == "aggregate" and no_outer:
+                sr.unavailable[level] = no_outer
                 continue
             failure = chain[i] if level == "chain" else data.failures.get(rec.step) if level == DATA \
                 else results[i][level]
@@ -522,6 +527,17 @@ def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int
                     check_file(store, cid, workers=0)
     for cid in m.stages:
         check(cid)
+
+
+def _no_outer_step(store: Blockstore, config: Any) -> str:
+    """Why level 3 does not apply to the run (the AllReduce baseline), or "" where it does."""
+    try:
+        job = dag_cbor.decode(store.get(config))["job"]
+        baseline = job.get("parallel", {}).get("sync") == "allreduce"
+    except (DlxError, KeyError, TypeError, AttributeError):
+        return ""  # an unreadable config: level 2 names it
+    return "the AllReduce baseline has no outer step to recompute (its shards are the all-reduced weights)" \
+        if baseline else ""
 
 
 def _outer_config(store: Blockstore, config: Any) -> Any:
