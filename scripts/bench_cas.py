@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lineage.blockstore import Blockstore  # noqa: E402
-from lineage.unixfs import import_file, read_file  # noqa: E402
+from lineage.store.blockstore import Blockstore  # noqa: E402
+from lineage.store.unixfs import import_file, read_file  # noqa: E402
 
 
 def _rss_mib() -> float:

@@ -13,7 +13,7 @@ temporary directory) and, measured side by side on it in one run:
             floor, `tokenizers`' own `Tokenizer.encode_batch` over the same documents
             already in memory, in batches of the same size (target: at least 0.8x).
   bytes     `prepare_data` with the bytes tokenizer (no floor; for scale).
-  import    `lineage.unixfs_dir.import_directory(root, put=None)`, the root CID `ipfs add -r
+  import    `lineage.store.unixfs_dir.import_directory(root, put=None)`, the root CID `ipfs add -r
             --cid-version=1` gives, against `sha256sum` over the same files (target: at
             least 0.5x).
 
@@ -86,7 +86,7 @@ def _work(kind: str, root: Path, tokenizer: Path, out: Path) -> dict:
         subprocess.run(["sha256sum", *files], check=True, stdout=subprocess.DEVNULL)
         return {"s": time.perf_counter() - start, "bytes": size}
     if kind == "import":
-        from lineage.unixfs_dir import import_directory
+        from lineage.store.unixfs_dir import import_directory
 
         start = time.perf_counter()
         import_directory(root, None)

@@ -11,14 +11,14 @@ steps with `inner_steps` lowered to --inner-steps (default 1): what levels 1-3 c
 step (a commit transaction, its signatures and stakes; the manifest, shards and
 contributions; the outer step recomputed) does not depend on H, so the shorter rounds
 only shorten the training. It then times the `dlx verify` command (process start-up
-included) and `lineage.verify.verify_run` in process, once with no level (start the
+included) and `lineage.audit.verify.verify_run` in process, once with no level (start the
 chain from its state file, read the run's events: the fixed cost) and once per level, so
 each level's own cost is the difference (levels 2 and 3 run in one forked worker a core,
 level 1 in the calling process meanwhile; CPU seconds include the workers'). Target:
 levels 1-3 under 10 s per 100 steps.
 
 Part 2 trains tiny.toml with its real inner_steps (20) for a few steps and replays
-replica 0's rounds with `lineage.replay.replay_many` (one launch). Each round's replay
+replica 0's rounds with `lineage.audit.replay.replay_many` (one launch). Each round's replay
 time (slowest stage, launch excluded) is compared with the same round's compute time in
 training (`compute_s` in the run's timings.jsonl: the slowest rank's inner steps, the
 difference of the cumulative clock). Target: replay <= 1.2x. Training ran R x S = 4
@@ -92,7 +92,7 @@ def train(work: Path, name: str, steps: int, inner_steps: int | None) -> tuple[P
 
 def bench_levels(run_dir: Path, repeat: int) -> dict[str, Any]:
     """Seconds for `dlx verify` and for verify_run per level (best of `repeat`)."""
-    from lineage.verify import LEVELS, verify_run
+    from lineage.audit.verify import LEVELS, verify_run
 
     def best(fn: Any) -> tuple[float, float, Any]:
         """(wall s, CPU s, result) of the fastest of `repeat` runs. CPU seconds count this
@@ -146,10 +146,10 @@ def _cpu() -> float:
 def bench_replay(run_dir: Path) -> dict[str, Any] | None:
     """Replay every round of replica 0 in one launch; compare with training compute."""
     try:
-        from lineage.replay import replay_many
+        from lineage.audit.replay import replay_many
     except ImportError:
         return None
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
 
     timings = [json.loads(line) for line in (run_dir / "timings.jsonl").read_text().splitlines()]
     compute = {t["step"]: t["compute_s"] - (timings[i - 1]["compute_s"] if i else 0.0)

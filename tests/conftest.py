@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from lineage.anvil import Anvil, dev_accounts
-from lineage.chain import Chain, Ledger
+from lineage.chain.anvil import Anvil, dev_accounts
+from lineage.chain.client import Chain
+from lineage.chain.ledger import Ledger
 
 
 @pytest.fixture(scope="session", autouse=True)

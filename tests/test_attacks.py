@@ -31,15 +31,15 @@ import dag_cbor
 import pytest
 from eth_utils import to_checksum_address
 
-from lineage.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
-from lineage.attest import ContributionClaim, Domain, SignedClaim, expand_signature
-from lineage.blockstore import Blockstore
-from lineage.chain import Attestation, Ledger, sign_verdict
-from lineage.cid import DAG_CBOR, digest_of, parse_cid
+from lineage.audit.query import open_ledger
+from lineage.chain.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
+from lineage.chain.attest import ContributionClaim, Domain, SignedClaim, expand_signature
+from lineage.chain.ledger import Attestation, Ledger, sign_verdict
+from lineage.chain.runrecord import RunRecord
 from lineage.errors import ChainRevertError
-from lineage.manifest import get_manifest
-from lineage.query import open_ledger
-from lineage.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_CBOR, digest_of, parse_cid
+from lineage.store.manifest import get_manifest
 from trainer.config import load_job
 from trainer.errors import ConfigError
 from workers.jobfile import JobFile

@@ -27,18 +27,19 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from test_node_cli import one_line_error, run_dlx
 
-from lineage.anvil import rpc_call
-from lineage.attest import ClaimError, ContributionClaim, Domain, SignedClaim, loss_micros
-from lineage.blockstore import Blockstore
-from lineage.chain import Attestation, Chain, Ledger
-from lineage.cid import digest_of, parse_cid
+from lineage.audit.query import ledger_lineage
+from lineage.audit.replay import ReplicaReplay, StageReplay
+from lineage.audit.report import render_html
+from lineage.chain.anvil import rpc_call
+from lineage.chain.attest import ClaimError, ContributionClaim, Domain, SignedClaim, loss_micros
+from lineage.chain.client import Chain
+from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.runrecord import RunRecord
 from lineage.errors import BlockNotFoundError
-from lineage.manifest import get_manifest, put_manifest
-from lineage.query import ledger_lineage
-from lineage.replay import ReplicaReplay, StageReplay
-from lineage.report import render_html
-from lineage.runrecord import RunRecord
-from lineage.unixfs import file_cid, import_bytes, read_bytes
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import digest_of, parse_cid
+from lineage.store.manifest import get_manifest, put_manifest
+from lineage.store.unixfs import file_cid, import_bytes, read_bytes
 from workers.cli_audit import AuditError, open_replay_challenge
 
 ETHER = 10**18
@@ -344,7 +345,7 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
     cid, tx = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=1, stage=0, bond=ETHER)
     assert ledger.challenges(run_id=run_id)[0]["tx"] == tx
     assert ledger.run_params(run_id)["minStake"] == ETHER
-    from lineage.chain import sign_verdict
+    from lineage.chain.ledger import sign_verdict
 
     sigs = {x.address: sign_verdict(ledger.chain.chain_id, ledger.ledger.address, cid, False, x.key) for x in arbiters[:2]}
     for addr, sig in sigs.items():

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from conftest import DLX, small_job_toml
 
-from lineage.anvil import free_port
+from lineage.chain.anvil import free_port
 
 ETH = 10**18
 ARBITERS = [f"0x{i:040x}" for i in range(1, 258)]  # one more than a run may have
@@ -224,8 +224,8 @@ def test_a_run_directory_that_cannot_be_one_is_refused_naming_the_path(tmp_path)
 def test_a_lost_chain_is_one_line_naming_its_endpoint(accounts):
     """A chain that goes away under a connected client: the error names the endpoint and
     says what happened, not urllib3's retry chain."""
-    from lineage.anvil import Anvil
-    from lineage.chain import Chain
+    from lineage.chain.anvil import Anvil
+    from lineage.chain.client import Chain
     from lineage.errors import ChainError
 
     with Anvil() as node:

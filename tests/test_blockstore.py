@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lineage.blockstore import Blockstore
-from lineage.cid import DAG_CBOR, RAW, cid_for, cid_from_digest, digest_of, parse_cid
 from lineage.errors import BlockNotFoundError, CorruptBlockError
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_CBOR, RAW, cid_for, cid_from_digest, digest_of, parse_cid
 
 
 def test_cid_of_known_bytes_matches_the_ipfs_raw_block_cid():
@@ -85,7 +85,7 @@ def test_several_writer_processes_share_one_store(tmp_path):
 
 
 def test_a_cidv0_and_its_cidv1_name_the_same_stored_block(tmp_path):
-    from lineage.cid import DAG_PB, as_v1, cid_from_digest
+    from lineage.store.cid import DAG_PB, as_v1, cid_from_digest
 
     store = Blockstore(tmp_path)
     block = bytes.fromhex("0a0408021800")  # the empty UnixFS file, QmbFMke1...

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lineage.blockstore import Blockstore
-from lineage.car import CarError, export_car, import_car, read_car
-from lineage.cid import parse_cid
-from lineage.dag import reachable
-from lineage.manifest import Manifest, put_config, put_manifest
-from lineage.unixfs import import_bytes, read_file
+from lineage.store.blockstore import Blockstore
+from lineage.store.car import CarError, export_car, import_car, read_car
+from lineage.store.cid import parse_cid
+from lineage.store.dag import reachable
+from lineage.store.manifest import Manifest, put_config, put_manifest
+from lineage.store.unixfs import import_bytes, read_file
 
 ROOT = Path(__file__).resolve().parents[1]
 IPFS_CAR = ROOT / "node_modules" / ".bin" / "ipfs-car"
@@ -130,7 +130,7 @@ def test_a_corrupt_block_in_a_car_is_named(tmp_path):
 
 
 def test_a_car_without_its_root_is_refused(tmp_path):
-    from lineage.car import encode_header
+    from lineage.store.car import encode_header
 
     store = Blockstore(tmp_path)
     missing = parse_cid("bafkreihdwdcefgh4dqkjv67uzcmw7ojee6xedzdetojuzjevtenxquvyku")

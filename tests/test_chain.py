@@ -9,11 +9,12 @@ import hashlib
 import pytest
 from eth_utils import keccak
 
-from lineage.attest import ContributionClaim
-from lineage.chain import Attestation, Chain, Ledger
-from lineage.cid import DAG_CBOR, cid_from_digest
+from lineage.audit.verify import _verify_chain
+from lineage.chain.attest import ContributionClaim
+from lineage.chain.client import Chain
+from lineage.chain.ledger import Attestation, Ledger
 from lineage.errors import ChainError, ChainRevertError
-from lineage.verify import _verify_chain
+from lineage.store.cid import DAG_CBOR, cid_from_digest
 
 ETHER = 10**18
 R, S = 2, 2

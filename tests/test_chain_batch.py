@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import hashlib
 
-from lineage.attest import ContributionClaim, Domain
-from lineage.chain import Attestation
+from lineage.chain.attest import ContributionClaim, Domain
+from lineage.chain.ledger import Attestation
 
 ETHER = 10**18
 R, S = 2, 2

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lineage.blockstore import Blockstore
-from lineage.car import export_car
-from lineage.cid import parse_cid
-from lineage.manifest import Manifest, put_config, put_manifest
-from lineage.runrecord import RunRecord
-from lineage.unixfs import file_cid, import_bytes
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.car import export_car
+from lineage.store.cid import parse_cid
+from lineage.store.manifest import Manifest, put_config, put_manifest
+from lineage.store.unixfs import file_cid, import_bytes
 from workers.cli import app
 
 

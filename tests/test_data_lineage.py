@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from lineage.blockstore import Blockstore
-from lineage.cid import parse_cid
-from lineage.runrecord import RunRecord
-from lineage.unixfs import PBNode
-from lineage.unixfs_dir import list_tree
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import parse_cid
+from lineage.store.unixfs import PBNode
+from lineage.store.unixfs_dir import list_tree
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
@@ -114,7 +114,7 @@ def test_the_lineage_names_the_dataset_tokenizer_and_token_file(bpe_run):
 
 
 def _file_bytes(store: Blockstore, cid: str) -> list[bytes]:
-    from lineage.unixfs import cat
+    from lineage.store.unixfs import cat
 
     return list(cat(store, cid))
 

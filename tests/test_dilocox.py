@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lineage.cid import cid_for
+from lineage.store.cid import cid_for
 from trainer import ConfigError, bytes_to_tensors, load_job, train_local
 from trainer.compress import (
     Compressor,

@@ -1,7 +1,7 @@
 """The blockstore's fast CID paths give exactly what multiformats gives.
 
 multiformats validates every argument of every CID it builds or prints (about a
-millisecond a call); `lineage.blockstore` builds and names the CIDs of our own blocks from
+millisecond a call); `lineage.store.blockstore` builds and names the CIDs of our own blocks from
 their bytes instead. These tests hold the fast paths to multiformats' answers.
 """
 
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiformats import CID, multihash
 
-from lineage.blockstore import Blockstore
-from lineage.cid import (
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import (
     DAG_CBOR,
     DAG_PB,
     RAW,

@@ -538,9 +538,9 @@ CHECKED = {
 
 def test_live_code_matches_the_document(doc):
     """The project's own implementations give the values FORMATS.md documents."""
-    from lineage.attest import ContributionClaim, Domain
-    from lineage.manifest import Manifest
-    from lineage.unixfs_dir import import_tree
+    from lineage.chain.attest import ContributionClaim, Domain
+    from lineage.store.manifest import Manifest
+    from lineage.store.unixfs_dir import import_tree
     from trainer.config import OuterConfig
     from trainer.data import derive_seed as live_seed
     from trainer.diloco import apply_outer_step

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
-from lineage.anvil import free_port
-from lineage.blockstore import Blockstore
-from lineage.car import export_car, import_car
-from lineage.cid import parse_cid
+from lineage.chain.anvil import free_port
 from lineage.errors import BlockNotFoundError
-from lineage.ipfs import IpfsStore, open_store
-from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
-from lineage.unixfs import file_cid, import_bytes, read_file
+from lineage.store.blockstore import Blockstore
+from lineage.store.car import export_car, import_car
+from lineage.store.cid import parse_cid
+from lineage.store.ipfs import IpfsStore, open_store
+from lineage.store.manifest import Manifest, get_manifest, put_config, put_manifest
+from lineage.store.unixfs import file_cid, import_bytes, read_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::FutureWarning")]
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 from test_node_cli import one_line_error, run_dlx
 
-from lineage.anvil import Anvil
-from lineage.ipfs import open_store
-from lineage.manifest import get_manifest
-from lineage.runrecord import RunRecord
-from lineage.unixfs import read_bytes
+from lineage.chain.anvil import Anvil
+from lineage.chain.runrecord import RunRecord
+from lineage.store.ipfs import open_store
+from lineage.store.manifest import get_manifest
+from lineage.store.unixfs import read_bytes
 from trainer.artifacts import bytes_to_tensors
 
 

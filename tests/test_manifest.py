@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lineage import cbor
-from lineage.blockstore import Blockstore
-from lineage.cid import DAG_CBOR, cid_for
 from lineage.errors import StorageError
-from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
+from lineage.store import cbor
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_CBOR, cid_for
+from lineage.store.manifest import Manifest, get_manifest, put_config, put_manifest
 
 
 def _chain(store: Blockstore, steps: int):

@@ -131,9 +131,9 @@ def test_generate_is_reproducible_and_streams_the_models_bytes(run):
 
 
 def _cids(run_dir: Path, record: dict) -> dict[str, str]:
-    from lineage.cid import cid_for
-    from lineage.manifest import get_manifest
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.cid import cid_for
+    from lineage.store.manifest import get_manifest
 
     manifest = get_manifest(RunRecord.load(run_dir).open_store(run_dir), record["head"])
     return {"shard": str(manifest.stages[0]),  # a UnixFS file, not a manifest

@@ -21,8 +21,8 @@ from conftest import DLX
 from eth_account import Account
 from typer.testing import CliRunner
 
-from lineage.anvil import rpc_call
-from lineage.chain import DEFAULT_UNBONDING_DELAY
+from lineage.chain.anvil import rpc_call
+from lineage.chain.ledger import DEFAULT_UNBONDING_DELAY
 from workers.cli import app
 from workers.cli_node import fmt_wei, parse_amount
 
@@ -200,7 +200,7 @@ def test_run_dir_of_an_embedded_chain_is_written_back(trained_run, tmp_path):
     itself, so a stake added there is still there the next time the chain starts."""
     import shutil
 
-    from lineage.anvil import dev_accounts
+    from lineage.chain.anvil import dev_accounts
 
     run_dir = Path(shutil.copytree(trained_run[0], tmp_path / "run"))
     node = dev_accounts(2)[1]  # the run's first slot key (anvil's public development key)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from lineage.blockstore import Blockstore
-from lineage.manifest import get_manifest
-from lineage.runrecord import RunRecord
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.manifest import get_manifest
 
 PINNED_SHARDS = {  # step -> the stage shards' CIDs
     1: ["bafkreibaixa2uk43fh37fm3qdm3clxem3o3t4ds2agn4cbo3asdi3ydway", "bafkreicsdrjt6f6fr2v6jiqn6yentmh2z7n73xebcje3nxlqhrogps6ts4"],

@@ -161,10 +161,10 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     # Exact resume: the ranks re-ran round `committed` from its start states, so the inner
     # optimizer and compressor state they carried into the next round is the one that round
     # leaves (a replay of it says what that is), not a fresh one.
-    from lineage.manifest import get_manifest
-    from lineage.replay import job_of, replay_many
-    from lineage.runrecord import RunRecord
-    from lineage.unixfs import read_bytes
+    from lineage.audit.replay import job_of, replay_many
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.manifest import get_manifest
+    from lineage.store.unixfs import read_bytes
     from trainer.replay import fresh_state_core, state_core
 
     run_dir = Path(st["run_dir"])
@@ -181,7 +181,8 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
 
 def _commits(rec: dict) -> list[int]:
     """The step number of every commit of the job's run on chain (duplicates would show)."""
-    from lineage.chain import Chain, Ledger
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
 
     ledger = Ledger(Chain(rec["rpc"]), rec["registry"], rec["ledger"])
     return [c.record.step for c in ledger.commits(int(rec["run_id"]))]
@@ -277,6 +278,6 @@ def test_bad_worker_and_stack_options_are_one_line_errors(tmp_path):
 
 
 def _dev_keys(n):
-    from lineage.anvil import dev_accounts
+    from lineage.chain.anvil import dev_accounts
 
     return dev_accounts(n)

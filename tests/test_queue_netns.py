@@ -63,8 +63,9 @@ def _tbf_sent(dev: str, netns: str | None = None) -> int:
 
 
 def test_a_job_runs_with_its_ranks_in_separate_network_namespaces(tmp_path, small_job):
-    from lineage.anvil import dev_accounts
-    from lineage.chain import Chain, Ledger
+    from lineage.chain.anvil import dev_accounts
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
     from workers.jobs import JobStore, connect
     from workers.stack import ETHER, Stack, _stop_pids, down, start_worker, up
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from lineage.blockstore import Blockstore
-from lineage.cid import parse_cid
-from lineage.manifest import get_manifest, put_manifest
-from lineage.replay import ReplicaReplay, StageReplay, check_continuity, job_of, replay_many
-from lineage.runrecord import RunRecord
-from lineage.unixfs import import_bytes, read_bytes
-from lineage.verify import sample_pairs
+from lineage.audit.replay import ReplicaReplay, StageReplay, check_continuity, job_of, replay_many
+from lineage.audit.verify import sample_pairs
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import parse_cid
+from lineage.store.manifest import get_manifest, put_manifest
+from lineage.store.unixfs import import_bytes, read_bytes
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.compress import Compressor, payload_budget
 from trainer.config import CompressionConfig, load_job

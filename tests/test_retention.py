@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from lineage import verify as V
-from lineage.anvil import rpc_call
-from lineage.attest import ContributionClaim, Domain
-from lineage.blockstore import Blockstore
-from lineage.chain import Attestation
-from lineage.cid import parse_cid
-from lineage.retention import KeepPolicy, Reach, history, kept_steps, open_steps, plan
-from lineage.runrecord import RunRecord
-from lineage.unixfs import check_file
+from lineage.audit import verify as V
+from lineage.chain.anvil import rpc_call
+from lineage.chain.attest import ContributionClaim, Domain
+from lineage.chain.ledger import Attestation
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import parse_cid
+from lineage.store.retention import KeepPolicy, Reach, history, kept_steps, open_steps, plan
+from lineage.store.unixfs import check_file
 
 DLX = str(Path(sys.executable).parent / "dlx")
 

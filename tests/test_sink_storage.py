@@ -11,12 +11,12 @@ from types import SimpleNamespace
 
 from eth_account import Account
 
-from lineage.attest import Domain, shard_digest
-from lineage.blockstore import Blockstore
-from lineage.cid import DAG_CBOR, DAG_PB, RAW, cid_from_digest, digest_of
-from lineage.manifest import get_manifest
-from lineage.runrecord import RunRecord
-from lineage.unixfs import file_cid, read_file, resolve_file_digest
+from lineage.chain.attest import Domain, shard_digest
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_CBOR, DAG_PB, RAW, cid_from_digest, digest_of
+from lineage.store.manifest import get_manifest
+from lineage.store.unixfs import file_cid, read_file, resolve_file_digest
 from trainer.artifacts import Contribution, GenesisArtifacts, StageShard, StepArtifacts
 from trainer.config import JobConfig
 from workers.sink import LedgerSink

@@ -13,9 +13,10 @@ import hashlib
 import pytest
 from eth_utils import keccak
 
-from lineage.anvil import rpc_call
-from lineage.attest import ContributionClaim
-from lineage.chain import Attestation, Chain, Ledger, sign_verdict
+from lineage.chain.anvil import rpc_call
+from lineage.chain.attest import ContributionClaim
+from lineage.chain.client import Chain
+from lineage.chain.ledger import Attestation, Ledger, sign_verdict
 from lineage.errors import ChainRevertError
 
 ETHER = 10**18

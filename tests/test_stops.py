@@ -213,7 +213,7 @@ def test_resume_reads_a_relative_init_from_the_job_files_own_directory(tmp_path:
     directory of the file the run was started with (run.json `job_dir`), not its own."""
     import transformers
 
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
     from workers.local import resumable
 
     project = tmp_path / "project"

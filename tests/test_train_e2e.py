@@ -14,9 +14,9 @@ from pathlib import Path
 import dag_cbor
 import pytest
 
-from lineage.blockstore import Blockstore
-from lineage.cid import parse_cid
-from lineage.runrecord import RunRecord
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import parse_cid
 
 DLX = str(Path(sys.executable).parent / "dlx")
 

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lineage.blockstore import Blockstore
-from lineage.cid import DAG_PB, RAW, parse_cid
 from lineage.errors import CorruptBlockError, StorageError
-from lineage.unixfs import (
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_PB, RAW, parse_cid
+from lineage.store.unixfs import (
     CHUNK_SIZE,
     MAX_LINKS,
     PBNode,
@@ -193,7 +193,7 @@ def test_interior_nodes_carry_filesize_and_blocksizes():
     blocks: dict[str, bytes] = {}
 
     def put(block, codec):
-        from lineage.cid import cid_for
+        from lineage.store.cid import cid_for
         cid = cid_for(block, codec)
         blocks[str(cid)] = block
         return cid
@@ -216,7 +216,7 @@ def test_importing_1_gib_streams_in_under_64_mib(tmp_path):
     """Compute-only import of a 1 GiB stream, in a fresh process; peak RSS is measured."""
     script = textwrap.dedent("""
         import resource, sys
-        from lineage.unixfs import CHUNK_SIZE, FileImporter
+        from lineage.store.unixfs import CHUNK_SIZE, FileImporter
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         imp = FileImporter()
         piece = bytearray(CHUNK_SIZE)

@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lineage.blockstore import Blockstore
-from lineage.cid import DAG_PB, RAW
 from lineage.errors import CorruptBlockError, StorageError
-from lineage.unixfs import T_DIRECTORY, T_HAMT, PBLink, PBNode, UnixFSData, file_cid
-from lineage.unixfs_dir import (
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_PB, RAW
+from lineage.store.unixfs import T_DIRECTORY, T_HAMT, PBLink, PBNode, UnixFSData, file_cid
+from lineage.store.unixfs_dir import (
     HAMT_THRESHOLD,
     TreeInputError,
     import_directory,

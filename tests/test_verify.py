@@ -13,9 +13,9 @@ from pathlib import Path
 import dag_cbor
 import pytest
 
-from lineage.blockstore import Blockstore
-from lineage.cid import parse_cid
-from lineage.runrecord import RunRecord
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import parse_cid
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
@@ -81,7 +81,7 @@ def test_a_tampered_start_state_block_fails_content_with_its_cid(trained_run, tm
 def test_worker_processes_report_exactly_what_one_process_reports(trained_run, tmp_path, monkeypatch):
     """Levels 2 and 3 run in forked workers over ranges of steps; whatever is tampered
     with, and wherever a range starts, the report is the one a single process gives."""
-    from lineage import verify as V
+    from lineage.audit import verify as V
 
     run_dir, record, store = _copy(trained_run, tmp_path)
     step3 = dag_cbor.decode(store.get(record.head))

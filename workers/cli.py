@@ -81,7 +81,7 @@ def _library_error(exc: Exception) -> str | None:
     None: a bug of ours."""
     url = getattr(getattr(exc, "request", None), "url", None)
     if isinstance(exc, OSError) and url:
-        from lineage.chain import why_failed
+        from lineage.chain.client import why_failed
 
         return f"{url}: {why_failed(exc)}"
     if type(exc).__module__.startswith("dag_cbor."):
@@ -187,7 +187,7 @@ def verify(
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
-    from lineage.verify import LEVELS, REPLAY, verify_run
+    from lineage.audit.verify import LEVELS, REPLAY, verify_run
     from workers.console import Ticker
 
     replayer = _queue_replayer(run_dir, stack_dir) if queue and replay > 0 else None
@@ -227,9 +227,9 @@ def verify(
 
 
 def _ticking(ticker: Any, replayer: Any) -> Any:
-    """A replayer (default: here, `lineage.replay.replay_many`) that tells `ticker` how many
+    """A replayer (default: here, `lineage.audit.replay.replay_many`) that tells `ticker` how many
     rounds it replays and when they are done."""
-    from lineage.replay import replay_many
+    from lineage.audit.replay import replay_many
 
     def replay(store: Any, items: list[Any], tolerance: float) -> list[Any]:
         ticker.update(0, f"replaying {len(items)} (step, replica) rounds", total=len(items))
@@ -243,8 +243,8 @@ def _ticking(ticker: Any, replayer: Any) -> Any:
 def _queue_replayer(run_dir: Path, stack_dir: Path):
     """Replays through the workers: they read the run's blocks from its blockstore directory
     (a path every worker can reach) or from its IPFS daemon."""
-    from lineage.replay import ReplicaReplay
-    from lineage.runrecord import RunRecord
+    from lineage.audit.replay import ReplicaReplay
+    from lineage.chain.runrecord import RunRecord
     from workers.verifyq import replay_via_queue
 
     broker = os.environ.get("DLX_REDIS_URL")

@@ -67,12 +67,12 @@ def open_blocks(store: Path | None, ipfs_api: str | None, *, run_dir: Path | Non
                 record: Any = None, stack: Path | Any = None) -> Any:
     """The block store: --ipfs-api, --store, the run's (`record` is its loaded run.json) or
     the stack's (a directory or a loaded Stack), else $DLX_IPFS_API or $DLX_STORE."""
-    from lineage.ipfs import open_store
+    from lineage.store.ipfs import open_store
 
     if ipfs_api or store:
         return open_store(store, ipfs_api)
     if run_dir is not None:
-        from lineage.runrecord import RunRecord
+        from lineage.chain.runrecord import RunRecord
 
         return (record or RunRecord.load(run_dir)).open_store(run_dir)
     if stack is not None:
@@ -106,9 +106,9 @@ def _err(line: str) -> None:
 # -- replay and evidence -------------------------------------------------------------------
 
 def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: float) -> list[Any]:
-    """`lineage.replay.replay_checkpoint` for `replicas` of `checkpoint`."""
+    """`lineage.audit.replay.replay_checkpoint` for `replicas` of `checkpoint`."""
     try:
-        from lineage.replay import replay_checkpoint
+        from lineage.audit.replay import replay_checkpoint
     except ImportError:
         raise AuditError("replay is not available in this installation (lineage/replay.py)") from None
     return list(replay_checkpoint(store, checkpoint, replicas=replicas, tolerance=tolerance))
@@ -139,8 +139,8 @@ def store_evidence(store: Any, *, run_id: int, step: int, node: str, replica: in
     """Store the replayed contribution and the evidence node; returns the evidence CID."""
     import dag_cbor
 
-    from lineage.cid import DAG_CBOR, parse_cid
-    from lineage.unixfs import import_bytes
+    from lineage.store.cid import DAG_CBOR, parse_cid
+    from lineage.store.unixfs import import_bytes
 
     replayed = import_bytes(stage_replay.replayed_bytes, store.put).cid
     if stage_replay.replayed and parse_cid(stage_replay.replayed) != replayed:
@@ -161,7 +161,7 @@ def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
     """The evidence node whose digest a challenge carries (re-hashed on read)."""
     import dag_cbor
 
-    from lineage.cid import DAG_CBOR, cid_from_digest
+    from lineage.store.cid import DAG_CBOR, cid_from_digest
 
     if digest == bytes(32):
         raise AuditError("the challenge carries no evidence")
@@ -176,8 +176,8 @@ def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, 
                           replays: list[Any], tolerance: float, bond: int | None) -> dict[str, Any]:
     """Turn `replays` of `node`'s slots at `step` into an on-chain challenge against the
     first slot whose replay contradicts the claim; returns what was done."""
-    from lineage.cid import DAG_CBOR, cid_from_digest, digest_of
-    from lineage.manifest import get_manifest
+    from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
+    from lineage.store.manifest import get_manifest
 
     record = _step_record(lg, run_id, step)
     slots = _slots_of(record, node)
@@ -214,7 +214,7 @@ def aggregate_failure(run_dir: Path, step: int, stage: int, rpc: str | None = No
     published contributions (`dlx verify`'s aggregate level) and return step `step`'s
     failure if it shows that stage `stage`'s committed shard, the one its replicas co-signed,
     is not the aggregate; else an AuditError saying why there is nothing to challenge."""
-    from lineage.verify import verify_run
+    from lineage.audit.verify import verify_run
 
     for sr in verify_run(run_dir, rpc, levels=("aggregate",)).steps:
         if sr.step != step:
@@ -233,7 +233,7 @@ def store_aggregate_evidence(store: Any, *, run_id: int, step: int, stage: int, 
     """Store the evidence node of an aggregate challenge; returns its CID."""
     import dag_cbor
 
-    from lineage.cid import DAG_CBOR
+    from lineage.store.cid import DAG_CBOR
 
     node_doc = {"version": EVIDENCE_VERSION, "kind": "aggregate-mismatch", "run": run_id, "step": step,
                 "stage": stage, "checkpoint": checkpoint, "cosigned": cosigned, "failure": failure,
@@ -267,7 +267,7 @@ def _slots_of(record: Any, node: str) -> set[tuple[int, int]]:
 def check_vote_by_replay(lg: Any, store: Any, challenge: dict[str, Any], upheld: bool, tolerance: float) -> str:
     """Replay the challenged slot from the evidence's checkpoint; refuse a verdict the
     replay contradicts. Returns a one-line account of the replay."""
-    from lineage.cid import digest_of, parse_cid
+    from lineage.store.cid import digest_of, parse_cid
 
     ev = load_evidence(store, challenge["evidence"])
     for key, want in (("run", challenge["runId"]), ("step", challenge["step"]), ("replica", challenge["replica"]),
@@ -350,7 +350,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     ) -> None:
         """The commits of a run (status pending/finalized/rejected, signers, contributions,
         metrics, transaction) or the ancestors of one checkpoint, with the run's configuration."""
-        from lineage import query
+        from lineage.audit import query
 
         if target is None and run_dir is None:
             raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
@@ -359,7 +359,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         else:  # flags win over run.json (README): read through the endpoint they name
             cid = None
             if target is not None and not target.isdigit():
-                from lineage.cid import parse_cid
+                from lineage.store.cid import parse_cid
 
                 try:
                     cid = parse_cid(target)
@@ -378,7 +378,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                     result = query.checkpoint_lineage(lg, blocks, cid)
         doc = result.as_json()
         if html is not None:
-            from lineage.report import render_html
+            from lineage.audit.report import render_html
             from workers.tracking import read_metrics
 
             write_report(html, render_html(doc, read_metrics(run_dir) if run_dir is not None else None))
@@ -419,8 +419,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         """Two runs side by side: the configuration keys that differ, and their eval loss,
         train loss and bytes sent per outer step (with --html also inner loss and
         compression error, plotted on shared axes)."""
-        from lineage import query
-        from lineage.report import config_differences, render_compare_html
+        from lineage.audit import query
+        from lineage.audit.report import config_differences, render_compare_html
         from workers.tracking import read_metrics
 
         a, b = (query.run_lineage(d, None).as_json() for d in (run_a, run_b))
@@ -471,8 +471,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
     ) -> None:
         """Per-tensor change norms (L2 of B - A, relative to A, max abs) and metric deltas."""
-        from lineage.cid import parse_cid
-        from lineage.diff import diff_checkpoints
+        from lineage.audit.diff import diff_checkpoints
+        from lineage.store.cid import parse_cid
 
         for text in (cid_a, cid_b):
             try:
@@ -520,7 +520,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     ) -> None:
         """Replay a node's work at STEP; if the replay contradicts its claim, store the
         evidence and open an on-chain challenge (the node key, staked, posts the bond)."""
-        from lineage.cid import DAG_CBOR, cid_from_digest
+        from lineage.store.cid import DAG_CBOR, cid_from_digest
 
         who = address(node, "--node")
         wei = parse_amount(bond) if bond else None
@@ -556,8 +556,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         shard, which every replica co-signed, is not it, open an aggregate challenge: all the
         co-signers answer, and an upheld verdict slashes every one (the node key, staked,
         posts the bond)."""
-        from lineage.cid import DAG_CBOR, cid_from_digest, digest_of
-        from lineage.runrecord import RunRecord
+        from lineage.chain.runrecord import RunRecord
+        from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
 
         wei = parse_amount(bond) if bond else None
         challenger = load_key("node")
@@ -609,7 +609,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     ) -> None:
         """Sign `Verdict(challengeId, upheld)` with the arbiter key (DLX_ARBITER_KEY, else the
         node key); prints the signature for `dlx arbiter resolve`."""
-        from lineage.chain import sign_verdict
+        from lineage.chain.ledger import sign_verdict
 
         verdict = _verdict(upheld)
         key = load_key("arbiter")
@@ -679,7 +679,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
                 raise AuditError(f"{len(signed)} arbiter signature(s) given; run {c['runId']} needs a quorum of {quorum}")
             ordered = [signed[a] for a in sorted(signed, key=lambda a: int(a, 16))]
             res = lg.resolve_with(sender, challenge_id=challenge_id, upheld=verdict, signatures=ordered)
-        from lineage.cid import DAG_CBOR, cid_from_digest
+        from lineage.store.cid import DAG_CBOR, cid_from_digest
 
         head = str(cid_from_digest(res.head, DAG_CBOR)) if res.head else None
         if as_json:
@@ -742,8 +742,8 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         """Slash a node that signed two different contributions for one slot of one step, or
         co-signed two different new shards for one stage of one step: the two signed claims
         are the proof (checked here first, then by the ledger)."""
-        from lineage.attest import SignedClaim
-        from lineage.chain import Attestation
+        from lineage.chain.attest import SignedClaim
+        from lineage.chain.ledger import Attestation
 
         a, b = SignedClaim.load(claim_a), SignedClaim.load(claim_b)
         node, result = check_equivocation(a, b)

@@ -49,10 +49,10 @@ def user_errors(fn: Any) -> Any:
 
 def _open(store: Path | None, run_dir: Path | None, api: str | None) -> Any:
     """The store to use: --run-dir's, else the daemon at --ipfs-api, else --store (or default)."""
-    from lineage.ipfs import open_store
+    from lineage.store.ipfs import open_store
 
     if run_dir:
-        from lineage.runrecord import RunRecord
+        from lineage.chain.runrecord import RunRecord
 
         return open_store(RunRecord.load(run_dir).blocks_dir(run_dir))
     if api:
@@ -67,7 +67,7 @@ def _user_error(message: str) -> None:
 
 
 def _cid(text: str) -> Any:
-    from lineage.cid import parse_cid
+    from lineage.store.cid import parse_cid
 
     try:
         return parse_cid(text)
@@ -111,12 +111,12 @@ def add(
     """Store PATH as UnixFS (as `ipfs add --cid-version=1`, `-r` for a directory) and print its CID."""
     _check_kind(path, recursive)
     if recursive:
-        from lineage.unixfs_dir import import_directory
+        from lineage.store.unixfs_dir import import_directory
 
         target = _open(store, run_dir, ipfs_api)
         cid = import_directory(path, target.put)
     else:
-        from lineage.unixfs import import_file
+        from lineage.store.unixfs import import_file
 
         with _input(path) as fh:
             target = _open(store, run_dir, ipfs_api)
@@ -137,11 +137,11 @@ def cid(
     """Print PATH's CID without storing anything."""
     _check_kind(path, recursive)
     if recursive:
-        from lineage.unixfs_dir import import_directory
+        from lineage.store.unixfs_dir import import_directory
 
         sys.stdout.write(f"{import_directory(path, cid_version=cid_version)}\n")
         return
-    from lineage.unixfs import import_file
+    from lineage.store.unixfs import import_file
 
     with _input(path) as fh:
         sys.stdout.write(f"{import_file(fh, cid_version=cid_version).cid}\n")
@@ -156,8 +156,8 @@ def get(
 ) -> None:
     """Write the file CID to -o FILE, or the directory CID's tree under -o DIR; every block
     is re-hashed, a bad one is an error naming it."""
-    from lineage.unixfs import read_file
-    from lineage.unixfs_dir import is_directory
+    from lineage.store.unixfs import read_file
+    from lineage.store.unixfs_dir import is_directory
 
     root = _cid(cid_text)
     target = _open(store, run_dir, ipfs_api)
@@ -184,7 +184,7 @@ def get(
 
 def _get_tree(target: Any, root: Any, output: Path | None) -> None:
     """Restore the directory `root` under `output` (a new directory appears complete)."""
-    from lineage.unixfs_dir import read_tree
+    from lineage.store.unixfs_dir import read_tree
 
     if output is None:
         _user_error(f"{root} is a directory; give -o DIR to restore it")
@@ -201,8 +201,8 @@ def export_(
     output: Annotated[Path, typer.Option("-o", "--output", help="The CAR file to write.")],
 ) -> None:
     """Write a CAR v1 of everything reachable from the run's head (manifests, shards, contributions)."""
-    from lineage.car import export_car
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.car import export_car
     from workers.console import Ticker
 
     record = RunRecord.load(run_dir)
@@ -229,7 +229,7 @@ def import_(
     store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
     """Import every block of a CAR (all or nothing, each re-hashed); prints its roots."""
-    from lineage.car import import_car
+    from lineage.store.car import import_car
     from workers.console import Ticker
 
     with _input(car) as fh:
@@ -268,8 +268,8 @@ def gc(
     never manifests, contributions, the head or what an open challenge window needs), then
     delete blocks that no pin set reaches (a run pins its head). Prints each removed block
     and the count and bytes."""
-    from lineage.blockstore import Blockstore
-    from lineage.retention import ALL, parse_keep, run_policy
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.retention import ALL, parse_keep, run_policy
 
     policy = parse_keep(keep) if keep is not None else run_policy(run_dir) if run_dir else ALL
     target = _open(store, run_dir, ipfs_api)
@@ -302,12 +302,12 @@ def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool,
     the removed blocks and their sizes (blocks touched after `touched_before` stay). With --run-dir the run's chain says which steps are
     still challengeable; without it a challengeable run's commit times are unknown, so all
     its steps count as open."""
-    from lineage.manifest import get_manifest
-    from lineage.retention import Reach, history, kept_steps, plan
+    from lineage.store.manifest import get_manifest
+    from lineage.store.retention import Reach, history, kept_steps, plan
     from trainer.errors import DlxError
 
     if run_dir:
-        from lineage.runrecord import RunRecord
+        from lineage.chain.runrecord import RunRecord
 
         record = RunRecord.load(run_dir)
         heads = [_cid(record.head)] if record.steps else []
@@ -333,9 +333,9 @@ def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool,
 
 
 def _open_steps(run_dir: Path, head: int) -> set[int]:
-    from lineage.query import open_ledger
-    from lineage.retention import open_steps
-    from lineage.runrecord import RunRecord
+    from lineage.audit.query import open_ledger
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.retention import open_steps
 
     record = RunRecord.load(run_dir)
     with open_ledger(run_dir, record, None) as ledger:

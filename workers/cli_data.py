@@ -5,7 +5,7 @@
     dlx data prepare examples/bpe.toml --json
 
 `dlx train` and `dlx submit` run the same preparation when the job's data are not prepared
-on the machine yet (lineage.datasets: the data cache, $DLX_CACHE).
+on the machine yet (lineage.store.datasets: the data cache, $DLX_CACHE).
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ def prepare(
 ) -> None:
     """Tokenize JOB_FILE's data (a progress bar on stderr) and print the dataset's root CID,
     the tokenizer's and the token file's, with the split; nothing is stored without --store."""
-    from lineage.datasets import prepare_dataset
+    from lineage.store.datasets import prepare_dataset
     from workers.console import Ticker
     from workers.jobfile import load_job_file
 
     job = load_job_file(job_file)
     target = None
     if store is not None:
-        from lineage.blockstore import Blockstore
+        from lineage.store.blockstore import Blockstore
 
         target = Blockstore(store)
     with Ticker("data", 0) as bar:
@@ -61,7 +61,7 @@ def prepare(
 
 
 def ticking(bar: Any) -> Any:
-    """A lineage.datasets progress callback that draws on `bar` (a workers.console.Ticker)."""
+    """A lineage.store.datasets progress callback that draws on `bar` (a workers.console.Ticker)."""
     def progress(phase: str, done: int, total: int) -> None:
         if phase == "dataset":
             bar.update(0, f"reading {total:,} files", total=0)

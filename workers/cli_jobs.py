@@ -62,7 +62,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         if rpc and registry:
             from web3.exceptions import Web3Exception
 
-            from lineage.chain import Chain, chain_failure
+            from lineage.chain.client import Chain, chain_failure
             from trainer.errors import ConfigError
 
             chain_id = os.environ.get("DLX_CHAIN_ID") or None
@@ -177,8 +177,9 @@ def register(app: typer.Typer, user_errors: Any) -> None:
         stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
     ) -> None:
         """Restart a failed or cancelled job from the last checkpoint committed on chain."""
-        from lineage.chain import Chain, Ledger
-        from lineage.cid import DAG_CBOR, cid_from_digest
+        from lineage.chain.client import Chain
+        from lineage.chain.ledger import Ledger
+        from lineage.store.cid import DAG_CBOR, cid_from_digest
         from trainer.errors import ConfigError
         from workers.jobs import JobStore, connect
         from workers.stack import Stack
@@ -300,8 +301,8 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
     refuse_what_the_workers_cannot_serve(job, stack, store)
-    from lineage.blockstore import Blockstore
-    from lineage.datasets import prepare_dataset
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.datasets import prepare_dataset
 
     # Tokenized here, once; every rank fetches the token file by CID from the stack's store.
     data, _ = prepare_dataset(job.data, job.model.vocab_size, Blockstore(stack.blocks).put)
@@ -372,7 +373,8 @@ def _live_slots(stack: Any, store: Any) -> list[dict[str, Any]]:
 def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> None:
     """Queued nodes stake for themselves (`dlx node stake`): a job whose stake the live
     nodes do not hold would have its attestations refused on chain, step after step."""
-    from lineage.chain import Chain, Ledger
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
     from trainer.errors import ConfigError
 
     need = max(job.chain.stake_wei, job.chain.min_stake_wei)

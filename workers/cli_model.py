@@ -11,7 +11,7 @@ model is the union of the stage shards' `param/` tensors (the outer momentum is 
 of a model) under the job configuration the manifest links. `export` writes the
 directory `trainer.hf.write_hf_dir` describes, with lineage.json naming the run, step,
 checkpoint, ledger and chain; `generate` streams the model's continuation of a
-prompt to stdout (`trainer.generate`). A run with a tokenizer (lineage.datasets) exports it
+prompt to stdout (`trainer.generate`). A run with a tokenizer (lineage.store.datasets) exports it
 as tokenizer.json (with tokenizer_config.json, for `AutoTokenizer`), and `generate` encodes
 and decodes with it; a byte-level run uses UTF-8 bytes. Blocks come from `--store DIR`,
 `--ipfs-api ADDR`, the run directory, or $DLX_STORE / $DLX_IPFS_API, as for `dlx lineage`.
@@ -36,11 +36,11 @@ StepOpt = Annotated[int | None, typer.Option("--step", help="With --run-dir: the
 @dataclass(frozen=True)
 class Checkpoint:
     cid: Any  # multiformats.CID of the manifest
-    manifest: Any  # lineage.manifest.Manifest
+    manifest: Any  # lineage.store.manifest.Manifest
     job: Any  # trainer.config.JobConfig
     params: dict[str, Any]  # the full model's parameters (our names), float32
-    record: Any = None  # lineage.runrecord.RunRecord, when found through --run-dir
-    data: Any = None  # lineage.datasets.DataRecord of the run's config (None: it predates them)
+    record: Any = None  # lineage.chain.runrecord.RunRecord, when found through --run-dir
+    data: Any = None  # lineage.store.datasets.DataRecord of the run's config (None: it predates them)
     tokenizer: bytes | None = None  # the run's tokenizer.json (None: byte tokens)
 
     def lineage(self) -> dict[str, Any]:
@@ -68,8 +68,8 @@ def _error(message: str) -> Exception:
 def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
                     store: Path | None = None, ipfs_api: str | None = None) -> Checkpoint:
     """The checkpoint named by CID `target`, or by `run_dir`'s head (or its `step`)."""
-    from lineage.cid import parse_cid
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.cid import parse_cid
 
     if target is None and run_dir is None:
         raise _error("give a checkpoint CID or --run-dir DIR")
@@ -98,8 +98,8 @@ def _tokenizer(blocks: Any, config: Any) -> tuple[Any, bytes | None]:
     """The run's data record and tokenizer.json bytes (read by CID, re-hashed)."""
     import dag_cbor
 
-    from lineage.datasets import record_of_config
-    from lineage.unixfs import read_bytes
+    from lineage.store.datasets import record_of_config
+    from lineage.store.unixfs import read_bytes
 
     data = record_of_config(dag_cbor.decode(blocks.get(config)))
     if data is None or data.tokenizer is None:
@@ -108,9 +108,9 @@ def _tokenizer(blocks: Any, config: Any) -> tuple[Any, bytes | None]:
 
 
 def _manifest(blocks: Any, cid: Any) -> Any:
-    from lineage.cid import DAG_CBOR
     from lineage.errors import StorageError
-    from lineage.manifest import Manifest
+    from lineage.store.cid import DAG_CBOR
+    from lineage.store.manifest import Manifest
 
     if cid.codec.name != DAG_CBOR:
         raise _error(f"{cid} is not a checkpoint manifest (a {cid.codec.name} block; manifests are {DAG_CBOR})")
@@ -136,7 +136,7 @@ def _walk_to(blocks: Any, cid: Any, manifest: Any, step: int) -> tuple[Any, Any]
 def _job(blocks: Any, config: Any) -> Any:
     from pydantic import ValidationError
 
-    from lineage.replay import job_of
+    from lineage.audit.replay import job_of
     from trainer.config import one_line
 
     try:
@@ -149,7 +149,7 @@ def _job(blocks: Any, config: Any) -> Any:
 
 def _params(blocks: Any, manifest: Any) -> dict[str, Any]:
     """The full model's parameters: every stage shard's `param/` tensors."""
-    from lineage.unixfs import read_bytes
+    from lineage.store.unixfs import read_bytes
     from trainer.artifacts import bytes_to_tensors
 
     params: dict[str, Any] = {}

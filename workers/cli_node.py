@@ -161,7 +161,7 @@ class Endpoint:
                 and (DEFAULT_STACK / STACK_FILE).exists():
             stack = DEFAULT_STACK  # nothing said where: the local stack, if one is up here
         if run_dir is not None:
-            from lineage.runrecord import RunRecord
+            from lineage.chain.runrecord import RunRecord
 
             record = RunRecord.load(run_dir)
             src = {"rpc": record.rpc, "chain_id": record.chain_id, "registry": record.registry,
@@ -184,12 +184,13 @@ class Endpoint:
 
     @contextmanager
     def connect(self, *, writable: bool = False) -> Iterator[Any]:
-        """A `lineage.chain.Ledger` on this endpoint. A run's embedded chain is started on
+        """A `lineage.chain.ledger.Ledger` on this endpoint. A run's embedded chain is started on
         its state file: a copy to read, the file itself when `writable`."""
-        from lineage.chain import Chain, Ledger
+        from lineage.chain.client import Chain
+        from lineage.chain.ledger import Ledger
 
         if self.rpc is None:
-            from lineage.query import open_ledger
+            from lineage.audit.query import open_ledger
 
             with open_ledger(self.run_dir, self.record, writable=writable) as ledger:  # type: ignore[arg-type]
                 if self.chain_id is not None and ledger.chain.chain_id != self.chain_id:  # --chain-id wins

@@ -22,7 +22,7 @@ ETHER = 10**18
 #: so 256 cost about 12M gas, well inside a 30M-gas block with the rest of the run.
 MAX_ARBITERS = 256
 #: The ledger keeps every challenge window below the registry's unbonding delay, which
-#: `Ledger.deploy` sets to a week (lineage.chain.DEFAULT_UNBONDING_DELAY).
+#: `Ledger.deploy` sets to a week (lineage.chain.ledger.DEFAULT_UNBONDING_DELAY).
 MAX_CHALLENGE_WINDOW_S = 7 * 24 * 3600 - 1
 
 
@@ -98,7 +98,7 @@ class StorageConfig(_Section):
     @field_validator("keep", mode="before")
     @classmethod
     def _keep_policy(cls, value: object) -> object:
-        from lineage.retention import KeepPolicy
+        from lineage.store.retention import KeepPolicy
 
         return str(KeepPolicy.parse(value))
 

@@ -32,14 +32,15 @@ from urllib.parse import urlparse
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
-from lineage.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
-from lineage.attest import ContributionClaim, Domain, SignedClaim
-from lineage.chain import Chain, Ledger, artifact
-from lineage.cid import DAG_CBOR, cid_from_digest
-from lineage.datasets import prepare_dataset, with_prepared
-from lineage.manifest import get_manifest
-from lineage.retention import Retention
-from lineage.runrecord import RunRecord
+from lineage.chain.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
+from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
+from lineage.chain.client import Chain, artifact
+from lineage.chain.ledger import Ledger
+from lineage.chain.runrecord import RunRecord
+from lineage.store.cid import DAG_CBOR, cid_from_digest
+from lineage.store.datasets import prepare_dataset, with_prepared
+from lineage.store.manifest import get_manifest
+from lineage.store.retention import Retention
 from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
@@ -213,7 +214,7 @@ def check_chain(job: JobFile, rpc: str | None) -> None:
 def preflight(job: JobFile, run_dir: Path, rpc: str | None,
               data_progress: Callable[[str, int, int], None] | None = None) -> str:
     """Check everything that can fail cheaply, before anything is created or started, and
-    tokenize the data (once per machine: lineage.datasets); returns the device the ranks
+    tokenize the data (once per machine: lineage.store.datasets); returns the device the ranks
     will use, with why (`trainer.launch.check_local`)."""
     check_run_dir(run_dir)
     device = check_local(job)
@@ -225,7 +226,7 @@ def preflight(job: JobFile, run_dir: Path, rpc: str | None,
     artifact("TrainingLedger")
     artifact("NodeRegistry")
     if job.storage.backend == "ipfs":  # the daemon must answer before anything starts
-        from lineage.ipfs import open_store
+        from lineage.store.ipfs import open_store
 
         open_store(api=job.storage.api)
     return device
@@ -319,11 +320,11 @@ def resumable(run_dir: Path) -> tuple[RunRecord, JobFile]:
 
 
 def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
-    """Where `rank` restarts from a committed checkpoint (its `lineage.manifest.Manifest`):
+    """Where `rank` restarts from a committed checkpoint (its `lineage.store.manifest.Manifest`):
     its stage's outer shard and, where the round can be re-run (synchronous rules with
     round-start states), its own start state and claimed contribution
     (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
-    from lineage.unixfs import read_bytes
+    from lineage.store.unixfs import read_bytes
     from trainer.engine import ResumePoint
 
     replica, stage = divmod(rank, job.parallel.stages)

@@ -27,13 +27,13 @@ import dag_cbor
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
 
-from lineage.attest import ContributionClaim, Domain, loss_micros, shard_digest
-from lineage.blockstore import Blockstore
-from lineage.chain import Attestation, Ledger
-from lineage.cid import digest_of, parse_cid
-from lineage.manifest import Manifest, get_manifest, put_config, put_manifest
-from lineage.runrecord import RunRecord
-from lineage.unixfs import file_cid, import_bytes
+from lineage.chain.attest import ContributionClaim, Domain, loss_micros, shard_digest
+from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.runrecord import RunRecord
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import digest_of, parse_cid
+from lineage.store.manifest import Manifest, get_manifest, put_config, put_manifest
+from lineage.store.unixfs import file_cid, import_bytes
 from trainer import cheat
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig

@@ -6,13 +6,13 @@ each with its own funded, registered and staked node key (anvil's development ke
 local chain only). `stack.json` records every PID it started; `dlx down` stops exactly
 those processes and nothing else.
 
-The chain keeps the stack's history: a keeper process (`python -m lineage.anvil keep`)
+The chain keeps the stack's history: a keeper process (`python -m lineage.chain.anvil keep`)
 rewrites anvil's state file atomically after every new block, so a killed anvil loses at
 most the transaction in flight, and `<stack>/chain/chain.json` remembers the chain's port
 and contract addresses. `dlx up` after `dlx down` starts anvil on that state file, on the
 same port where it is free, and keeps the ledger it finds there (no redeployment), so runs
 committed before still audit; a run's run.json names its stack, and finds the chain
-wherever the stack's anvil listens now (`lineage.runrecord.RunRecord.load`).
+wherever the stack's anvil listens now (`lineage.chain.runrecord.RunRecord.load`).
 
 Redis is durable: an append-only file in `<stack>/redis/`, fsynced on every write (the
 job store and broker write little), so a restarted redis-server (`restart_redis`) comes
@@ -40,7 +40,8 @@ from trainer.errors import ConfigError
 from .jobs import JobError, connect
 
 if TYPE_CHECKING:
-    from lineage.chain import Chain, Ledger
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
 
 STACK_FILE = "stack.json"
 CHAIN_FILE = "chain/chain.json"  # the chain's port and contracts, kept across down and up
@@ -116,8 +117,9 @@ def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
 
 def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: str = "127.0.0.1") -> Stack:
     """Start the stack; `host`: the address Redis and the chain also listen on."""
-    from lineage.anvil import dev_accounts, free_port
-    from lineage.chain import Chain, Ledger
+    from lineage.chain.anvil import dev_accounts, free_port
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
 
     directory = Path(directory)
     if (directory / STACK_FILE).exists():
@@ -135,7 +137,7 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
         before = _chain_history(directory)
         anvil_pid, rpc = _start_anvil(directory, host, accounts=max(10, workers + 2), port=before.get("port"))
         started.append(anvil_pid)
-        keeper_pid = _spawn([sys.executable, "-m", "lineage.anvil", "keep", rpc,
+        keeper_pid = _spawn([sys.executable, "-m", "lineage.chain.anvil", "keep", rpc,
                              str(Path(directory).resolve() / CHAIN_STATE)], Path(directory) / "logs" / "keeper.log")
         started.append(keeper_pid)
         accounts = dev_accounts(workers + 1)
@@ -169,7 +171,7 @@ def _chain_history(directory: Path) -> dict:
 def _kept_ledger(chain: Chain, history: dict) -> Ledger | None:
     """The ledger an earlier `up` deployed, if the chain (restarted on its state file) still
     holds both contracts at the recorded addresses on the recorded chain."""
-    from lineage.chain import Ledger
+    from lineage.chain.ledger import Ledger
 
     if not history or history.get("chain_id") != chain.chain_id:
         return None
@@ -240,7 +242,7 @@ def _start_anvil(directory: Path, host: str, accounts: int, timeout: float = 30.
                  port: int | None = None) -> tuple[int, str]:
     """anvil on `host` with its state file in `<stack>/chain/state.json` (loaded if there);
     on `port` if it is free, else on any free port; (PID, RPC URL)."""
-    from lineage.anvil import free_port, rpc_call, tool_path
+    from lineage.chain.anvil import free_port, rpc_call, tool_path
     from lineage.errors import ChainError
 
     state = Path(directory).resolve() / CHAIN_STATE
@@ -334,7 +336,7 @@ def run_summaries(directory: Path | None, stack_dir: Path | None) -> list[dict]:
     stack's `runs/`: id, name, steps, head, state, eval loss at the head, run directory. A
     stack's run takes its job's state from Redis while the stack is up (its run.json only
     says `running`: the rank tasks record steps, the job record the outcome)."""
-    from lineage.runrecord import RUN_FILE
+    from lineage.chain.runrecord import RUN_FILE
 
     root = Path(directory) if directory is not None else Path(stack_dir or ".dlx") / "runs"
     if directory is not None and not root.is_dir():
@@ -347,8 +349,8 @@ def run_summaries(directory: Path | None, stack_dir: Path | None) -> list[dict]:
 
 
 def _summary(run_dir: Path, job_state: str | None) -> dict:
-    from lineage.manifest import get_manifest
-    from lineage.runrecord import RunRecord
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.manifest import get_manifest
 
     record = RunRecord.load(run_dir)
     loss = None

@@ -36,8 +36,8 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from lineage.anvil import free_port
-from lineage.attest import ContributionClaim, Domain, loss_micros, shard_digest
+from lineage.chain.anvil import free_port
+from lineage.chain.attest import ContributionClaim, Domain, loss_micros, shard_digest
 
 from .celery_app import app, redis_url
 from .jobs import TERMINAL, WORKER_PATIENCE_S, JobError, JobStore, connect
@@ -435,8 +435,8 @@ def _training_config(rec: dict[str, Any], job: Any) -> Any:
     """The job's training config, reading the token file the job record names, fetched by
     CID from the run's store into this worker's data cache (re-hashed: a node trains on the
     data named on chain or not at all). A job queued before data records: as configured."""
-    from lineage.blockstore import Blockstore
-    from lineage.datasets import DataRecord, fetch_prepared, with_prepared
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.datasets import DataRecord, fetch_prepared, with_prepared
 
     training = job.training_config()
     if "data" not in rec:
@@ -446,11 +446,12 @@ def _training_config(rec: dict[str, Any], job: Any) -> Any:
 
 def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, training: Any,
                 me: NodeIdentity, nodes: list[str]) -> Any:
-    from lineage.blockstore import Blockstore
-    from lineage.chain import Chain, Ledger
-    from lineage.datasets import DataRecord
-    from lineage.retention import Retention
-    from lineage.runrecord import RunRecord
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
+    from lineage.chain.runrecord import RunRecord
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.datasets import DataRecord
+    from lineage.store.retention import Retention
     from trainer.artifacts import code_hash
     from workers.sink import LedgerSink
 
@@ -481,8 +482,8 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
 
 
 def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
-    from lineage.blockstore import Blockstore
-    from lineage.manifest import get_manifest
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.manifest import get_manifest
     from workers.local import resume_point
 
     store = Blockstore(_blocks(rec))

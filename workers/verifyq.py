@@ -5,7 +5,7 @@
                                tolerance=0.0, timeout=600)
 
 Each `workers.tasks.replay` task replays one chunk of (checkpoint, replica) items with
-`lineage.replay.replay_many` on the worker that takes it, and returns them as JSON
+`lineage.audit.replay.replay_many` on the worker that takes it, and returns them as JSON
 (`ReplicaReplay.as_json()`: no replayed bytes, no end states). The items are cut into one
 chunk per worker consuming the queue: a chunk pays the replay processes' start-up once
 (torch, S processes), which costs more than a small replay itself, and a node's slots
@@ -32,7 +32,7 @@ class ReplayQueueError(JobError):
 
 def open_spec(store_spec: str) -> Any:
     """The store `store_spec` names: an IPFS RPC multiaddr, else a blockstore directory."""
-    from lineage.ipfs import open_store
+    from lineage.store.ipfs import open_store
 
     if _MULTIADDR.match(store_spec):
         return open_store(api=store_spec)
@@ -41,7 +41,7 @@ def open_spec(store_spec: str) -> Any:
 
 def replay_chunk(store_spec: str, items: list[tuple[str, int]], tolerance: float) -> list[dict[str, Any]]:
     """Replay `items` here (the task's body); results in item order, as JSON."""
-    from lineage.replay import replay_many
+    from lineage.audit.replay import replay_many
 
     store = open_spec(store_spec)
     return [r.as_json() for r in replay_many(store, [(str(c), int(r)) for c, r in items], tolerance)]

@@ -14,10 +14,10 @@ the codec depends on the file's size: a file of at most one chunk (256 KiB, incl
 empty file) is a single `raw` block, a larger file has a `dag-pb` root. The digest alone
 cannot tell which, so the full CID is rebuilt from the checkpoint instead: the chain's
 checkpoint digest names the manifest (dag-cbor), and the manifest links every stage and
-contribution by its full CID; `lineage.query` checks that each on-chain contribution
+contribution by its full CID; `lineage.audit.query` checks that each on-chain contribution
 digest equals `digest_of` the manifest's CID for that slot. Where only a digest is at
 hand, `file_cid_candidates` lists the two possible CIDs (raw first, then dag-pb) and a
-store is asked which it holds (`lineage.unixfs.resolve_file_digest`). Both can never be
+store is asked which it holds (`lineage.store.unixfs.resolve_file_digest`). Both can never be
 stored for different content: one digest means one byte string.
 """
 

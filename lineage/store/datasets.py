@@ -37,10 +37,10 @@ from typing import Any
 
 from multiformats import CID
 
+from lineage.errors import DlxError
 from trainer.errors import ConfigError
 
 from .cid import parse_cid
-from .errors import DlxError
 from .unixfs import PutFn, import_file, read_file
 from .unixfs_dir import import_tree, read_tree
 

@@ -35,9 +35,9 @@ from typing import Any
 import dag_cbor
 from multiformats import CID
 
-from .errors import DlxError
-from .manifest import Manifest, get_manifest
-from .unixfs import file_cid, read_bytes
+from lineage.errors import DlxError
+from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.unixfs import file_cid, read_bytes
 
 __all__ = ["ReplicaReplay", "StageReplay", "check_continuity", "job_of", "replay_checkpoint", "replay_many"]
 
@@ -112,9 +112,8 @@ def job_of(store: Any, config: CID | str, *, with_data: bool = True) -> Any:
     """The trainer's JobConfig from a run's config block (chain and storage sections dropped);
     `with_data`: reading the token file the block names, fetched by CID from `store` (a run
     that predates recorded data re-reads its corpus as it was configured)."""
+    from lineage.store.datasets import fetch_prepared, record_of_config, with_prepared
     from trainer.config import JobConfig
-
-    from .datasets import fetch_prepared, record_of_config, with_prepared
 
     doc = dag_cbor.decode(store.get(config))
     job = dict(doc["job"])

@@ -10,8 +10,9 @@ import dag_cbor
 from dag_cbor.decoding.err import CBORDecodingError
 from multiformats import CID
 
+from lineage.errors import BlockNotFoundError, StorageError
+
 from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, parse_cid
-from .errors import BlockNotFoundError, StorageError
 from .unixfs import BlockReader, PBNode
 
 

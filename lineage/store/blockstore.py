@@ -18,7 +18,7 @@ batch succeeded (CAR import uses it: a broken CAR leaves the store unchanged).
 Speed: multiformats validates every argument of every CID it builds or prints (about a
 millisecond a call), which dwarfs hashing a 256 KiB block. The CIDs of our own blocks
 (v1, sha2-256, raw/dag-pb/dag-cbor) are therefore built and named from their bytes
-(`lineage.cid.cid_of_block`, `block_name`); any other CID takes multiformats' way.
+(`lineage.store.cid.cid_of_block`, `block_name`); any other CID takes multiformats' way.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ from typing import Any
 
 from multiformats import CID
 
+from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
+
 from .cid import RAW, block_name, cid_from_binary, cid_of_block, parse_cid
 from .dag import reachable
-from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 PIN_DIR = ".pins"
 PRUNED_DIR = ".pruned"
@@ -231,7 +232,7 @@ class Blockstore:
             return set()
 
     def prune(self, roots: list[CID], blocks: list[CID], touched_before: float | None = None) -> int:
-        """Record `roots` as removed by retention, then delete `blocks` (lineage.retention
+        """Record `roots` as removed by retention, then delete `blocks` (lineage.store.retention
         lists each root before the blocks under it), except those stored or re-stored after
         `touched_before` (a run still writing may be re-using them, as for `gc`'s grace);
         returns the bytes freed.

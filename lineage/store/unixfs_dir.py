@@ -1,11 +1,11 @@
 """UnixFS directories: import a tree with the root CID Kubo's `ipfs add -r` gives, read it back.
 
-    from lineage.unixfs_dir import import_directory, import_tree, read_tree
+    from lineage.store.unixfs_dir import import_directory, import_tree, read_tree
     root = import_directory(Path("dataset"), store.put)        # == `ipfs add -r --cid-version=1 dataset`
     root = import_tree([("a/b.txt", b"hi"), ("c.bin", Path("c.bin"))])  # CIDs only, nothing stored
     read_tree(store, root, Path("restored"))
 
-Files are imported as `lineage.unixfs` does (`--cid-version=1`: raw leaves; version 0:
+Files are imported as `lineage.store.unixfs` does (`--cid-version=1`: raw leaves; version 0:
 plain `ipfs add`). A directory is a dag-pb node whose Data is UnixFS `Directory` and whose
 links, sorted by name bytes, each carry the child's cumulative size (Tsize: the child's
 block plus everything below it, Kubo's `node.Size()`).
@@ -45,10 +45,10 @@ from pathlib import Path
 
 from multiformats import CID
 
+from lineage.errors import StorageError
 from trainer.errors import DlxError
 
 from .cid import DAG_PB, RAW, cid_from_digest, cid_of_block, parse_cid
-from .errors import StorageError
 from .unixfs import (
     CHUNK_SIZE,
     T_DIRECTORY,

@@ -39,10 +39,11 @@ from typing import Any
 
 from multiformats import CID
 
+from lineage.errors import BlockNotFoundError, StorageError
+
 from .blockstore import Blockstore
 from .cid import RAW, block_name
 from .dag import links_of
-from .errors import BlockNotFoundError, StorageError
 from .manifest import Manifest, get_manifest
 
 _POLICY = re.compile(r"^(?:(all)|(last|every):([1-9][0-9]{0,8}))$")

@@ -1,6 +1,6 @@
 """UnixFS files: import bytes into a DAG with the same CIDs as Kubo, and read them back.
 
-    from lineage.unixfs import import_file, cat
+    from lineage.store.unixfs import import_file, cat
     root = import_file(open("ckpt.safetensors", "rb"), store.put).cid   # == `ipfs add --cid-version=1`
     data = b"".join(cat(store, root))
 
@@ -28,6 +28,8 @@ from typing import Any, BinaryIO, Protocol
 
 from multiformats import CID
 
+from lineage.errors import BlockNotFoundError, StorageError
+
 from .cid import (
     DAG_PB,
     RAW,
@@ -37,7 +39,6 @@ from .cid import (
     file_cid_candidates,
     parse_cid,
 )
-from .errors import BlockNotFoundError, StorageError
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
 MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
@@ -525,7 +526,7 @@ def check_file(store: BlockReader, root: CID | str, *, workers: int = 4) -> int:
 def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
     """The CID of the UnixFS file whose root has this sha2-256 digest, as held by `store`.
 
-    Tries raw (a file of at most one chunk) then dag-pb; see `lineage.cid` for why both.
+    Tries raw (a file of at most one chunk) then dag-pb; see `lineage.store.cid` for why both.
     """
     for cid in file_cid_candidates(digest):
         if store.has(cid):

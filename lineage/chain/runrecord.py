@@ -80,7 +80,7 @@ class RunRecord:
 
     def open_store(self, run_dir: Path) -> Any:
         """The run's block store: the IPFS daemon it used, or its blockstore directory."""
-        from .ipfs import open_store
+        from lineage.store.ipfs import open_store
 
         return open_store(self.blocks_dir(run_dir), self.ipfs_api)
 

@@ -52,23 +52,23 @@ from typing import Any
 import dag_cbor
 from eth_utils import keccak
 
+from lineage.chain.attest import ContributionClaim, Domain, expand_signature
+from lineage.chain.ledger import StepRecord
+from lineage.chain.runrecord import RunRecord
+from lineage.errors import DlxError
+from lineage.store.blockstore import Blockstore
+from lineage.store.cid import DAG_CBOR, block_name, cid_from_digest, digest_of
+from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.unixfs import check_file, file_cid, read_bytes
 from trainer.errors import ConfigError
 
-from .attest import ContributionClaim, Domain, expand_signature
-from .blockstore import Blockstore
-from .chain import StepRecord
-from .cid import DAG_CBOR, block_name, cid_from_digest, digest_of
-from .errors import DlxError
-from .manifest import Manifest, get_manifest
 from .query import open_ledger
-from .runrecord import RunRecord
-from .unixfs import check_file, file_cid, read_bytes
 
 DATA = "data"
 LEVELS = ("chain", "content", "aggregate", DATA)
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
 
-#: (store, [(checkpoint CID, replica)], tolerance) -> results; lineage.replay.replay_many by
+#: (store, [(checkpoint CID, replica)], tolerance) -> results; lineage.audit.replay.replay_many by
 #: default, or a stand-in that runs the same replays elsewhere (a verify queue).
 Replayer = Callable[[Any, list[tuple[str, int]], float], list[Any]]
 
@@ -95,7 +95,7 @@ class RunReport:
     run_id: int
     steps: list[StepReport]
     run_failures: list[str] = field(default_factory=list)
-    replay: list[Any] = field(default_factory=list)  # lineage.replay.ReplicaReplay, sampled pairs
+    replay: list[Any] = field(default_factory=list)  # lineage.audit.replay.ReplicaReplay, sampled pairs
     replay_seconds: float = 0.0  # wall time of all replays, process start-up included
 
     @property
@@ -201,14 +201,15 @@ class _Data:
 
 
 def _verify_data(store: Any, config: Any, steps: list[StepRecord], full: bool) -> _Data:
-    """The data level of every step, and with `full` the re-tokenization (lineage.datasets)."""
-    from .datasets import (
+    """The data level of every step, and with `full` the re-tokenization (lineage.store.datasets)."""
+    from lineage.store.datasets import (
         check_shards,
         check_stored,
         check_tokenization,
         fetch_prepared,
         record_of_config,
     )
+
     from .replay import job_of
 
     try:
@@ -240,7 +241,7 @@ class _Pruned:
 def _pruned(store: Any, run_dir: Path, head: Any, ledger: Any, run_id: int) -> _Pruned:
     """The start-state and shard files retention removed and was allowed to, and per step
     the levels that leaves impossible, with why."""
-    from .retention import ALL, allowed_missing, history, open_steps, run_policy
+    from lineage.store.retention import ALL, allowed_missing, history, open_steps, run_policy
 
     policy = run_policy(run_dir)
     if head is None or (policy == ALL and not (store.pruned() if hasattr(store, "pruned") else set())):

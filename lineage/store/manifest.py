@@ -24,10 +24,11 @@ import dag_cbor
 from dag_cbor.encoding.err import CBORError
 from multiformats import CID
 
+from lineage.errors import StorageError
+
 from . import cbor
 from .blockstore import Blockstore
 from .cid import DAG_CBOR, parse_cid
-from .errors import StorageError
 
 MANIFEST_VERSION = 1
 

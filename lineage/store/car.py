@@ -23,9 +23,10 @@ import dag_cbor
 from dag_cbor.decoding.err import CBORDecodingError
 from multiformats import CID
 
+from lineage.errors import StorageError
+
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
-from .errors import StorageError
 from .unixfs import read_varint, write_varint
 
 MAX_SECTION = 8 << 20  # larger than any block an IPFS node accepts (Kubo: 4 MiB)

@@ -25,9 +25,10 @@ from typing import Any
 
 from multiformats import CID
 
+from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
+
 from .blockstore import Blockstore, corrupt_blocks
 from .cid import RAW, as_v1, cid_for, parse_cid
-from .errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 DEFAULT_API = "/ip4/127.0.0.1/tcp/5001/http"
 

@@ -7,7 +7,7 @@ the process and `dlx lineage` can start it again to read the run's history.
 anvil writes that file only when it exits, so a killed anvil would lose every block since
 it started. `dump_state` asks a running anvil for its state and replaces the file
 atomically: `dlx train` does it after every transaction it sends to its embedded chain
-(`workers.local.PersistedChain`), and `python -m lineage.anvil keep URL FILE` after every
+(`workers.local.PersistedChain`), and `python -m lineage.chain.anvil keep URL FILE` after every
 new block of a chain others write to (the stack's). A killed chain then loses at most the
 transaction in flight, and starting anvil on the file brings back every block before it.
 """
@@ -31,9 +31,9 @@ from pathlib import Path
 from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
-from .errors import ChainError
+from lineage.errors import ChainError
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]  # lineage/chain/anvil.py -> the checkout
 ANVIL_CHAIN_ID = 31337
 ANVIL_BALANCE_WEI = 10_000 * 10**18  # what anvil gives each development account (wei)
 # anvil's default mnemonic: every key derived from it is public knowledge.
@@ -233,7 +233,7 @@ def keep_state(url: str, path: Path, poll_s: float = 0.25) -> None:
         time.sleep(poll_s)
 
 
-if __name__ == "__main__":  # python -m lineage.anvil keep URL FILE
+if __name__ == "__main__":  # python -m lineage.chain.anvil keep URL FILE
     if len(sys.argv) != 4 or sys.argv[1] != "keep":
-        sys.exit("usage: python -m lineage.anvil keep URL STATE_FILE")
+        sys.exit("usage: python -m lineage.chain.anvil keep URL STATE_FILE")
     keep_state(sys.argv[2], Path(sys.argv[3]))

@@ -28,10 +28,9 @@ from eth_account import Account
 from eth_account.messages import SignableMessage, encode_typed_data
 from eth_utils import is_address, keccak, to_checksum_address
 
+from lineage.store.cid import digest_of
+from lineage.store.unixfs import file_cid
 from trainer.errors import DlxError
-
-from .cid import digest_of
-from .unixfs import file_cid
 
 DOMAIN_NAME = "DiLoCoXLedger"
 #: The ledger version this code deploys and signs for.

@@ -16,10 +16,10 @@ import numpy as np
 from multiformats import CID
 from safetensors.numpy import load as st_load
 
-from .cid import parse_cid
-from .errors import StorageError
-from .manifest import Manifest, get_manifest
-from .unixfs import read_bytes
+from lineage.errors import StorageError
+from lineage.store.cid import parse_cid
+from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.unixfs import read_bytes
 
 
 @dataclass(frozen=True)

@@ -24,12 +24,13 @@ from typing import Any
 import dag_cbor
 from multiformats import CID
 
-from .anvil import Anvil
-from .chain import Chain, Commit, Ledger
-from .cid import DAG_CBOR, cid_from_digest, digest_of, parse_cid
-from .errors import BlockNotFoundError, ChainError, StorageError
-from .manifest import Manifest, get_manifest
-from .runrecord import RunRecord
+from lineage.chain.anvil import Anvil
+from lineage.chain.client import Chain
+from lineage.chain.ledger import Commit, Ledger
+from lineage.chain.runrecord import RunRecord
+from lineage.errors import BlockNotFoundError, ChainError, StorageError
+from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of, parse_cid
+from lineage.store.manifest import Manifest, get_manifest
 
 #: A step's status: on the current chain and final, on it and still challengeable,
 #: rejected by an upheld challenge, or (a checkpoint in the store) never committed.

@@ -1,0 +1,229 @@
+"""The JSON-RPC side of the chain: a web3 connection that signs and sends transactions,
+the contracts' forge artifacts, and revert data decoded into the contract's custom error.
+
+A revert is decoded against the contracts' ABIs so the error names the contract's custom
+error and its arguments (`LedgerStaleParent(expected=0x.., got=0x..)`) instead of a bare
+selector; a transport failure becomes one line naming the endpoint (`chain_failure`).
+Transactions are signed locally by the sending account and waited on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from eth_abi import decode as abi_decode
+from eth_account.signers.local import LocalAccount
+from eth_utils import keccak, to_checksum_address
+from web3 import Web3
+from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception, Web3RPCError
+
+from lineage.errors import ChainError, ChainRevertError
+
+from .anvil import PROJECT_ROOT
+
+
+def contracts_out() -> Path:
+    """Forge's `out/` directory (`$DLX_CONTRACTS_OUT` or contracts/out in the checkout)."""
+    return Path(os.environ.get("DLX_CONTRACTS_OUT", PROJECT_ROOT / "contracts" / "out"))
+
+
+@cache
+def artifact(name: str) -> tuple[list[dict[str, Any]], str]:
+    """(abi, creation bytecode) of contract `name` from forge's `out/` directory, or of a
+    superseded version (`TrainingLedger-v1`) from contracts/legacy/."""
+    if "-v" in name:
+        path = PROJECT_ROOT / "contracts" / "legacy" / f"{name}.json"
+    else:
+        path = contracts_out() / f"{name}.sol" / f"{name}.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ChainError(f"contract artifact {path} missing: run ./scripts/setup (it builds the contracts)") from None
+    return data["abi"], data["bytecode"]["object"]
+
+
+@cache
+def _error_table() -> dict[bytes, dict[str, Any]]:
+    table: dict[bytes, dict[str, Any]] = {}
+    for name in ("TrainingLedger", "NodeRegistry"):
+        abi, _ = artifact(name)
+        for item in abi:
+            if item.get("type") == "error":
+                sig = f"{item['name']}({','.join(_abi_type(i) for i in item['inputs'])})"
+                table[keccak(text=sig)[:4]] = item
+    return table
+
+
+def _abi_type(item: dict[str, Any]) -> str:
+    if item["type"].startswith("tuple"):
+        return "(" + ",".join(_abi_type(c) for c in item["components"]) + ")" + item["type"][5:]
+    return item["type"]
+
+
+def decode_revert(data: str | bytes | None, context: str = "") -> ChainError:
+    """Turn revert data into a ChainRevertError naming the custom error (or a ChainError)."""
+    if isinstance(data, dict):
+        data = data.get("data")
+    if isinstance(data, str):
+        data = bytes.fromhex(data.removeprefix("0x")) if data.startswith("0x") else None
+    if not data or len(data) < 4:
+        return ChainError(f"{context}: reverted without a reason" if context else "reverted without a reason")
+    item = _error_table().get(bytes(data[:4]))
+    if item is None:
+        return ChainError(f"{context}: reverted with unknown error 0x{bytes(data[:4]).hex()}")
+    values = abi_decode([_abi_type(i) for i in item["inputs"]], bytes(data[4:]))
+    return ChainRevertError(item["name"], {i["name"]: v for i, v in zip(item["inputs"], values, strict=True)}, context)
+
+
+def why_failed(exc: BaseException) -> str:
+    """What a failed chain request means, in the user's terms: not urllib3's retry chain,
+    requests' adapter names or a JSON-RPC error dict."""
+    import requests
+
+    if isinstance(exc, requests.exceptions.InvalidSchema | requests.exceptions.MissingSchema
+                  | requests.exceptions.InvalidURL):
+        return "not an http:// or https:// URL"
+    if isinstance(exc, requests.exceptions.Timeout):
+        return "no answer in time"
+    if isinstance(exc, requests.exceptions.ConnectionError):
+        text = str(exc)
+        if "refused" in text.lower():
+            return "connection refused"
+        if "resolve" in text or "Name or service not known" in text:
+            return "unknown host"
+        return "connection lost"
+    if isinstance(exc, requests.exceptions.HTTPError) and exc.response is not None:
+        return f"HTTP {exc.response.status_code} (not a JSON-RPC endpoint)"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, Web3RPCError) and isinstance(exc.rpc_response, dict):
+        error = exc.rpc_response.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else exc.__class__.__name__
+
+
+def chain_failure(context: str, exc: BaseException, url: str | None) -> ChainError:
+    """One line for a failed request: a transport failure names the endpoint (the chain was
+    refused, lost or is no chain at all); a JSON-RPC error gives the node's message."""
+    why = why_failed(exc)
+    if isinstance(exc, OSError) and url:
+        return ChainError(f"{context}: chain at {url}: {why}")
+    return ChainError(f"{context}: {why}")
+
+
+def endpoint_of(fn: Any) -> str | None:
+    """The RPC URL a contract function is bound to (None when it has none)."""
+    provider = getattr(getattr(fn, "w3", None), "provider", None)
+    return getattr(provider, "endpoint_uri", None)
+
+
+def call_view(fn: Any, context: str) -> Any:
+    """Call a view function; a revert becomes the contract's custom error by name."""
+    try:
+        return fn.call()
+    except ContractLogicError as exc:
+        raise decode_revert(exc.data, context) from None
+    except (OSError, Web3Exception) as exc:
+        raise chain_failure(context, exc, endpoint_of(fn)) from None
+
+
+_NONCE_RETRIES = 8
+_SENDER_LOCKS: dict[str, threading.Lock] = {}
+_SENDER_LOCKS_GUARD = threading.Lock()
+
+
+def _sender_lock(address: str) -> threading.Lock:
+    with _SENDER_LOCKS_GUARD:
+        return _SENDER_LOCKS.setdefault(address.lower(), threading.Lock())
+
+
+def _nonce_taken(exc: Exception) -> bool:
+    """Whether a send failed because another transaction took its nonce first."""
+    text = str(exc).lower()
+    return any(m in text for m in ("nonce too low", "already known", "replacement transaction underpriced",
+                                   "transaction already imported"))
+
+
+class Chain:
+    """A web3 connection plus a signer-side transaction helper."""
+
+    def __init__(self, rpc_url: str, expected_chain_id: int | None = None) -> None:
+        self.rpc_url = rpc_url
+        # eth_chainId is cached: web3 asks for it before every call and transaction.
+        self.w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 30}, cache_allowed_requests=True,
+                                         cacheable_requests={"eth_chainId"}))
+        try:
+            self.chain_id = self.w3.eth.chain_id
+        except (OSError, Web3Exception) as exc:
+            raise ChainError(f"cannot reach the chain at {rpc_url}: {why_failed(exc)}") from None
+        if expected_chain_id is not None and self.chain_id != expected_chain_id:
+            raise ChainError(f"wrong chain id at {rpc_url}: expected {expected_chain_id}, got {self.chain_id}")
+
+    def transact(self, fn: Any, sender: LocalAccount, *, value: int = 0, context: str) -> Any:
+        """Sign and send a contract call (or constructor) from `sender`; return the receipt.
+
+        Nonces: one sender's transactions from this process go out one at a time (a lock per
+        address), and a nonce another process took first ("nonce too low") is retried with
+        the chain's next pending nonce, so several senders, or several tools sharing one
+        key, can transact at once.
+        """
+        with _sender_lock(sender.address):
+            for attempt in range(_NONCE_RETRIES):
+                try:
+                    tx = fn.build_transaction({
+                        "from": sender.address,
+                        "value": value,
+                        "nonce": self.w3.eth.get_transaction_count(sender.address, "pending"),
+                        "chainId": self.chain_id,
+                    })
+                except ContractLogicError as exc:
+                    raise decode_revert(exc.data, context) from None
+                except (OSError, Web3Exception) as exc:
+                    raise chain_failure(context, exc, self.rpc_url) from None
+                signed = sender.sign_transaction(tx)
+                try:
+                    tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
+                except (OSError, Web3Exception) as exc:
+                    if _nonce_taken(exc) and attempt + 1 < _NONCE_RETRIES:
+                        time.sleep(0.05 * (attempt + 1))
+                        continue
+                    raise chain_failure(context, exc, self.rpc_url) from None
+                break
+            try:
+                receipt = self.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=120)
+            except TimeExhausted:
+                raise ChainError(f"{context}: no receipt within 120 s") from None
+            except (OSError, Web3Exception) as exc:
+                raise chain_failure(context, exc, self.rpc_url) from None
+        if receipt["status"] != 1:
+            raise ChainError(f"{context}: transaction {tx_hash.to_0x_hex()} failed")
+        return receipt
+
+    def require_funds(self, account: str, amount: int, what: str) -> None:
+        """Refuse, before anything is sent, a payment `account` cannot make with gas on top
+        (the node would refuse it with an "insufficient funds" error, half way through)."""
+        try:
+            have = self.w3.eth.get_balance(to_checksum_address(account))
+        except (OSError, Web3Exception) as exc:
+            raise chain_failure(f"balance of {account}", exc, self.rpc_url) from None
+        if amount >= have:
+            raise ChainError(f"{what} of {amount} wei ({amount / 10**18:g} ETH) is more than {account} holds on "
+                             f"{self.rpc_url}: {have} wei ({have / 10**18:g} ETH), and gas is paid too")
+
+    def contract(self, name: str, address: str) -> Any:
+        abi, _ = artifact(name)
+        return self.w3.eth.contract(address=to_checksum_address(address), abi=abi)
+
+    def deploy(self, name: str, sender: LocalAccount, *args: Any) -> str:
+        abi, bytecode = artifact(name)
+        factory = self.w3.eth.contract(abi=abi, bytecode=bytecode)
+        receipt = self.transact(factory.constructor(*args), sender, context=f"deploy {name}")
+        return receipt["contractAddress"]
