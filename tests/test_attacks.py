@@ -33,8 +33,14 @@ from eth_utils import to_checksum_address
 
 from lineage.audit.query import open_ledger
 from lineage.chain.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
-from lineage.chain.attest import ContributionClaim, Domain, SignedClaim, expand_signature
-from lineage.chain.ledger import Attestation, Ledger, sign_verdict
+from lineage.chain.attest import (
+    ContributionClaim,
+    Domain,
+    SignedClaim,
+    expand_signature,
+    sign_verdict,
+)
+from lineage.chain.ledger import Attestation, Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import ChainRevertError
 from lineage.store.blockstore import Blockstore

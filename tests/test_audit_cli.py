@@ -345,7 +345,7 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
     cid, tx = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=1, stage=0, bond=ETHER)
     assert ledger.challenges(run_id=run_id)[0]["tx"] == tx
     assert ledger.run_params(run_id)["minStake"] == ETHER
-    from lineage.chain.ledger import sign_verdict
+    from lineage.chain.attest import sign_verdict
 
     sigs = {x.address: sign_verdict(ledger.chain.chain_id, ledger.ledger.address, cid, False, x.key) for x in arbiters[:2]}
     for addr, sig in sigs.items():

@@ -14,9 +14,9 @@ import pytest
 from eth_utils import keccak
 
 from lineage.chain.anvil import rpc_call
-from lineage.chain.attest import ContributionClaim
+from lineage.chain.attest import ContributionClaim, sign_verdict
 from lineage.chain.client import Chain
-from lineage.chain.ledger import Attestation, Ledger, sign_verdict
+from lineage.chain.ledger import Attestation, Ledger
 from lineage.errors import ChainRevertError
 
 ETHER = 10**18

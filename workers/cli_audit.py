@@ -609,7 +609,7 @@ def register(app: typer.Typer, user_errors: Any) -> None:
     ) -> None:
         """Sign `Verdict(challengeId, upheld)` with the arbiter key (DLX_ARBITER_KEY, else the
         node key); prints the signature for `dlx arbiter resolve`."""
-        from lineage.chain.ledger import sign_verdict
+        from lineage.chain.attest import sign_verdict
 
         verdict = _verdict(upheld)
         key = load_key("arbiter")

@@ -96,12 +96,10 @@ def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
 
 def _tokenizer(blocks: Any, config: Any) -> tuple[Any, bytes | None]:
     """The run's data record and tokenizer.json bytes (read by CID, re-hashed)."""
-    import dag_cbor
-
-    from lineage.store.datasets import record_of_config
+    from lineage.store.runconfig import RunConfig
     from lineage.store.unixfs import read_bytes
 
-    data = record_of_config(dag_cbor.decode(blocks.get(config)))
+    data = RunConfig.load(blocks, config).data
     if data is None or data.tokenizer is None:
         return data, None
     return data, read_bytes(blocks, data.tokenizer)

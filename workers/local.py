@@ -41,6 +41,7 @@ from lineage.store.cid import DAG_CBOR, cid_from_digest
 from lineage.store.datasets import prepare_dataset, with_prepared
 from lineage.store.manifest import get_manifest
 from lineage.store.retention import Retention
+from lineage.store.runconfig import RunConfig
 from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
@@ -350,12 +351,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
     store = record.open_store(run_dir)
     data, prepared = prepare_dataset(job.data, job.model.vocab_size, store.put)  # tokenized in preflight
     training = with_prepared(job.training_config(), prepared)
-    config = {
-        # A cheat stays out of the record: a cheating node does not announce itself.
-        "job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),
-        "data": data.to_doc(),
-        "code": code_hash(),
-    }
+    config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     signer = local_signer(slot_keys, domain, training)
     if training.cheat:

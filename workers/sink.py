@@ -16,14 +16,12 @@ loss or metric stops the run (`TrainingDiverged`) before anything of its step is
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
 from collections.abc import Callable
 from pathlib import Path
 
-import dag_cbor
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
 
@@ -223,7 +221,7 @@ class LedgerSink:
                 step=step.step,
                 parent=parent,
                 checkpoint=digest_of(checkpoint),
-                metrics_digest=hashlib.sha256(dag_cbor.encode(manifest.to_node()["metrics"])).digest(),
+                metrics_digest=manifest.metrics_digest(),
                 attestations=attestations,
             )
         self._head = checkpoint

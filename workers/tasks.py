@@ -79,7 +79,7 @@ class RedisSigner:
         self.store, self.job_id, self.attempt, self.me, self.domain = store, job_id, attempt, me, domain
 
     def __call__(self, step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        self.store.publish_claims(self.job_id, self.attempt, step, {i: _claim_json(c) for i, c in enumerate(claims)})
+        self.store.publish_claims(self.job_id, self.attempt, step, {i: c.as_doc() for i, c in enumerate(claims)})
         self.store.put_signature(self.job_id, self.attempt, step, 0, claims[0].sign(self.domain, self.me.account.key))
         deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
         while True:
@@ -92,19 +92,6 @@ class RedisSigner:
                 missing = sorted(set(range(len(claims))) - set(sigs))
                 raise JobError(f"step {step}: no attestation from slots {missing} within {SIGNATURE_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
-
-
-def _claim_json(c: ContributionClaim) -> dict[str, Any]:
-    return {"run_id": c.run_id, "step": c.step, "replica": c.replica, "stage": c.stage,
-            "parent": c.parent.hex(), "contribution": c.contribution.hex(),
-            "data_shard": c.data_shard.hex(), "code_hash": c.code_hash.hex(),
-            "loss_micros": c.loss_micros, "new_shard": c.new_shard.hex()}
-
-
-def _claim_from_json(d: dict[str, Any]) -> ContributionClaim:
-    return ContributionClaim(d["run_id"], d["step"], d["replica"], d["stage"], bytes.fromhex(d["parent"]),
-                             bytes.fromhex(d["contribution"]), bytes.fromhex(d["data_shard"]),
-                             bytes.fromhex(d["code_hash"]), d["loss_micros"], bytes.fromhex(d["new_shard"]))
 
 
 def replica_aligned(joined: dict[int, str], replicas: int, stages: int) -> list[int]:
@@ -416,7 +403,7 @@ def _attest_pending(store: JobStore, job_id: str, attempt: int, rank: int, me: N
                 raise JobError(f"rank {rank}: rank 0 never published the claim for step {step}")
             return
         mine = pending.pop(step)
-        claim = _claim_from_json(claim_d)
+        claim = ContributionClaim.from_doc(claim_d)
         # The shard digest too: this rank co-signs only the new stage shard it computed itself.
         expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard,
                     divmod(rank, int(rec["stages"])))
@@ -452,6 +439,7 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
     from lineage.store.blockstore import Blockstore
     from lineage.store.datasets import DataRecord
     from lineage.store.retention import Retention
+    from lineage.store.runconfig import RunConfig
     from trainer.artifacts import code_hash
     from workers.sink import LedgerSink
 
@@ -465,8 +453,8 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
                            stack=rec.get("stack"))
-    config = {"job": job.model_dump(mode="json", exclude={"storage", "tracking", "cheat"}),  # a cheat stays unrecorded
-              **({"data": DataRecord.from_doc(rec["data"]).to_doc()} if "data" in rec else {}), "code": code_hash()}
+    data = DataRecord.from_doc(rec["data"]) if "data" in rec else None
+    config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(chain.chain_id, ledger.ledger.address)
     sink = LedgerSink(
         job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,

@@ -32,11 +32,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import dag_cbor
 from multiformats import CID
 
 from lineage.errors import DlxError
 from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.runconfig import RunConfig
 from lineage.store.unixfs import file_cid, read_bytes
 
 __all__ = ["ReplicaReplay", "StageReplay", "check_continuity", "job_of", "replay_checkpoint", "replay_many"]
@@ -112,15 +112,11 @@ def job_of(store: Any, config: CID | str, *, with_data: bool = True) -> Any:
     """The trainer's JobConfig from a run's config block (chain and storage sections dropped);
     `with_data`: reading the token file the block names, fetched by CID from `store` (a run
     that predates recorded data re-reads its corpus as it was configured)."""
-    from lineage.store.datasets import fetch_prepared, record_of_config, with_prepared
-    from trainer.config import JobConfig
+    from lineage.store.datasets import fetch_prepared, with_prepared
 
-    doc = dag_cbor.decode(store.get(config))
-    job = dict(doc["job"])
-    job.pop("chain", None)
-    job.pop("storage", None)
-    cfg = JobConfig.model_validate(job)
-    record = record_of_config(doc) if with_data else None
+    run_config = RunConfig.load(store, config)
+    cfg = run_config.training_job()
+    record = run_config.data if with_data else None
     if record is None:
         return cfg
     return with_prepared(cfg, fetch_prepared(store, record))

@@ -49,16 +49,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import dag_cbor
-from eth_utils import keccak
-
-from lineage.chain.attest import ContributionClaim, Domain, expand_signature
+from lineage.chain.attest import (
+    ContributionClaim,
+    Domain,
+    contributions_root,
+    expand_signature,
+    shards_root,
+)
 from lineage.chain.ledger import StepRecord
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import DlxError
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import DAG_CBOR, block_name, cid_from_digest, digest_of
 from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.runconfig import RunConfig
 from lineage.store.unixfs import check_file, file_cid, read_bytes
 from trainer.errors import ConfigError
 
@@ -207,19 +211,16 @@ def _verify_data(store: Any, config: Any, steps: list[StepRecord], full: bool) -
         check_stored,
         check_tokenization,
         fetch_prepared,
-        record_of_config,
     )
 
-    from .replay import job_of
-
     try:
-        doc = dag_cbor.decode(store.get(config))
-        record = record_of_config(doc)
+        run_config = RunConfig.load(store, config)
     except DlxError as exc:
         return _Data({s.step: f"config {config}: {exc}" for s in steps})
+    record = run_config.data
     if record is None:
         return _Data(unavailable="the run predates recorded data: its config names no token file")
-    job = job_of(store, config, with_data=False)
+    job = run_config.training_job()
     problems = check_stored(store, record)
     if problems:
         return _Data({s.step: problems[0] for s in steps}, run_failures=problems if full else [])
@@ -458,7 +459,7 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
                                         f"the ledger recorded {event['node']}")
         _check(signer in members, f"slot ({replica}, {stage}): {signer} is not a member of the run")
         _check(stakes[(event["node"], rec.block)] > 0, f"slot ({replica}, {stage}): {signer} had no stake")
-    root = keccak(b"".join(bytes(a["contribution"]) for a in atts))
+    root = contributions_root(bytes(a["contribution"]) for a in atts)
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
 
 
@@ -474,7 +475,7 @@ def _verify_cosigned(store: Blockstore, rec: StepRecord, checkpoint: Any, atts: 
         _check(bytes(att["newShard"]) == shards[s], lambda r=r, s=s, att=att: (
             f"stage {s}: replica {r} co-signed shard 0x{bytes(att['newShard']).hex()[:16]}.., "
             f"replica 0 0x{shards[s].hex()[:16]}.."))
-    _check(rec.shards_root == keccak(b"".join(shards)), "shards root does not match the co-signed shards")
+    _check(rec.shards_root == shards_root(shards), "shards root does not match the co-signed shards")
     try:
         links = get_manifest(store, checkpoint).stages
     except DlxError:  # missing or corrupt: the content level names the block
@@ -505,8 +506,7 @@ def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int
     _check(m.run == run_id, f"manifest says run {m.run}")
     _check(m.parent == prev, lambda: f"manifest parent {m.parent} is not {prev}")
     _check(m.config == config, lambda: f"manifest config {m.config} is not the run's {config}")
-    metrics = hashlib.sha256(dag_cbor.encode(m.to_node()["metrics"])).digest()
-    _check(metrics == rec.metrics_digest, "metrics do not match the on-chain metrics digest")
+    _check(m.metrics_digest() == rec.metrics_digest, "metrics do not match the on-chain metrics digest")
     _check(len(m.stages) == S, f"{len(m.stages)} stage shards for {S} stages")
     _check(len(m.contributions) == R and all(len(row) == S for row in m.contributions),
            "contributions table is not replicas x stages")
@@ -533,8 +533,7 @@ def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int
 def _no_outer_step(store: Blockstore, config: Any) -> str:
     """Why level 3 does not apply to the run (the AllReduce baseline), or "" where it does."""
     try:
-        job = dag_cbor.decode(store.get(config))["job"]
-        baseline = job.get("parallel", {}).get("sync") == "allreduce"
+        baseline = RunConfig.load(store, config).sync == "allreduce"
     except (DlxError, KeyError, TypeError, AttributeError):
         return ""  # an unreadable config: level 2 names it
     return "the AllReduce baseline has no outer step to recompute (its shards are the all-reduced weights)" \
@@ -542,12 +541,7 @@ def _no_outer_step(store: Blockstore, config: Any) -> str:
 
 
 def _outer_config(store: Blockstore, config: Any) -> Any:
-    from trainer.config import JobConfig
-
-    job = dict(dag_cbor.decode(store.get(config))["job"])
-    job.pop("chain", None)
-    job.pop("storage", None)
-    return JobConfig.model_validate(job).outer
+    return RunConfig.load(store, config).training_job().outer
 
 
 def _import_outer_math() -> None:

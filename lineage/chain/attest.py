@@ -15,11 +15,23 @@ carries the version of the ledger it names, and claims under version 1 keep veri
 
 The ledger checks the same digest on chain (`TrainingLedger.commitStep`), so a signature
 is bound to one chain, one ledger deployment, one run and one step.
+
+Where a commit is signed: this module forms every digest and signature of it, and nothing
+else does. The step sink (workers/sink.py `LedgerSink`) builds one `ContributionClaim` per
+slot; a signer signs each with the slot's key (`workers.sink.local_signer` in a local run;
+in a queued run rank 0 publishes the claims as `ContributionClaim.as_doc` and every rank
+signs its own after checking it against its own work, workers/tasks.py); the ledger client
+submits them with the step's `contributions_root` (`lineage.chain.ledger.Ledger.commit_step`,
+EIP-2098 `compact_signature`); the verifier recovers each signer and recomputes both roots
+(lineage.audit.verify). Arbiters sign a `Verdict` here too, and `SignedClaim` is the one
+JSON form of a signed claim. Both messages share `TypedMessage` (domain, digest, sign,
+recover). docs/FORMATS.md gives the bytes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,26 +50,25 @@ DOMAIN_VERSION = "2"
 #: Every ledger version a claim or a committed step may have been signed under.
 DOMAIN_VERSIONS = ("1", "2")
 
-_TYPES_V1 = {
-    "EIP712Domain": [
-        {"name": "name", "type": "string"},
-        {"name": "version", "type": "string"},
-        {"name": "chainId", "type": "uint256"},
-        {"name": "verifyingContract", "type": "address"},
-    ],
-    "Contribution": [
-        {"name": "runId", "type": "uint256"},
-        {"name": "step", "type": "uint64"},
-        {"name": "replica", "type": "uint32"},
-        {"name": "stage", "type": "uint32"},
-        {"name": "parent", "type": "bytes32"},
-        {"name": "contribution", "type": "bytes32"},
-        {"name": "dataShard", "type": "bytes32"},
-        {"name": "codeHash", "type": "bytes32"},
-        {"name": "lossMicros", "type": "int64"},
-    ],
-}
-_TYPES = {**_TYPES_V1, "Contribution": [*_TYPES_V1["Contribution"], {"name": "newShard", "type": "bytes32"}]}
+_DOMAIN_TYPE = [
+    {"name": "name", "type": "string"},
+    {"name": "version", "type": "string"},
+    {"name": "chainId", "type": "uint256"},
+    {"name": "verifyingContract", "type": "address"},
+]
+_CONTRIBUTION_V1 = [
+    {"name": "runId", "type": "uint256"},
+    {"name": "step", "type": "uint64"},
+    {"name": "replica", "type": "uint32"},
+    {"name": "stage", "type": "uint32"},
+    {"name": "parent", "type": "bytes32"},
+    {"name": "contribution", "type": "bytes32"},
+    {"name": "dataShard", "type": "bytes32"},
+    {"name": "codeHash", "type": "bytes32"},
+    {"name": "lossMicros", "type": "int64"},
+]
+_CONTRIBUTION_V2 = [*_CONTRIBUTION_V1, {"name": "newShard", "type": "bytes32"}]
+_VERDICT = [{"name": "challengeId", "type": "uint256"}, {"name": "upheld", "type": "bool"}]
 
 
 @dataclass(frozen=True)
@@ -69,6 +80,11 @@ class Domain:
     verifying_contract: str
     version: str = DOMAIN_VERSION
 
+    def as_eip712(self) -> dict[str, Any]:
+        """The domain as EIP-712 typed data names it."""
+        return {"name": DOMAIN_NAME, "version": self.version, "chainId": self.chain_id,
+                "verifyingContract": to_checksum_address(self.verifying_contract)}
+
 
 def shard_digest(data: bytes) -> bytes:
     """The digest a node co-signs for a stage shard's bytes: its UnixFS file CID's sha-256,
@@ -76,50 +92,36 @@ def shard_digest(data: bytes) -> bytes:
     return digest_of(file_cid(data))
 
 
-@dataclass(frozen=True)
-class ContributionClaim:
-    """What one (replica, stage) slot claims for one outer step."""
+def contributions_root(contributions: Iterable[bytes]) -> bytes:
+    """A step's `contributionsRoot`: keccak256 of its slots' contribution digests, slot order
+    (replica-major), concatenated. The ledger stores it with the step."""
+    return keccak(b"".join(bytes(c) for c in contributions))
 
-    run_id: int
-    step: int
-    replica: int
-    stage: int
-    parent: bytes
-    contribution: bytes
-    data_shard: bytes
-    code_hash: bytes
-    loss_micros: int
-    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (not signed under version 1)
+
+def shards_root(shards: Iterable[bytes]) -> bytes:
+    """A step's `shardsRoot` (ledger version 2): keccak256 of the co-signed new stage shard
+    digests, stage order, concatenated."""
+    return keccak(b"".join(bytes(s) for s in shards))
+
+
+class TypedMessage:
+    """An EIP-712 message in a ledger's domain: the one place digests are formed and signed.
+
+    A subclass names its primary type and gives, per ledger version, its struct type and
+    message (`struct`); `digest`, `sign` and `recover` are the same for every message.
+    """
+
+    PRIMARY_TYPE: str = ""
+
+    def struct(self, version: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        """(the primary type's fields, the message) under ledger version `version`."""
+        raise NotImplementedError
 
     def typed_data(self, domain: Domain) -> dict[str, Any]:
-        message = {
-            "runId": self.run_id,
-            "step": self.step,
-            "replica": self.replica,
-            "stage": self.stage,
-            "parent": self.parent,
-            "contribution": self.contribution,
-            "dataShard": self.data_shard,
-            "codeHash": self.code_hash,
-            "lossMicros": self.loss_micros,
-        }
-        if domain.version == "1":
-            types = _TYPES_V1
-        else:
-            if len(self.new_shard) != 32:
-                raise ClaimError(f"a version {domain.version} claim needs a 32-byte newShard")
-            types, message["newShard"] = _TYPES, self.new_shard
-        return {
-            "types": types,
-            "primaryType": "Contribution",
-            "domain": {
-                "name": DOMAIN_NAME,
-                "version": domain.version,
-                "chainId": domain.chain_id,
-                "verifyingContract": domain.verifying_contract,
-            },
-            "message": message,
-        }
+        """The full EIP-712 document (types, primaryType, domain, message)."""
+        fields, message = self.struct(domain.version)
+        return {"types": {"EIP712Domain": _DOMAIN_TYPE, self.PRIMARY_TYPE: fields},
+                "primaryType": self.PRIMARY_TYPE, "domain": domain.as_eip712(), "message": message}
 
     def signable(self, domain: Domain) -> SignableMessage:
         return encode_typed_data(full_message=self.typed_data(domain))
@@ -137,6 +139,83 @@ class ContributionClaim:
     def recover(self, domain: Domain, signature: bytes) -> str:
         """The checksummed address that produced `signature`."""
         return Account.recover_message(self.signable(domain), signature=signature)
+
+
+@dataclass(frozen=True)
+class ContributionClaim(TypedMessage):
+    """What one (replica, stage) slot claims for one outer step."""
+
+    PRIMARY_TYPE = "Contribution"
+
+    run_id: int
+    step: int
+    replica: int
+    stage: int
+    parent: bytes
+    contribution: bytes
+    data_shard: bytes
+    code_hash: bytes
+    loss_micros: int
+    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (not signed under version 1)
+
+    def struct(self, version: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        message = {
+            "runId": self.run_id,
+            "step": self.step,
+            "replica": self.replica,
+            "stage": self.stage,
+            "parent": self.parent,
+            "contribution": self.contribution,
+            "dataShard": self.data_shard,
+            "codeHash": self.code_hash,
+            "lossMicros": self.loss_micros,
+        }
+        if version == "1":
+            return _CONTRIBUTION_V1, message
+        if len(self.new_shard) != 32:
+            raise ClaimError(f"a version {version} claim needs a 32-byte newShard")
+        return _CONTRIBUTION_V2, {**message, "newShard": self.new_shard}
+
+    def as_doc(self, version: str = DOMAIN_VERSION) -> dict[str, Any]:
+        """The claim as JSON (the `claim` of a `SignedClaim`): camelCase, bytes32 0x-hex."""
+        doc: dict[str, Any] = {}
+        for key, (attr, kind) in _claim_fields(version).items():
+            value = getattr(self, attr)
+            doc[key] = "0x" + value.hex() if kind is bytes else int(value)
+        return doc
+
+    @classmethod
+    def from_doc(cls, doc: dict[str, Any], version: str = DOMAIN_VERSION) -> ContributionClaim:
+        """Parse and check `as_doc`'s form; ClaimError names the first bad field."""
+        fields = _claim_fields(version)
+        values = {attr: _field(doc, key, kind) for key, (attr, kind) in fields.items()}
+        unknown = set(doc) - set(fields)
+        if unknown:
+            raise ClaimError(f"unknown claim field(s): {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Verdict(TypedMessage):
+    """An arbiter's ruling on a challenge: `Verdict(uint256 challengeId, bool upheld)`."""
+
+    PRIMARY_TYPE = "Verdict"
+
+    challenge_id: int
+    upheld: bool
+
+    def struct(self, version: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        return _VERDICT, {"challengeId": self.challenge_id, "upheld": self.upheld}
+
+
+def verdict_signable_digest(chain_id: int, ledger: str, challenge_id: int, upheld: bool) -> bytes:
+    """The EIP-712 digest of `Verdict(challengeId, upheld)` in the ledger's domain."""
+    return Verdict(challenge_id, upheld).digest(Domain(chain_id, ledger))
+
+
+def sign_verdict(chain_id: int, ledger: str, challenge_id: int, upheld: bool, key: Any) -> bytes:
+    """An arbiter's 65-byte signature on `Verdict(challengeId, upheld)`."""
+    return Verdict(challenge_id, upheld).sign(Domain(chain_id, ledger), key)
 
 
 class ClaimError(DlxError, ValueError):
@@ -203,16 +282,8 @@ class SignedClaim:
             raise ClaimError("the signature is malformed: it recovers to no key") from None
 
     def as_dict(self) -> dict[str, Any]:
-        claim = {}
-        for key, (attr, kind) in _claim_fields(self.domain.version).items():
-            value = getattr(self.claim, attr)
-            claim[key] = "0x" + value.hex() if kind is bytes else int(value)
-        return {
-            "domain": {"name": DOMAIN_NAME, "version": self.domain.version, "chainId": self.domain.chain_id,
-                       "verifyingContract": to_checksum_address(self.domain.verifying_contract)},
-            "claim": claim,
-            "signature": "0x" + self.signature.hex(),
-        }
+        return {"domain": self.domain.as_eip712(), "claim": self.claim.as_doc(self.domain.version),
+                "signature": "0x" + self.signature.hex()}
 
     def to_json(self) -> str:
         return json.dumps(self.as_dict(), indent=2) + "\n"
@@ -237,16 +308,9 @@ class SignedClaim:
         contract = domain.get("verifyingContract")
         if not isinstance(contract, str) or not is_address(contract):
             raise ClaimError(f"domain.verifyingContract is not an address: {contract!r}")
-        fields = _claim_fields(version)
-        values: dict[str, Any] = {}
-        for key, (attr, kind) in fields.items():
-            values[attr] = _field(claim, key, kind)
-        unknown = set(claim) - set(fields)
-        if unknown:
-            raise ClaimError(f"unknown claim field(s): {', '.join(sorted(unknown))}")
         return cls(
             Domain(_int(domain.get("chainId"), "domain.chainId"), to_checksum_address(contract), version),
-            ContributionClaim(**values),
+            ContributionClaim.from_doc(claim, version),
             _hex(sig, "signature", 65),
         )
 

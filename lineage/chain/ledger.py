@@ -16,16 +16,24 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from eth_account import Account
-from eth_account.messages import SignableMessage, encode_typed_data
 from eth_account.signers.local import LocalAccount
-from eth_utils import keccak, to_checksum_address
+from eth_utils import to_checksum_address
 from web3.exceptions import Web3Exception
 from web3.logs import DISCARD
 
 from lineage.errors import ChainError
 
-from .attest import DOMAIN_NAME, DOMAIN_VERSION, DOMAIN_VERSIONS, Domain, compact_signature
+from .attest import (
+    DOMAIN_NAME,
+    DOMAIN_VERSION,
+    DOMAIN_VERSIONS,
+    Domain,
+    Verdict,
+    compact_signature,
+    contributions_root,
+    sign_verdict,
+    verdict_signable_digest,
+)
 from .client import (
     Chain,
     artifact,
@@ -273,7 +281,7 @@ class Ledger:
         attestations: list[Attestation],
     ) -> str:
         self._require_current("commitStep")
-        root = keccak(b"".join(a.contribution for a in attestations))
+        root = contributions_root(a.contribution for a in attestations)
         fn = self.ledger.functions.commitStep(
             run_id, step, parent, checkpoint, root, metrics_digest,
             [a.as_tuple() for a in attestations],
@@ -538,9 +546,9 @@ class Ledger:
 
     def verdict_signer(self, challenge_id: int, upheld: bool, signature: bytes) -> str:
         """The key that signed `signature` over `Verdict(challenge_id, upheld)`."""
-        msg = _verdict_message(self.chain.chain_id, self.ledger.address, challenge_id, upheld, self.version)
+        domain = Domain(self.chain.chain_id, self.ledger.address, self.version)
         try:
-            return str(Account.recover_message(msg, signature=signature))
+            return str(Verdict(challenge_id, upheld).recover(domain, signature))
         except Exception:  # eth_keys raises several types for a malformed signature
             raise ChainError(f"malformed verdict signature 0x{signature.hex()[:16]}...") from None
 
@@ -624,20 +632,6 @@ class Ledger:
         return [dict(log["args"]) for log in logs]
 
 
-_VERDICT_TYPES = {
-    "EIP712Domain": [
-        {"name": "name", "type": "string"},
-        {"name": "version", "type": "string"},
-        {"name": "chainId", "type": "uint256"},
-        {"name": "verifyingContract", "type": "address"},
-    ],
-    "Verdict": [
-        {"name": "challengeId", "type": "uint256"},
-        {"name": "upheld", "type": "bool"},
-    ],
-}
-
-
 def ledger_version(chain: Chain, address: str) -> str:
     """The version a TrainingLedger deployment signs under (its ERC-5267 `eip712Domain()`);
     this code's own version where the address answers no such call (nothing deployed yet)."""
@@ -650,26 +644,3 @@ def ledger_version(chain: Chain, address: str) -> str:
     if name != DOMAIN_NAME or version not in DOMAIN_VERSIONS:
         raise ChainError(f"{address} is not a DiLoCoX ledger this code reads (domain {name!r} version {version!r})")
     return str(version)
-
-
-def _verdict_message(chain_id: int, ledger: str, challenge_id: int, upheld: bool,
-                     version: str = DOMAIN_VERSION) -> SignableMessage:
-    return encode_typed_data(full_message={
-        "types": _VERDICT_TYPES,
-        "primaryType": "Verdict",
-        "domain": {"name": DOMAIN_NAME, "version": version, "chainId": chain_id,
-                   "verifyingContract": to_checksum_address(ledger)},
-        "message": {"challengeId": challenge_id, "upheld": upheld},
-    })
-
-
-def verdict_signable_digest(chain_id: int, ledger: str, challenge_id: int, upheld: bool) -> bytes:
-    """The EIP-712 digest of `Verdict(challengeId, upheld)` in the ledger's domain."""
-    msg = _verdict_message(chain_id, ledger, challenge_id, upheld)
-    return keccak(b"\x19" + msg.version + msg.header + msg.body)
-
-
-def sign_verdict(chain_id: int, ledger: str, challenge_id: int, upheld: bool, key: Any) -> bytes:
-    """An arbiter's 65-byte signature on `Verdict(challengeId, upheld)`."""
-    signed = Account.sign_message(_verdict_message(chain_id, ledger, challenge_id, upheld), private_key=key)
-    return bytes(signed.signature)

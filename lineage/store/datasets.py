@@ -45,7 +45,7 @@ from .unixfs import PutFn, import_file, read_file
 from .unixfs_dir import import_tree, read_tree
 
 __all__ = ["DataRecord", "check_shards", "check_stored", "check_tokenization", "data_cache", "fetch_prepared",
-           "prepare_dataset", "record_of_config", "with_prepared"]
+           "prepare_dataset", "with_prepared"]
 
 #: Bumped when the prepared cache's layout or the tokenization changes meaning.
 _CACHE_VERSION = 1
@@ -118,12 +118,6 @@ def _dtype(name: Any) -> str:
 def with_prepared(job: Any, prepared: Any) -> Any:
     """`job` (a trainer JobConfig) reading the token file `prepared`."""
     return job.model_copy(update={"data": job.data.model_copy(update={"prepared": prepared})})
-
-
-def record_of_config(config: dict[str, Any]) -> DataRecord | None:
-    """The data record of a run's decoded config block; None for a run that predates it."""
-    doc = config.get("data") if isinstance(config, dict) else None
-    return DataRecord.from_doc(doc) if isinstance(doc, dict) else None
 
 
 # -- preparing ------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ input of replay verification (lineage/replay.py).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,11 @@ class Manifest:
 
     def encode(self) -> bytes:
         return dag_cbor.encode(self.to_node())
+
+    def metrics_digest(self) -> bytes:
+        """The step's `metricsDigest` on the ledger: sha256 of the DAG-CBOR encoding of the
+        manifest's metrics map, as the manifest stores it (sorted keys, finite values)."""
+        return hashlib.sha256(dag_cbor.encode(self.to_node()["metrics"])).digest()
 
     @classmethod
     def decode(cls, block: bytes) -> Manifest:
