@@ -633,7 +633,7 @@ def test_an_honest_job_dumps_as_before_and_cheats_are_validated(small_job):
     honest = _job(small_job)
     assert honest.cheat == [] and "cheat" not in honest.model_dump() and b"cheat" not in honest.canonical_json()
     one = _job(small_job, '[cheat]\nmode = "poison"\nreplica = 1\n')
-    assert [(c.mode, c.replica, c.stage, c.from_step) for c in one.training_config().cheat] == [("poison", 1, 0, 1)]
+    assert [(c.mode, c.replica, c.stage, c.from_step) for c in one.cheat] == [("poison", 1, 0, 1)]
     for extra, message in [
         ('[cheat]\nmode = "poison"\nstrength = 3\n', "cheat.0.strength: Extra inputs are not permitted"),
         ('[cheat]\nmode = "lie"\n', "cheat.0.mode: Input should be"),

@@ -2,10 +2,18 @@
 show which layer of the verifier (or the ledger) catches it (tests/test_attacks.py,
 README "Attack catalogue").
 
-Off unless a job file has a `[cheat]` table (or several `[[cheat]]` tables, see
-`trainer.config.CheatConfig`); the runners refuse it on any chain but a local one
-(`workers.local.refuse_cheat_off_local_chain`). A cheat never enters the run's recorded
-configuration: a cheating node does not announce itself, so a replay re-runs honest code.
+Off unless a job file has a `[cheat]` table (or several `[[cheat]]` tables, `CheatConfig`,
+parsed by the job file's schema, workers/jobfile.py, never by the trainer's); the runners
+refuse it on any chain but a local one (`workers.local.refuse_cheat_off_local_chain`). A
+cheat never enters the run's recorded configuration (the field is never dumped): a
+cheating node does not announce itself, so a replay re-runs honest code.
+
+Nothing on the production path asks whether a run cheats: `hooks` builds one `Cheats`
+object from the tables, which the runners inject where the honest defaults would be, into
+every rank (`trainer.engine.RankControl.hooks`, a `trainer.hooks.RankHooks`) and into the
+coordinator's sink (`workers.sink.CommitHooks`: which shard bytes it stores, which parent
+it commits on, which key signs a slot) and, under `dlx train`, its signer (equivocation).
+Torch is imported only by a poisoning rank, so job-file parsing stays light.
 
 Modes, each active at every outer step >= `from_step`:
 - poison: slot (replica, stage) publishes its honest pseudo-gradient plus Gaussian noise
@@ -37,51 +45,180 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-import torch
+from pydantic import Field
 
-from trainer.artifacts import StageShard, bytes_to_tensors, tensors_to_bytes
-from trainer.config import CheatConfig, CheatMode, JobConfig
-from trainer.data import derive_seed
+from trainer.config import JobConfig, _Section
+from trainer.hooks import RankHooks, unchanged
+
+if TYPE_CHECKING:
+    from trainer.engine import Round, RoundLoop, Topology
 
 __all__ = [
     "SIGNER_MODES",
-    "active",
-    "coordinator_shard",
-    "cosigned_shard",
-    "equivocating_slots",
-    "second_claim",
-    "signing_slot",
-    "poison_hook",
-    "skips_work",
-    "stale_parent",
+    "CheatConfig",
+    "CheatMode",
+    "Cheats",
+    "check_cheats",
+    "hooks",
 ]
 
-Deltas = dict[str, torch.Tensor]
 ClaimT = TypeVar("ClaimT")
 
 #: Modes acted out by the signer holding every slot's key: only `dlx train` has one.
 SIGNER_MODES = ("equivocate", "equivocate_result", "shared_key")
 
-
-def active(job: JobConfig, mode: CheatMode, step: int) -> list[CheatConfig]:
-    """The cheats of `mode` that act at outer step `step` (none for an honest job)."""
-    return [c for c in job.cheat if c.mode == mode and c.active(step)]
+CheatMode = Literal["poison", "skip_work", "stale_parent", "equivocate", "bad_aggregate", "collude_shard",
+                    "wrong_shard", "shared_key", "equivocate_result"]
 
 
-def poison_hook(job: JobConfig, replica: int, stage: int) -> Callable[[int, Deltas], Deltas] | None:
-    """For the poisoning slot: (round, honest delta) -> the delta it publishes and sends."""
-    mine = [c for c in job.cheat if c.mode == "poison" and (c.replica, c.stage) == (replica, stage)]
-    if not mine:
-        return None
+class CheatConfig(_Section):
+    """Test-only: make one slot misbehave so a test can show which layer catches it.
 
-    def poison(round_t: int, delta: Deltas) -> Deltas:
-        live = [c for c in mine if c.active(round_t)]
+    Off unless the job file has a `[cheat]` table (or several `[[cheat]]` tables); refused
+    on any chain but a local one (workers/local.py). The module docstring documents the modes.
+    """
+
+    mode: CheatMode = Field(
+        description="poison: publish (and send) the pseudo-gradient plus noise; skip_work: "
+        "the replica skips its inner steps but claims the round; stale_parent: the commit "
+        "names an older parent; equivocate: the slot's node also signs a second, different "
+        "claim; bad_aggregate: the coordinator stores a stage shard that is not the aggregate; "
+        "collude_shard: every replica of the stage co-signs such a shard; wrong_shard: the slot co-signs "
+        "another shard than its peers; shared_key: replica 0's key signs the slot; equivocate_result: "
+        "the node also signs a claim with another co-signed shard."
+    )
+    replica: int = Field(0, ge=0, description="The cheating slot's replica.")
+    stage: int = Field(0, ge=0, description="The cheating slot's stage (skip_work: all stages).")
+    from_step: int = Field(1, ge=1, description="First outer step cheated; every later one too.")
+    scale: float = Field(
+        1.0, gt=0.0, description="poison: noise std as a multiple of the pseudo-gradient's RMS."
+    )
+
+    def active(self, step: int) -> bool:
+        return step >= self.from_step
+
+
+def check_cheats(cheats: list[CheatConfig], job: JobConfig) -> None:
+    """ValueError (one line, naming the table) for a cheat that does not fit `job`."""
+    p = job.parallel
+    for i, c in enumerate(cheats):
+        where = f"cheat.{i}" if len(cheats) > 1 else "cheat"
+        if c.replica >= p.replicas or c.stage >= p.stages:
+            raise ValueError(f"{where}: slot ({c.replica}, {c.stage}) is outside the "
+                             f"{p.replicas} x {p.stages} world")
+        if c.from_step > job.outer.steps:
+            raise ValueError(f"{where}: from_step ({c.from_step}) is past outer.steps "
+                             f"({job.outer.steps})")
+        if c.mode == "stale_parent" and c.from_step < 2:
+            raise ValueError(f"{where}: stale_parent needs from_step >= 2 (step 1's only "
+                             "possible parent is the genesis)")
+        if p.sync == "allreduce":
+            raise ValueError(f"{where}: cheats need parallel.sync = 'diloco'")
+
+
+def hooks(cheats: list[CheatConfig], job: JobConfig) -> Cheats | None:
+    """The one injected object that acts out `cheats` in `job`'s run (None for an honest
+    job: the runners then inject nothing and every default stays honest)."""
+    return Cheats(cheats, job.seed, job.parallel.stages) if cheats else None
+
+
+class Cheats(RankHooks):
+    """Every cheat of a run, as the hooks the ranks, the sink and the signer call
+    (picklable: it travels to spawned ranks)."""
+
+    def __init__(self, cheats: list[CheatConfig], seed: int, stages: int) -> None:
+        self.cheats, self.seed, self.stages = list(cheats), seed, stages
+
+    def active(self, mode: CheatMode, step: int) -> list[CheatConfig]:
+        """The cheats of `mode` that act at outer step `step`."""
+        return [c for c in self.cheats if c.mode == mode and c.active(step)]
+
+    def _slot_active(self, mode: CheatMode, step: int, replica: int, stage: int) -> bool:
+        return any((c.replica, c.stage) == (replica, stage) for c in self.active(mode, step))
+
+    # --- the ranks (trainer.hooks.RankHooks) ----------------------------------------------
+
+    def publish(self, topo: Topology) -> Callable[[int, Any], Any]:
+        """poison: (round, honest delta) -> the delta plus seeded Gaussian noise."""
+        mine = [c for c in self.cheats if c.mode == "poison" and (c.replica, c.stage) == (topo.replica, topo.stage)]
+        if not mine:
+            return unchanged
+        return _Poison(mine, self.seed, topo.replica, topo.stage)
+
+    def inner_phase(self, loop: RoundLoop, rnd: Round) -> float:
+        """skip_work: claim the round (loss 0, a zero pseudo-gradient) without its inner
+        steps, but keep the stop collective's beat and the partial rule's merge."""
+        if not any(c.active(rnd.t) for c in self.cheats if c.mode == "skip_work" and c.replica == loop.topo.replica):
+            return loop.inner_steps(rnd)
+        for h in range(loop.job.outer.inner_steps if loop.control.cancellable else 0):
+            loop.check_stop(rnd, h)
+        if rnd.merge_at is not None:
+            loop.merge(rnd)
+        return 0.0
+
+    def cosigned_shard(self, topo: Topology, step: int, data: bytes,
+                       digest: Callable[[bytes], bytes]) -> bytes:
+        """collude_shard: the digest of the coordinator's nudged shard; wrong_shard (that
+        slot): another digest; else `digest(data)`."""
+        if any(c.stage == topo.stage for c in self.active("collude_shard", step)):
+            data = _nudged(data)
+        out = digest(data)
+        if self._slot_active("wrong_shard", step, topo.replica, topo.stage):
+            out = hashlib.sha256(b"wrong shard" + out).digest()
+        return out
+
+    # --- the coordinator's sink (workers.sink.CommitHooks) --------------------------------
+
+    def stored_shard(self, step: int, stage: int, data: bytes) -> bytes:
+        """bad_aggregate, collude_shard: the stage shard with every outer parameter nudged."""
+        modes = [*self.active("bad_aggregate", step), *self.active("collude_shard", step)]
+        return _nudged(data) if any(c.stage == stage for c in modes) else data
+
+    def stale_parent(self, step: int) -> bool:
+        """stale_parent: the coordinator commits `step` on its head's parent."""
+        return bool(self.active("stale_parent", step))
+
+    def signing_slot(self, step: int, slot: int) -> int:
+        """shared_key: slot (r, s) is signed with the key of slot (0, s)."""
+        replica, stage = divmod(slot, self.stages)
+        return stage if self._slot_active("shared_key", step, replica, stage) else slot
+
+    # --- the signer of `dlx train` (workers.local.equivocating_signer) --------------------
+
+    def equivocating_slots(self, step: int) -> list[tuple[int, int]]:
+        """The (replica, stage) slots whose node signs two different claims for `step`."""
+        modes = [*self.active("equivocate", step), *self.active("equivocate_result", step)]
+        return sorted({(c.replica, c.stage) for c in modes})
+
+    def second_claim(self, step: int, claim: ClaimT) -> ClaimT:
+        """The other claim an equivocating slot signs for `step`: `claim` (a dataclass with
+        `replica`, `stage`, `contribution` and `new_shard`) with another contribution digest
+        (equivocate) or another co-signed shard digest (equivocate_result)."""
+        c: Any = claim
+        if self._slot_active("equivocate_result", step, c.replica, c.stage):
+            return dataclasses.replace(c, new_shard=hashlib.sha256(c.new_shard).digest())
+        return dataclasses.replace(c, contribution=hashlib.sha256(c.contribution).digest())
+
+
+class _Poison:
+    """Picklable poison `DeltaHook` for one slot: from each cheat's `from_step` on, add
+    Gaussian noise of std `scale` x the delta's RMS, seeded so a poisoned run is as
+    reproducible as an honest one."""
+
+    def __init__(self, cheats: list[CheatConfig], seed: int, replica: int, stage: int) -> None:
+        self.cheats, self.seed, self.replica, self.stage = cheats, seed, replica, stage
+
+    def __call__(self, round_t: int, delta: Any) -> Any:
+        import torch
+
+        from trainer.data import derive_seed
+
+        live = [c for c in self.cheats if c.active(round_t)]
         if not live:
             return delta
-        # Seeded, so a poisoned run is as reproducible as an honest one.
-        gen = torch.Generator().manual_seed(derive_seed("cheat", job.seed, replica, stage, round_t))
+        gen = torch.Generator().manual_seed(derive_seed("cheat", self.seed, self.replica, self.stage, round_t))
         out = {}
         for name in sorted(delta):
             d = delta[name]
@@ -90,69 +227,10 @@ def poison_hook(job: JobConfig, replica: int, stage: int) -> Callable[[int, Delt
             out[name] = d + (live[0].scale * rms * noise).to(d.dtype)
         return out
 
-    return poison
-
-
-def skips_work(job: JobConfig, replica: int) -> Callable[[int], bool]:
-    """round -> whether `replica` (all of its stages) skips the round's inner steps."""
-    mine = [c for c in job.cheat if c.mode == "skip_work" and c.replica == replica]
-    return lambda round_t: any(c.active(round_t) for c in mine)
-
-
-def stale_parent(job: JobConfig, step: int) -> bool:
-    """Whether the coordinator commits `step` on an older parent than its head."""
-    return bool(active(job, "stale_parent", step))
-
-
-def equivocating_slots(job: JobConfig, step: int) -> list[tuple[int, int]]:
-    """The (replica, stage) slots whose node signs two different claims for `step`."""
-    modes = [*active(job, "equivocate", step), *active(job, "equivocate_result", step)]
-    return sorted({(c.replica, c.stage) for c in modes})
-
-
-def second_claim(job: JobConfig, step: int, claim: ClaimT) -> ClaimT:
-    """The other claim an equivocating slot signs for `step`: `claim` (a dataclass with
-    `replica`, `stage`, `contribution` and `new_shard`) with another contribution digest
-    (equivocate) or another co-signed shard digest (equivocate_result)."""
-    c: Any = claim
-    result = any((x.replica, x.stage) == (c.replica, c.stage) for x in active(job, "equivocate_result", step))
-    if result:
-        return dataclasses.replace(c, new_shard=hashlib.sha256(c.new_shard).digest())
-    return dataclasses.replace(c, contribution=hashlib.sha256(c.contribution).digest())
-
-
-def signing_slot(job: JobConfig, step: int, replica: int, stage: int) -> int:
-    """The slot whose key signs slot (`replica`, `stage`) at `step`: its own, or (shared_key)
-    that of replica 0's slot of the same stage."""
-    shared = any((c.replica, c.stage) == (replica, stage) for c in active(job, "shared_key", step))
-    return stage if shared else replica * job.parallel.stages + stage
-
 
 def _nudged(data: bytes) -> bytes:
     """The same shard with every outer parameter nudged by 1e-3 (not the aggregate)."""
+    from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
+
     tensors = bytes_to_tensors(data)
     return tensors_to_bytes({k: t + 1e-3 if k.startswith("param/") else t for k, t in tensors.items()})
-
-
-def _off_aggregate(job: JobConfig, step: int, stage: int) -> bool:
-    modes = [*active(job, "bad_aggregate", step), *active(job, "collude_shard", step)]
-    return any(c.stage == stage for c in modes)
-
-
-def coordinator_shard(job: JobConfig, step: int, shard: StageShard) -> bytes:
-    """The stage shard bytes the coordinator stores for `step`: the true aggregate, or
-    (bad_aggregate, collude_shard) the same tensors with every outer parameter nudged by 1e-3."""
-    return _nudged(shard.data) if _off_aggregate(job, step, shard.stage) else shard.data
-
-
-def cosigned_shard(job: JobConfig, step: int, replica: int, stage: int, data: bytes,
-                   digest: Callable[[bytes], bytes]) -> bytes:
-    """The shard digest slot (`replica`, `stage`) co-signs for `step`, given its own new
-    shard bytes `data`: `digest(data)`; under collude_shard the digest of the coordinator's
-    nudged shard; under wrong_shard (that slot) another digest."""
-    if any(c.stage == stage for c in active(job, "collude_shard", step)):
-        data = _nudged(data)
-    out = digest(data)
-    if any((c.replica, c.stage) == (replica, stage) for c in active(job, "wrong_shard", step)):
-        out = hashlib.sha256(b"wrong shard" + out).digest()
-    return out

@@ -582,29 +582,42 @@ class Compressor:
                 payload.update(enc)
                 decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
                 err = M - decoded
-            if cfg.error_feedback:
-                st.residual = err.reshape(st.shape)
-            e2, m2 = float(err.pow(2).sum()), float(M.pow(2).sum())
+            e2, m2 = self._record(st, plan, M, err)
             sq_err += e2
             sq_norm += m2
-            rel = math.sqrt(e2 / m2) if m2 > 0 else 0.0
-            if cfg.kind == "adaptive" and plan["codec"] == CODEC_LOWRANK:
-                # Step 4: quantisation that adds > 10% of ||M|| over the low-rank error
-                # moves the tensor to 8 bits next step.
-                st.bits = 8 if rel > plan["lowrank_error"] + 0.10 else 4
-            elif cfg.kind == "adaptive" and plan["codec"] == CODEC_SPARSE:
-                st.bits = 8 if rel > plan["sparse_error"] + 0.10 else 4  # step 4, top-k error
-            rank = plan["rank"] if plan["codec"] == CODEC_LOWRANK else 0
-            st.last = {"codec": _CODEC_NAMES[plan["codec"]], "rank": rank, "bits": plan["bits"],
-                       "rel_error": rel}
-            if plan["codec"] == CODEC_SPARSE:
-                st.last["density"] = plan["k"] / plan["chunk"]  # kept fraction of each chunk
         data = tensors_to_bytes(payload)
+        self.last_stats = self._summary(time.perf_counter() - start, sq_err, sq_norm, tau)
+        self.total_s += self.last_stats["compress_s"]
+        return data
+
+    def _record(self, st: _TensorState, plan: dict, M: torch.Tensor, err: torch.Tensor) -> tuple[float, float]:
+        """After one tensor's encoding: its error feedback, the adaptive rule's bits for
+        next step and its `last` stats; returns (||err||^2, ||M||^2)."""
+        cfg = self.cfg
+        if cfg.error_feedback:
+            st.residual = err.reshape(st.shape)
+        e2, m2 = float(err.pow(2).sum()), float(M.pow(2).sum())
+        rel = math.sqrt(e2 / m2) if m2 > 0 else 0.0
+        if cfg.kind == "adaptive" and plan["codec"] == CODEC_LOWRANK:
+            # Step 4: quantisation that adds > 10% of ||M|| over the low-rank error
+            # moves the tensor to 8 bits next step.
+            st.bits = 8 if rel > plan["lowrank_error"] + 0.10 else 4
+        elif cfg.kind == "adaptive" and plan["codec"] == CODEC_SPARSE:
+            st.bits = 8 if rel > plan["sparse_error"] + 0.10 else 4  # step 4, top-k error
+        rank = plan["rank"] if plan["codec"] == CODEC_LOWRANK else 0
+        st.last = {"codec": _CODEC_NAMES[plan["codec"]], "rank": rank, "bits": plan["bits"],
+                   "rel_error": rel}
+        if plan["codec"] == CODEC_SPARSE:
+            st.last["density"] = plan["k"] / plan["chunk"]  # kept fraction of each chunk
+        return e2, m2
+
+    def _summary(self, seconds: float, sq_err: float, sq_norm: float, tau: float) -> dict[str, float]:
+        """`last_stats` of a compression that took `seconds`."""
         ranks = [self.state[n].last["rank"] for n in self.names if self.state[n].last["rank"]]
         bits = [self.state[n].last["bits"] for n in self.names if len(self.state[n].shape) >= 2]
         densities = [self.state[n].last["density"] for n in self.names if "density" in self.state[n].last]
-        self.last_stats = {
-            "compress_s": time.perf_counter() - start,
+        return {
+            "compress_s": seconds,
             "rel_error": math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0,
             "rank_mean": sum(ranks) / len(ranks) if ranks else 0.0,
             "rank_max": float(max(ranks)) if ranks else 0.0,
@@ -613,8 +626,6 @@ class Compressor:
             "energy_target": tau,
             "residual_norm": math.sqrt(sum(float(s.residual.pow(2).sum()) for s in self.state.values())),
         }
-        self.total_s += self.last_stats["compress_s"]
-        return data
 
     def per_tensor(self) -> dict[str, dict]:
         """Codec ("quantize", "lowrank" or "sparse"), rank (0 unless low rank), bits,

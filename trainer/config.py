@@ -9,7 +9,7 @@ worker's job-file loader adds `chain` and `storage`); pass the subclass to `load
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 from pydantic import (
     BaseModel,
@@ -27,7 +27,6 @@ from trainer.dataset import BPE_MIN_VOCAB, BYTE_VOCAB, PreparedData
 from trainer.errors import ConfigError
 
 __all__ = [
-    "CheatConfig",
     "CompressionConfig",
     "DataConfig",
     "InnerConfig",
@@ -175,7 +174,7 @@ class ModelConfig(_Section):
         if not isinstance(data, dict):
             return data
         defaults = type(self).model_fields
-        drop = _LLAMA_ONLY if self.family == "gpt" else _GPT_ONLY
+        drop: tuple[str, ...] = _LLAMA_ONLY if self.family == "gpt" else _GPT_ONLY
         if self.family == "gpt":
             drop += tuple(k for k in _NEWER if getattr(self, k) == defaults[k].default)
         return {k: v for k, v in data.items() if k not in drop}
@@ -529,37 +528,6 @@ class TransportConfig(_Section):
         return mbps
 
 
-CheatMode = Literal["poison", "skip_work", "stale_parent", "equivocate", "bad_aggregate", "collude_shard",
-                    "wrong_shard", "shared_key", "equivocate_result"]
-
-
-class CheatConfig(_Section):
-    """Test-only: make one slot misbehave so a test can show which layer catches it.
-
-    Off unless the job file has a `[cheat]` table (or several `[[cheat]]` tables); refused
-    on any chain but a local one (workers/local.py). trainer/cheat.py documents the modes.
-    """
-
-    mode: CheatMode = Field(
-        description="poison: publish (and send) the pseudo-gradient plus noise; skip_work: "
-        "the replica skips its inner steps but claims the round; stale_parent: the commit "
-        "names an older parent; equivocate: the slot's node also signs a second, different "
-        "claim; bad_aggregate: the coordinator stores a stage shard that is not the aggregate; "
-        "collude_shard: every replica of the stage co-signs such a shard; wrong_shard: the slot co-signs "
-        "another shard than its peers; shared_key: replica 0's key signs the slot; equivocate_result: "
-        "the node also signs a claim with another co-signed shard."
-    )
-    replica: int = Field(0, ge=0, description="The cheating slot's replica.")
-    stage: int = Field(0, ge=0, description="The cheating slot's stage (skip_work: all stages).")
-    from_step: int = Field(1, ge=1, description="First outer step cheated; every later one too.")
-    scale: float = Field(
-        1.0, gt=0.0, description="poison: noise std as a multiple of the pseudo-gradient's RMS."
-    )
-
-    def active(self, step: int) -> bool:
-        return step >= self.from_step
-
-
 class JobConfig(_Section):
     """A whole training job. Subclass to add sections (e.g. chain, storage)."""
 
@@ -580,41 +548,10 @@ class JobConfig(_Section):
     transport: TransportConfig = Field(
         default_factory=TransportConfig, description="Cross-replica link: counting and shaping."
     )
-    cheat: list[CheatConfig] = Field(
-        default_factory=list,
-        description="Test-only misbehaviour, local chains only: one `[cheat]` table or several "
-        "`[[cheat]]` tables (trainer/cheat.py).",
-    )
-
-    @field_validator("cheat", mode="before")
-    @classmethod
-    def _one_or_many_cheats(cls, value: Any) -> Any:
-        return [value] if isinstance(value, dict) else value
-
-    @model_serializer(mode="wrap")
-    def _omit_no_cheat(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """An honest job dumps (and hashes) exactly as before the cheat option existed."""
-        data = handler(self)
-        if isinstance(data, dict) and not data.get("cheat", True):
-            del data["cheat"]
-        return data
 
     @model_validator(mode="after")
     def _cross_section(self) -> JobConfig:
         p, m, d = self.parallel, self.model, self.data
-        for i, c in enumerate(self.cheat):
-            where = f"cheat.{i}" if len(self.cheat) > 1 else "cheat"
-            if c.replica >= p.replicas or c.stage >= p.stages:
-                raise ValueError(f"{where}: slot ({c.replica}, {c.stage}) is outside the "
-                                 f"{p.replicas} x {p.stages} world")
-            if c.from_step > self.outer.steps:
-                raise ValueError(f"{where}: from_step ({c.from_step}) is past outer.steps "
-                                 f"({self.outer.steps})")
-            if c.mode == "stale_parent" and c.from_step < 2:
-                raise ValueError(f"{where}: stale_parent needs from_step >= 2 (step 1's only "
-                                 "possible parent is the genesis)")
-            if p.sync == "allreduce":
-                raise ValueError(f"{where}: cheats need parallel.sync = 'diloco'")
         if p.stages > m.n_layers:
             raise ValueError(f"parallel.stages ({p.stages}) exceeds model.n_layers ({m.n_layers})")
         if d.batch_size % p.microbatches != 0:
@@ -691,7 +628,11 @@ def one_line(err: ValidationError, prefix: str = "") -> str:
     return line
 
 
-def load_job(data: Any, cls: type[J] = JobConfig) -> J:
+@overload
+def load_job(data: Any) -> JobConfig: ...
+@overload
+def load_job(data: Any, cls: type[J]) -> J: ...
+def load_job(data: Any, cls: type[Any] = JobConfig) -> Any:
     """Validate a parsed job file (a dict) into `cls`; raise ConfigError with one line."""
     if not isinstance(data, dict):
         raise ConfigError(f"job: expected a table of sections, got {type(data).__name__}")

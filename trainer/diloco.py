@@ -23,7 +23,7 @@ Pieces here are small and swappable:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +34,43 @@ from torch import nn
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.compress import Compressor, decode_contribution
 from trainer.config import OuterConfig
+from trainer.hooks import unchanged
 from trainer.transport import Pending, Transport
 
 __all__ = [
     "AppliedStep",
+    "DeltaHook",
     "DiLoCo",
     "OuterOptimizer",
     "apply_outer_step",
+    "contribution",
     "eager_start",
     "mean_in_order",
     "merge_weights",
 ]
+
+
+Deltas = dict[str, torch.Tensor]
+#: (round, honest pseudo-gradient) -> the one a rank publishes and sends (an injected hook).
+DeltaHook = Callable[[int, Deltas], Deltas]
+
+
+@torch.no_grad()
+def contribution(
+    compressor: Compressor,
+    reference: Mapping[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor],
+    round_t: int,
+    loss: float | None,
+    budget: float | None,
+    publish: DeltaHook = unchanged,
+) -> bytes:
+    """A round's contribution payload: delta = reference - theta_local (on the CPU, by
+    sorted name), passed through `publish`, compressed under `budget` bytes. The one
+    function training (`DiLoCo.end_round`), an exact resume and a replay
+    (`trainer.engine.rerun_round`) all call, so their payloads agree bit for bit."""
+    delta = {n: reference[n] - local[n].detach().cpu() for n in sorted(reference)}
+    return compressor.compress(publish(round_t, delta), round_t, loss, budget)
 
 
 def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -81,7 +107,7 @@ class OuterOptimizer:
 
     def __init__(
         self,
-        params: dict[str, torch.Tensor],
+        params: Mapping[str, torch.Tensor],
         cfg: OuterConfig,
         momentum: dict[str, torch.Tensor] | None = None,
         *,
@@ -184,7 +210,7 @@ def eager_start(
 
 @torch.no_grad()
 def merge_weights(
-    local: dict[str, torch.Tensor], outer: dict[str, torch.Tensor], anchor: dict[str, torch.Tensor],
+    local: Mapping[str, torch.Tensor], outer: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor],
     alpha: float | None,
 ) -> None:
     """The partial rule's merge, in place on `local` (its tensors may live on any device; the
@@ -262,8 +288,11 @@ class DiLoCo:
     """
 
     def __init__(
-        self, module: nn.Module, cfg: OuterConfig, transport: Transport, compressor: Compressor
+        self, module: nn.Module, cfg: OuterConfig, transport: Transport, compressor: Compressor,
+        publish: DeltaHook = unchanged,
     ):
+        """`publish`: the pseudo-gradient this rank publishes and sends, from the one it
+        measured (injected: only a test's cheating rank changes it, trainer/cheat.py)."""
         self.module = module
         self.cfg = cfg
         self.rule = cfg.rule
@@ -277,8 +306,7 @@ class DiLoCo:
         self.merge_step: int | None = None  # partial: the inner step of this round to merge before
         self.decode_s = 0.0  # time spent decoding received contributions
         self.exchange_s = 0.0  # how long the latest completed exchange took, start to finish
-        # Test-only (trainer/cheat.py): (round, honest delta) -> the delta published and sent.
-        self.tamper: Callable[[int, dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+        self.publish = publish
 
     @property
     def pending(self) -> bool:
@@ -296,11 +324,10 @@ class DiLoCo:
         outer = sum(4 * p.numel() for p in self.outer.params.values())
         return (3 if self.rule == "eager" else 2) * outer + self.compressor.state_bytes()
 
-    def pseudo_gradient(self) -> dict[str, torch.Tensor]:
-        """delta = reference - theta_local (points where the inner steps did not go); the
-        reference is theta_outer, or under the eager rule the round's start weights."""
-        ref = self.outer.params if self._reference is None else self._reference
-        return {n: (ref[n] - self.local[n].detach().cpu()) for n in self.outer.names}
+    def reference(self) -> dict[str, torch.Tensor]:
+        """What the pseudo-gradient delta = reference - theta_local is measured from:
+        theta_outer, or under the eager rule the round's start weights."""
+        return self.outer.params if self._reference is None else self._reference
 
     @torch.no_grad()
     def end_round(
@@ -313,9 +340,8 @@ class DiLoCo:
         """The round-end protocol; returns the outer step it applied, if any (sync: round
         t's; restart and eager: round t-1's, so round 1 returns None; partial: None, its
         steps are applied by `merge` during the next round)."""
-        delta = self.pseudo_gradient()
-        delta = delta if self.tamper is None else self.tamper(round_t, delta)
-        payload = self.compressor.compress(delta, round_t, loss, budget_bytes)
+        payload = contribution(self.compressor, self.reference(), self.local, round_t, loss,
+                               budget_bytes, self.publish)
         if self.rule == "sync":
             self._step(self.transport.all_gather(payload))
             self._reset_local()

@@ -10,25 +10,31 @@ all-reduced through the same Transport every inner step. Only global rank 0 repo
 through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step one
 ("progress", Progress) per inner step and one ("step", StepArtifacts).
 
+A rank's run is a `RoundLoop` whose methods are its phases (begin, open_round,
+inner_steps, end_round, report). Test-only misbehaviour is injected through
+`RankControl.hooks` (`trainer.hooks.RankHooks`, honest by default; trainer/cheat.py).
+
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
-processes sharing an `init_method` (the Celery workers do).
+processes sharing an `init_method` (the Celery workers do, under `trainer.supervisor`).
 
 For replay verification every DiLoCo rank serialises its round-start state once per round
 (`round_state`: local weights, which are theta_outer at that moment, the inner AdamW state
 and the compressor state) and publishes it with its contribution; `inner_round` is the
-one inner loop that training and `trainer.replay` both run, so a replay from that state
-is bit-identical on the same machine.
+one inner loop and `trainer.diloco.contribution` the one payload function that training
+and `rerun_round` (replays, exact resumes) both run, so a replay from that state is
+bit-identical on the same machine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -38,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from trainer import cheat
 from trainer.artifacts import (
     MERGE_STEP_KEY,
     Contribution,
@@ -53,8 +58,9 @@ from trainer.artifacts import (
 from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.data import derive_seed, load_corpus
-from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, merge_weights
+from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, contribution, merge_weights
 from trainer.errors import TrainingError
+from trainer.hooks import RankHooks
 from trainer.model import build_stage
 from trainer.transport import Transport, all_gather_bytes_sent
 
@@ -62,7 +68,11 @@ __all__ = [
     "Cancelled",
     "Emit",
     "RankControl",
+    "RankHooks",
     "ResumePoint",
+    "Round",
+    "RoundLoop",
+    "StageRank",
     "Topology",
     "inner_round",
     "load_round_state",
@@ -112,6 +122,8 @@ class RankControl:
     # sha-256 the manifest links it by, `lineage.attest.shard_digest`): passed in, since the
     # trainer knows no CIDs. None: contributions carry no shard digest (no ledger).
     shard_digest: Callable[[bytes], bytes] | None = None
+    # Test-only misbehaviour (trainer/cheat.py), injected: the honest defaults otherwise.
+    hooks: RankHooks = field(default_factory=RankHooks)
 
 
 class Cancelled(Exception):
@@ -297,11 +309,28 @@ def _broadcast_scalar(value: float | None, src: int, group: dist.ProcessGroup | 
     return t.item()
 
 
+@dataclass
+class StageRank:
+    """One rank's stage and what trains it: the pieces a round runs on, in training, in an
+    exact resume and in a replay (`inner_round`, `rerun_round`)."""
+
+    job: JobConfig
+    pipeline: Pipeline
+    inner: torch.optim.Optimizer
+    compressor: Compressor
+    corpus: Any
+    params: list[nn.Parameter] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def module(self) -> nn.Module:
+        return self.pipeline.module
+
+
 def inner_round(
-    pipeline: Pipeline,
-    inner: torch.optim.Optimizer,
-    params: list[nn.Parameter],
-    job: JobConfig,
+    rank: StageRank,
     replica: int,
     round_t: int,
     tokens: torch.Tensor,
@@ -312,14 +341,15 @@ def inner_round(
     after_step: Callable[[int, float | None], None] | None = None,
 ) -> float:
     """Replica `replica`'s inner steps of round `round_t` on this rank's stage, from the
-    module's and `inner`'s current state: one step per row of `tokens` (H, B, T + 1),
-    warmup counted from inner step `first_step` of the run. Returns the round's mean loss
-    on every stage of the pipeline (a broadcast from the last stage).
+    module's and the inner optimizer's current state: one step per row of `tokens`
+    (H, B, T + 1), warmup counted from inner step `first_step` of the run. Returns the
+    round's mean loss on every stage of the pipeline (a broadcast from the last stage).
 
     Training and replay both run exactly this, so the same start state gives the same bits.
-    Hooks: `before_step(h)` (cancellation), `sync_grads(grads)` (the AllReduce baseline),
-    `after_step(h, loss)` (progress; loss is None off the last stage).
+    Hooks: `before_step(h)` (cancellation, merges), `sync_grads(grads)` (the AllReduce
+    baseline), `after_step(h, loss)` (progress; loss is None off the last stage).
     """
+    pipeline, inner, params, job = rank.pipeline, rank.inner, rank.params, rank.job
     topo = pipeline.topo
     torch.manual_seed(derive_seed("round", job.seed, replica, round_t))  # dropout, if any
     H = tokens.size(0)
@@ -334,7 +364,7 @@ def inner_round(
         x, y = tokens[h, :, :-1], tokens[h, :, 1:]  # (B, T) each
         loss = pipeline.train_step(x, y)
         if sync_grads is not None:
-            sync_grads([p.grad for p in params])
+            sync_grads([p.grad for p in params if p.grad is not None])
         clip_pipeline_grad_norm(params, job.inner.clip, pipeline.group, topo.S)
         inner.step()
         if loss is not None:
@@ -462,7 +492,7 @@ def run_rank(
         timeout=timedelta(seconds=control.timeout_s) if control.timeout_s else COLLECTIVE_TIMEOUT,
     )
     try:
-        _train(topo, job, emit, control, agree_device(job, control.gpu))
+        RoundLoop(topo, job, emit, control, agree_device(job, control.gpu)).run()
     finally:
         dist.destroy_process_group()
 
@@ -504,42 +534,21 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _catch_up(start: ResumePoint, job: JobConfig, topo: Topology, module: nn.Module, pipeline: Pipeline,
-              inner: torch.optim.Optimizer, params: list[torch.Tensor], compressor: Compressor,
-              corpus: Any) -> None:
-    """Re-run round `start.step` from its published start state (as `trainer.replay` does)
-    so `inner` and `compressor` hold what that round left; the caller then loads the
-    committed outer state. The round's pseudo-gradient is compressed only for the state
-    compression keeps (error feedback, warm starts, the adaptive rule's history), with the
-    byte budget the published payload recorded."""
-    from trainer.compress import payload_budget
-
-    try:
-        round_t, first_step = load_round_state(start.state, module, inner, compressor)
-    except ValueError as exc:
-        raise TrainingError(f"resume: this rank's start state of round {start.step}: {exc}") from None
-    if round_t != start.step:
-        raise TrainingError(f"resume: the start state is for round {round_t}, not {start.step}")
-    rerun_round(module, pipeline, inner, params, compressor, job, corpus, topo.replica, round_t, first_step,
-                payload_budget(start.claimed) if start.claimed else None)
-
-
-def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimizer, params: list[torch.Tensor],
-                compressor: Compressor, job: JobConfig, corpus: Any, replica: int, round_t: int, first_step: int,
-                budget: float | None, *, outer: dict[str, torch.Tensor] | None = None,
+def rerun_round(rank: StageRank, replica: int, round_t: int, first_step: int, budget: float | None, *,
+                outer: dict[str, torch.Tensor] | None = None,
                 merge_step: int | None = None) -> tuple[bytes, float, bytes]:
     """Round `round_t` of `replica` once more, from the start state already loaded into
-    `module`, `inner` and `compressor` (`load_round_state`): the same inner steps on the
-    same data shard, then the pseudo-gradient compressed under `budget` (the one the
-    published payload recorded, or None), as `DiLoCo.end_round` does. Returns (payload,
-    the round's loss, the data shard's digest); the state it leaves stays in the three.
-    Replay verification and an exact resume both run it.
+    `rank` (`load_round_state`): the same inner steps on the same data shard, then the
+    round's `contribution` under `budget` (the one the published payload recorded, or
+    None). Returns (payload, the round's loss, the data shard's digest); the state it
+    leaves stays in `rank`. Replay verification and an exact resume both run it.
 
     The partial overlap rule: `outer` = the committed outer weights of step round_t - 1
     (the round's pseudo-gradient reference) and `merge_step` = the inner step before which
     the round merged them (`trainer.diloco.merge_weights`, anchored at the start weights;
     None: no merge, as in a run's first round). Otherwise the reference is the start
     weights."""
+    job, module = rank.job, rank.module
     H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
     # The round's start weights, on the CPU as DiLoCo's outer copy is.
     start = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
@@ -551,15 +560,12 @@ def rerun_round(module: nn.Module, pipeline: Pipeline, inner: torch.optim.Optimi
             assert outer is not None
             merge_weights(local, outer, start, job.outer.alpha)
 
-    data = corpus.shard(job.seed, replica, round_t, H, B, L)
-    loss = inner_round(pipeline, inner, params, job, replica, round_t, data.tokens, first_step,
+    data = rank.corpus.shard(job.seed, replica, round_t, H, B, L)
+    loss = inner_round(rank, replica, round_t, data.tokens, first_step,
                        before_step=merge if merge_step is not None else None)
     if merge_step == H:
         merge(H)
-    with torch.no_grad():  # as DiLoCo.pseudo_gradient and end_round
-        delta = {n: reference[n] - p.detach().cpu() for n, p in module.named_parameters()}
-        payload = compressor.compress({n: delta[n] for n in sorted(delta)}, round_t, loss, budget)
-    return payload, loss, data.digest
+    return contribution(rank.compressor, reference, local, round_t, loss, budget), loss, data.digest
 
 
 def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: float, H: int) -> int:
@@ -574,250 +580,338 @@ def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: 
     return min(cap, max(1, math.ceil(estimate / max(step_s, 1e-9))))
 
 
-def _train(topo: Topology, job: JobConfig, emit: Emit, control: RankControl, device: torch.device) -> None:
-    R, S = topo.R, topo.S
-    H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
-    allreduce = job.parallel.sync == "allreduce"
-    pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
-    last_of_replica0 = topo.global_rank(0, S - 1)
+@dataclass
+class Round:
+    """One round's bookkeeping: its number `t`, its first inner step of the run, the inner
+    step before which it merges the previous round's exchange (the partial rule; None when
+    nothing is in flight), its serialised start state (what a replay starts from) and its
+    data shard."""
 
-    corpus = load_corpus(job.data, job.model.vocab_size)
-    eval_batches = corpus.eval_batches(job.data.eval_batches, B, L, seed=job.seed)
-    module = build_stage(job.model, topo.stage, S, job.seed)
-    if job.model.init is not None and control.start is None:  # genesis = the imported weights
-        from trainer.hf import load_init_weights
+    t: int
+    first_step: int
+    merge_at: int | None
+    start_state: bytes
+    data: Any
 
-        load_init_weights(module, job.model.init)
-    module.to(device)
-    pipeline = Pipeline(module, topo, pipe_group, job, device)
-    inner = build_inner_optimizer(module, job)
-    params = [p for p in module.parameters() if p.requires_grad]
-    transport = Transport(dp_group, R, topo.replica, job.transport)
-    shapes = {n: p.shape for n, p in module.named_parameters()}
-    compressor = Compressor(
-        job.outer.compression, shapes, derive_seed("compress", job.seed, topo.replica, topo.stage)
-    )
-    diloco = DiLoCo(module, job.outer, transport, compressor)
-    diloco.tamper = cheat.poison_hook(job, topo.replica, topo.stage)  # None unless testing
-    skips_work = cheat.skips_work(job, topo.replica)
 
-    def gather(payload: Any) -> list[Any] | None:
-        out = [None] * (R * S) if topo.rank == 0 else None
+class RoundLoop:
+    """One rank's run as named phases: `__init__` builds the stage (model, pipeline, inner
+    optimizer, compressor, DiLoCo); `begin` starts from the seed (genesis) or a committed
+    checkpoint; each `round` opens (`open_round`: the start state), runs its inner steps
+    (`inner_steps`, through `RankHooks.inner_phase`), ends (`end_round`: exchange, outer
+    step, tau) and `report`s every outer step it applied; `run` ties them together and
+    flushes the last exchange. Only global rank 0 emits; every rank takes part in every
+    collective, in the same order (a deadlock hazard otherwise)."""
+
+    def __init__(self, topo: Topology, job: JobConfig, emit: Emit, control: RankControl,
+                 device: torch.device) -> None:
+        self.topo, self.job, self.emit, self.control, self.hooks = topo, job, emit, control, control.hooks
+        self.allreduce = job.parallel.sync == "allreduce"
+        self.partial = not self.allreduce and job.outer.rule == "partial"
+        self.pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
+        corpus = load_corpus(job.data, job.model.vocab_size)
+        self.eval_batches = corpus.eval_batches(job.data.eval_batches, job.data.batch_size, job.model.seq_len,
+                                                seed=job.seed)
+        self.rank = self._build_stage(corpus, device)
+        self.transport = Transport(dp_group, topo.R, topo.replica, job.transport)
+        self.diloco = DiLoCo(self.rank.module, job.outer, self.transport, self.rank.compressor,
+                             self.hooks.publish(topo))
+        self.first_round = 1
+        self.stop_flag = torch.zeros(1, dtype=torch.int32)
+        # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
+        # compress_s: compression + decoding of every contribution.
+        # report_s: publishing steps mid-round (partial rule), kept out of the other two.
+        self.clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0}
+        self.taus: list[int] = []  # the partial rule: the tau each round merged at
+        self.lr = job.inner.lr  # the inner learning rate of the latest inner step
+        self.unreported: list[float] = []  # replica 0: inner losses not yet reported
+        self.started = self.since = time.perf_counter()  # rank 0: run start, last progress report
+
+    def _build_stage(self, corpus: Any, device: torch.device) -> StageRank:
+        """This rank's stage (seeded, or the imported weights at genesis), its pipeline,
+        inner optimizer and compressor."""
+        job, topo = self.job, self.topo
+        module = build_stage(job.model, topo.stage, topo.S, job.seed)
+        if job.model.init is not None and self.control.start is None:  # genesis = the imported weights
+            from trainer.hf import load_init_weights
+
+            load_init_weights(module, job.model.init)
+        module.to(device)
+        pipeline = Pipeline(module, topo, self.pipe_group, job, device)
+        inner = build_inner_optimizer(module, job)
+        shapes = {n: p.shape for n, p in module.named_parameters()}
+        seed = derive_seed("compress", job.seed, topo.replica, topo.stage)
+        return StageRank(job, pipeline, inner, Compressor(job.outer.compression, shapes, seed), corpus)
+
+    def run(self) -> None:
+        """Every round from the first this run computes to `outer.steps`, then the last
+        exchange in flight."""
+        self.begin()
+        self.started = self.since = time.perf_counter()
+        for t in range(self.first_round, self.job.outer.steps + 1):
+            self.round(t)
+        applied = self.diloco.flush()
+        if applied is not None:
+            self.report(applied)
+
+    def begin(self) -> None:
+        """Start from `control.start` (resume: the committed outer state, re-running its
+        round where that is exact) or from the seed (rank 0 emits the genesis shards)."""
+        start = self.control.start
+        if start is None:
+            shards = self._gather(StageShard(self.topo.stage, self.diloco.outer.to_bytes())
+                                  if self.topo.replica == 0 else None)
+            if self.topo.rank == 0:
+                assert shards is not None
+                self.emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(self.topo.S)]))
+            return
+        if start.state and self.job.outer.delay == 0 and not self.allreduce:
+            self._catch_up(start)
+        self.diloco.outer = OuterOptimizer.from_bytes(start.shard, self.job.outer)
+        with torch.no_grad():
+            self.diloco._reset_local()
+        self.first_round = start.step + 1
+
+    def _catch_up(self, start: ResumePoint) -> None:
+        """Re-run round `start.step` from its published start state (as `trainer.replay`
+        does) so the inner optimizer and compressor hold what that round left; `begin` then
+        loads the committed outer state. The round's pseudo-gradient is compressed only for
+        the state compression keeps (error feedback, warm starts, the adaptive rule's
+        history), with the byte budget the published payload recorded."""
+        from trainer.compress import payload_budget
+
+        rank = self.rank
+        try:
+            round_t, first_step = load_round_state(start.state, rank.module, rank.inner, rank.compressor)
+        except ValueError as exc:
+            raise TrainingError(f"resume: this rank's start state of round {start.step}: {exc}") from None
+        if round_t != start.step:
+            raise TrainingError(f"resume: the start state is for round {round_t}, not {start.step}")
+        rerun_round(rank, self.topo.replica, round_t, first_step,
+                    payload_budget(start.claimed) if start.claimed else None)
+
+    def round(self, t: int) -> None:
+        """Round `t`: start state, inner steps, round end, and the report of any outer
+        step it applied."""
+        H = self.job.outer.inner_steps
+        began = time.perf_counter()
+        rnd = self.open_round(t)
+        round_start = time.perf_counter()
+        wait_before, report_before = self.transport.wait_s, self.clock["report_s"]
+        rnd.data = self.rank.corpus.shard(self.job.seed, self.topo.replica, t, H, self.job.data.batch_size,
+                                          self.job.model.seq_len)
+        round_loss = self.hooks.inner_phase(self, rnd)
+        self.lr = warmup_lr(self.job.inner.lr, self.job.inner.warmup, rnd.first_step + H - 1)
+        reported = self.clock["report_s"] - report_before
+        compute = time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
+        self.clock["compute_s"] += compute
+        applied = self.end_round(rnd, round_loss, compute)
+        self.clock["rounds_wall_s"] += time.perf_counter() - began - (self.clock["report_s"] - report_before)
+        self.clock["compress_s"] = self.rank.compressor.total_s + self.diloco.decode_s
+        if applied is not None:
+            self.report(applied)
+
+    def open_round(self, t: int) -> Round:
+        """Round `t`'s bookkeeping and its start state, serialised once before any inner
+        step (what a replay starts from; the AllReduce baseline publishes none)."""
+        first_step = (t - 1) * self.job.outer.inner_steps  # warmup is not repeated on resume
+        merge_at = self.diloco.merge_step if self.diloco.pending else None
+        rank = self.rank
+        start_state = b"" if self.allreduce else round_state(
+            rank.module, rank.inner, rank.compressor, t, first_step,
+            merge_step=(-1 if merge_at is None else merge_at) if self.partial else None)
+        return Round(t, first_step, merge_at, start_state, data=None)
+
+    def inner_steps(self, rnd: Round) -> float:
+        """The round's honest inner steps (with stops, the partial rule's merge and
+        progress reports between them); returns the round's loss."""
+        hooked = self.control.cancellable or rnd.merge_at is not None
+        loss = inner_round(
+            self.rank, self.topo.replica, rnd.t, rnd.data.tokens, rnd.first_step,
+            before_step=functools.partial(self._before_step, rnd) if hooked else None,
+            sync_grads=self.transport.all_reduce_mean_ if self.allreduce else None,
+            after_step=functools.partial(self._progress, rnd),
+        )
+        if rnd.merge_at == self.job.outer.inner_steps:
+            self.merge(rnd)
+        return loss
+
+    def _before_step(self, rnd: Round, h: int) -> None:
+        if self.control.cancellable:
+            self.check_stop(rnd, h)
+        if h == rnd.merge_at:
+            self.merge(rnd)
+
+    def check_stop(self, rnd: Round, h: int) -> None:
+        """Raise `Cancelled` on every rank at once when rank 0 was asked to stop: rank 0
+        decides, every rank learns it in the same collective (an inner-step boundary)."""
+        if self.topo.rank == 0:
+            stop = self.control.stop_requested
+            self.stop_flag[0] = int(bool(stop and stop()))
+        dist.broadcast(self.stop_flag, src=0)
+        if self.stop_flag[0]:
+            raise Cancelled(f"stopped at outer step {rnd.t}, inner step {h + 1}")
+
+    def merge(self, rnd: Round) -> None:
+        """partial: apply the previous round's exchange mid-round, then publish its step."""
+        began = time.perf_counter()
+        anchor = param_tensors(rnd.start_state)
+        applied = self.diloco.merge(anchor)
+        del anchor
+        self.report(applied)
+        self.clock["report_s"] += time.perf_counter() - began
+
+    def end_round(self, rnd: Round, round_loss: float, compute: float) -> AppliedStep | None:
+        """The exchange and outer step (`DiLoCo.end_round`), or the baseline's empty step;
+        under the partial rule also the next round's tau. The outer step applied, if any."""
+        tag = (rnd.data.digest, round_loss, rnd.start_state)
+        if self.allreduce:
+            return AppliedStep(rnd.t, tensors_to_bytes({}), tag)
+        # The exchange must fit the overlap window: the link moves this many bytes in
+        # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
+        budget = self.transport.link.bandwidth * compute / max(1, self.topo.R - 1)
+        applied = self.diloco.end_round(rnd.t, tag, round_loss, budget)
+        if self.partial and rnd.t < self.job.outer.steps:
+            self.diloco.merge_step = self._next_tau(compute, len(self.diloco.pending_payload))
+            self.taus.append(self.diloco.merge_step)
+        return applied
+
+    def _next_tau(self, compute: float, payload_len: int) -> int:
+        """The tau of the next round; under `auto` every rank takes the largest estimate."""
+        H = self.job.outer.inner_steps
+        if self.job.outer.tau != "auto":
+            return int(self.job.outer.tau)
+        estimate = auto_tau(self.transport, payload_len, self.diloco.exchange_s, compute / H, H)
+        tau = torch.tensor([estimate], dtype=torch.int64)
+        dist.all_reduce(tau, op=dist.ReduceOp.MAX)
+        return int(tau.item())
+
+    def _gather(self, payload: Any) -> list[Any] | None:
+        out = [None] * (self.topo.R * self.topo.S) if self.topo.rank == 0 else None
         dist.gather_object(payload, out, dst=0)
         return out
 
-    first_round = 1
-    if control.start is not None:  # resume: the committed outer state, not the seed's
-        if control.start.state and job.outer.delay == 0 and not allreduce:
-            _catch_up(control.start, job, topo, module, pipeline, inner, params, compressor, corpus)
-        diloco.outer = OuterOptimizer.from_bytes(control.start.shard, job.outer)
-        with torch.no_grad():
-            diloco._reset_local()
-        first_round = control.start.step + 1
-    else:
-        shards = gather(StageShard(topo.stage, diloco.outer.to_bytes()) if topo.replica == 0 else None)
+    def _progress(self, rnd: Round, h: int, loss: float | None) -> None:
+        """Replica 0 reports every inner step's loss. With S > 1 the loss lives on the last
+        stage; it sends the losses of the last PROGRESS_EVERY steps to rank 0 in one
+        broadcast (the one sync progress costs), so rank 0 reports them in a batch."""
+        topo, H = self.topo, self.job.outer.inner_steps
+        if topo.replica != 0:
+            return
+        self.unreported.append(0.0 if loss is None else loss)
+        if topo.S > 1 and not (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
+            return
+        values = torch.tensor(self.unreported, dtype=torch.float64)
+        if topo.S > 1:
+            dist.broadcast(values, src=topo.global_rank(0, topo.S - 1), group=self.pipe_group)
+        self.unreported.clear()
         if topo.rank == 0:
-            assert shards is not None
-            emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(S)]))
-    stop_flag = torch.zeros(1, dtype=torch.int32)
+            self._emit_progress(rnd, h, values.tolist())
 
-    def stop_now() -> bool:
-        """Rank 0 decides, everyone learns it in the same collective (inner-step boundary)."""
-        if topo.rank == 0:
-            stop_flag[0] = int(bool(control.stop_requested and control.stop_requested()))
-        dist.broadcast(stop_flag, src=0)
-        return bool(stop_flag[0])
+    def _emit_progress(self, rnd: Round, h: int, values: list[float]) -> None:
+        """Rank 0: one `Progress` per inner step in `values` (the last of them is step h)."""
+        job, t = self.job, rnd.t
+        H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
+        now = time.perf_counter()
+        rate = len(values) * self.topo.R * B * L / max(now - self.since, 1e-9)
+        self.since = now
+        done = (t - self.first_round) * H + h + 1  # inner steps this process has run
+        eta = (now - self.started) / done * ((T - t) * H + H - h - 1)
+        first = h + 1 - len(values)
+        for k, value in enumerate(values):
+            lr = warmup_lr(job.inner.lr, job.inner.warmup, (t - 1) * H + first + k)
+            self.emit("progress", Progress(t, first + k + 1, value, T, H, lr=lr, tokens_per_s=rate,
+                                           rank0_bytes_sent=float(self.transport.bytes_sent), eta_s=eta))
 
-    start = time.perf_counter()
-    # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
-    # compress_s: compression + decoding of every contribution.
-    # report_s: publishing steps mid-round (partial rule), kept out of the other two.
-    clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0}
-
-    def shard_bytes() -> bytes:
-        if allreduce:  # the weights, zero momentum: the baseline has no outer optimizer
-            named = dict(module.named_parameters())
+    def shard_bytes(self) -> bytes:
+        """This rank's new stage shard: the outer state, or the baseline's weights with
+        zero momentum (it has no outer optimizer)."""
+        if self.allreduce:
+            named = dict(self.rank.module.named_parameters())
             tensors = {f"param/{n}": p.detach().float().cpu() for n, p in named.items()}
             tensors.update({f"momentum/{n}": torch.zeros_like(p) for n, p in named.items()})
             return tensors_to_bytes(tensors)
-        return diloco.outer.to_bytes()
+        return self.diloco.outer.to_bytes()
 
-    def report(applied: AppliedStep) -> None:
+    def report(self, applied: AppliedStep) -> None:
         """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
-        t = applied.round
-        digest, round_loss, start_state = applied.tag
+        topo = self.topo
         # Every replica serialises its own new outer shard: the replicas of a stage are
         # independent witnesses of the aggregate, and each co-signs the digest of its own.
-        own_shard = shard_bytes()
-        contribution = Contribution(
-            replica=topo.replica,
-            stage=topo.stage,
+        own_shard = self.shard_bytes()
+        contribution = self._contribution(applied, own_shard)
+        if self.control.emit_contributions:  # so this rank's node can check what it attests
+            self.emit("contribution", (applied.round, contribution))
+        eval_loss = None
+        if topo.replica == 0:  # the committed weights, whatever the local ones are now
+            with contextlib.nullcontext() if self.allreduce else self.diloco.outer_weights():
+                eval_loss = self.rank.pipeline.eval_loss(self.eval_batches)
+        shard = StageShard(topo.stage, own_shard) if topo.replica == 0 else None
+        gathered = self._gather((contribution, shard, eval_loss, self._rank_stats()))
+        if topo.rank == 0:
+            assert gathered is not None
+            self.emit("step", self._step_artifacts(applied.round, gathered))
+
+    def _contribution(self, applied: AppliedStep, own_shard: bytes) -> Contribution:
+        digest, round_loss, start_state = applied.tag
+        sign = self.control.shard_digest
+        return Contribution(
+            replica=self.topo.replica,
+            stage=self.topo.stage,
             data=applied.payload,
             data_shard=digest,
             loss=round_loss,
             start_state=start_state,
-            new_shard=b"" if control.shard_digest is None else cheat.cosigned_shard(
-                job, t, topo.replica, topo.stage, own_shard, control.shard_digest),
+            new_shard=b"" if sign is None else self.hooks.cosigned_shard(self.topo, applied.round, own_shard, sign),
         )
-        if control.emit_contributions:  # so this rank's node can check what it attests
-            emit("contribution", (t, contribution))
-        eval_loss = None
-        if topo.replica == 0:  # the committed weights, whatever the local ones are now
-            with contextlib.nullcontext() if allreduce else diloco.outer_weights():
-                eval_loss = pipeline.eval_loss(eval_batches)
-        shard = StageShard(topo.stage, own_shard) if topo.replica == 0 else None
-        stats = {
-            **clock,
-            "bytes_sent": float(transport.bytes_sent),
-            "modelled_comm_s": transport.modelled_s,
-            "comm_wait_s": transport.wait_s,
+
+    def _rank_stats(self) -> dict[str, float]:
+        """This rank's counters for the step's metrics (rank 0 combines every rank's)."""
+        compressor = self.rank.compressor
+        return {
+            **self.clock,
+            "bytes_sent": float(self.transport.bytes_sent),
+            "modelled_comm_s": self.transport.modelled_s,
+            "comm_wait_s": self.transport.wait_s,
             "peak_rss_mb": _peak_rss_mb(),
-            "extra_memory_bytes": float(0 if allreduce else diloco.extra_memory_bytes()),
-            "param_bytes": float(4 * sum(p.numel() for p in params)),
+            "extra_memory_bytes": float(0 if self.allreduce else self.diloco.extra_memory_bytes()),
+            "param_bytes": float(4 * sum(p.numel() for p in self.rank.params)),
             **{k: v for k, v in compressor.last_stats.items() if k != "compress_s"},
         }
-        gathered = gather((contribution, shard, eval_loss, stats))
-        if topo.rank == 0:
-            assert gathered is not None
-            contributions = [c for c, _, _, _ in gathered]
-            stages = [gathered[s][1] for s in range(S)]
-            (eval_value,) = [e for _, _, e, _ in gathered if e is not None]
-            rank_stats = [st for _, _, _, st in gathered]
-            train_loss = sum(contributions[r * S].loss for r in range(R)) / R
-            metrics = {
-                "eval_loss": eval_value,
-                "train_loss": train_loss,
-                "tokens": float(t * H * R * B * L),
-                "inner_steps": float(t * H),
-                "wall_s": time.perf_counter() - start,
-                "lr": lr,
-                # Summed over every rank, cumulative: bytes that crossed replicas.
-                "bytes_sent": sum(st["bytes_sent"] for st in rank_stats),
-                "payload_bytes": float(sum(len(c.data) for c in contributions)),
-            }
-            for key in ("compute_s", "rounds_wall_s", "compress_s", "modelled_comm_s",
-                        "comm_wait_s", "peak_rss_mb"):
-                metrics[key] = max(st[key] for st in rank_stats)  # the slowest rank
-            for key in ("extra_memory_bytes", "param_bytes"):  # one replica's stages
-                metrics[key] = sum(st[key] for st in rank_stats[:S])
-            if taus:  # the partial rule: the tau each round merged at, mean so far
-                metrics["tau_mean"] = sum(taus) / len(taus)
-            for key in ("rel_error", "rank_mean", "bits_mean", "residual_norm"):
-                if key in rank_stats[0]:
-                    metrics[key] = sum(st[key] for st in rank_stats) / len(rank_stats)
-            emit(
-                "step",
-                StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics),
-            )
 
-    def check_stop(h: int) -> None:
-        if stop_now():
-            raise Cancelled(f"stopped at outer step {t}, inner step {h + 1}")
+    def _step_artifacts(self, t: int, gathered: list[Any]) -> StepArtifacts:
+        """Rank 0: outer step `t` from every rank's (contribution, shard, eval, stats)."""
+        S = self.topo.S
+        contributions = [c for c, _, _, _ in gathered]
+        stages = [gathered[s][1] for s in range(S)]
+        (eval_value,) = [e for _, _, e, _ in gathered if e is not None]
+        metrics = self._metrics(t, contributions, eval_value, [st for _, _, _, st in gathered])
+        return StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics)
 
-    unreported: list[float] = []  # replica 0: inner losses (last stage) or step marks not yet reported
-    window = {"since": time.perf_counter()}  # rank 0: when the last report went out
-
-    def progress(h: int, loss: float | None) -> None:
-        """Replica 0 reports every inner step's loss. With S > 1 the loss lives on the last
-        stage; it sends the losses of the last PROGRESS_EVERY steps to rank 0 in one
-        broadcast (the one sync progress costs), so rank 0 reports them in a batch."""
-        if topo.replica != 0:
-            return
-        unreported.append(0.0 if loss is None else loss)
-        if S > 1 and not (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
-            return
-        values = torch.tensor(unreported, dtype=torch.float64)
-        if S > 1:
-            dist.broadcast(values, src=last_of_replica0, group=pipe_group)
-        unreported.clear()
-        if topo.rank == 0:
-            now = time.perf_counter()
-            rate = len(values) * R * B * L / max(now - window["since"], 1e-9)
-            window["since"] = now
-            done = (t - first_round) * H + h + 1  # inner steps this process has run
-            eta = (now - start) / done * ((T - t) * H + H - h - 1)
-            first = h + 1 - len(values)
-            for k, value in enumerate(values.tolist()):
-                emit("progress", Progress(
-                    t, first + k + 1, value, T, H, lr=warmup_lr(job.inner.lr, job.inner.warmup, (t - 1) * H + first + k),
-                    tokens_per_s=rate, rank0_bytes_sent=float(transport.bytes_sent), eta_s=eta))
-
-    def sync_grads(grads: list[torch.Tensor]) -> None:
-        transport.all_reduce_mean_(grads)
-
-    def merge(start_state: bytes) -> None:
-        """partial: apply the previous round's exchange mid-round, then publish its step."""
-        began = time.perf_counter()
-        anchor = param_tensors(start_state)
-        applied = diloco.merge(anchor)
-        del anchor
-        report(applied)
-        clock["report_s"] += time.perf_counter() - began
-
-    def next_tau(compute: float, payload_len: int) -> int:
-        """The tau of the next round; under `auto` every rank takes the largest estimate."""
-        if job.outer.tau != "auto":
-            return int(job.outer.tau)
-        tau = torch.tensor([auto_tau(transport, payload_len, diloco.exchange_s, compute / H, H)], dtype=torch.int64)
-        dist.all_reduce(tau, op=dist.ReduceOp.MAX)
-        return int(tau.item())
-
-    partial = not allreduce and job.outer.rule == "partial"
-    taus: list[int] = []
-    lr = job.inner.lr
-    for t in range(first_round, T + 1):
-        first_step = (t - 1) * H  # warmup is not repeated on resume
-        state_start = time.perf_counter()
-        merge_at = diloco.merge_step if diloco.pending else None
-        # Serialised once per round, before any inner step: what a replay starts from.
-        start_state = b"" if allreduce else round_state(
-            module, inner, compressor, t, first_step,
-            merge_step=(-1 if merge_at is None else merge_at) if partial else None)
-        round_start = time.perf_counter()
-        data = corpus.shard(job.seed, topo.replica, t, H, B, L)
-        wait_before, report_before = transport.wait_s, clock["report_s"]
-
-        def before_step(h: int, merge_at: int | None = merge_at, start_state: bytes = start_state) -> None:
-            if control.cancellable:
-                check_stop(h)
-            if h == merge_at:
-                merge(start_state)
-
-        if skips_work(t):  # test-only cheat (trainer/cheat.py): claim the round, skip the work
-            round_loss = 0.0
-            for h in range(H if control.cancellable else 0):  # but keep the stop collective's beat
-                check_stop(h)
-            if merge_at is not None:
-                merge(start_state)
-        else:
-            round_loss = inner_round(
-                pipeline, inner, params, job, topo.replica, t, data.tokens, first_step,
-                before_step=before_step if control.cancellable or merge_at is not None else None,
-                sync_grads=sync_grads if allreduce else None,
-                after_step=progress,
-            )
-            if merge_at == H:
-                merge(start_state)
-        lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + H - 1)
-        compute = (time.perf_counter() - round_start - (transport.wait_s - wait_before)
-                   - (clock["report_s"] - report_before))
-        clock["compute_s"] += compute
-
-        tag = (data.digest, round_loss, start_state)
-        if allreduce:
-            applied: AppliedStep | None = AppliedStep(t, tensors_to_bytes({}), tag)
-        else:
-            # The exchange must fit the overlap window: the link moves this many bytes in
-            # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
-            budget = transport.link.bandwidth * compute / max(1, R - 1)
-            applied = diloco.end_round(t, tag, round_loss, budget)
-            if partial and t < T:
-                diloco.merge_step = next_tau(compute, len(diloco.pending_payload))
-                taus.append(diloco.merge_step)
-        clock["rounds_wall_s"] += time.perf_counter() - state_start - (clock["report_s"] - report_before)
-        clock["compress_s"] = compressor.total_s + diloco.decode_s
-        if applied is not None:
-            report(applied)
-    applied = diloco.flush()
-    if applied is not None:
-        report(applied)
+    def _metrics(self, t: int, contributions: list[Contribution], eval_value: float,
+                 rank_stats: list[dict[str, float]]) -> dict[str, float]:
+        """Outer step `t`'s metrics: losses, tokens, the learning rate, bytes and times."""
+        job, R, S = self.job, self.topo.R, self.topo.S
+        H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+        metrics = {
+            "eval_loss": eval_value,
+            "train_loss": sum(contributions[r * S].loss for r in range(R)) / R,
+            "tokens": float(t * H * R * B * L),
+            "inner_steps": float(t * H),
+            "wall_s": time.perf_counter() - self.started,
+            "lr": self.lr,
+            # Summed over every rank, cumulative: bytes that crossed replicas.
+            "bytes_sent": sum(st["bytes_sent"] for st in rank_stats),
+            "payload_bytes": float(sum(len(c.data) for c in contributions)),
+        }
+        for key in ("compute_s", "rounds_wall_s", "compress_s", "modelled_comm_s",
+                    "comm_wait_s", "peak_rss_mb"):
+            metrics[key] = max(st[key] for st in rank_stats)  # the slowest rank
+        for key in ("extra_memory_bytes", "param_bytes"):  # one replica's stages
+            metrics[key] = sum(st[key] for st in rank_stats[:S])
+        if self.taus:  # the partial rule: the tau each round merged at, mean so far
+            metrics["tau_mean"] = sum(self.taus) / len(self.taus)
+        for key in ("rel_error", "rank_mean", "bits_mean", "residual_norm"):
+            if key in rank_stats[0]:
+                metrics[key] = sum(st[key] for st in rank_stats) / len(rank_stats)
+        return metrics

@@ -19,9 +19,12 @@ relative, so the restart costs only the context dropped.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
+
+from trainer.config import ModelConfig
 
 __all__ = ["generate"]
 
@@ -40,7 +43,7 @@ def generate(model: nn.Module, prompt_ids: Sequence[int], max_new_tokens: int, t
     if top_k is not None and top_k < 1:
         raise ValueError(f"top_k must be >= 1, got {top_k}")
     model.eval()
-    cfg = model.cfg
+    cfg: ModelConfig = cast(ModelConfig, model.cfg)
     device = next(model.parameters()).device
     next_logits = _cached(model, cfg.seq_len, device) if cfg.family == "llama" else _windowed(model, cfg.seq_len, device)
     gen = torch.Generator().manual_seed(seed)

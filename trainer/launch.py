@@ -3,8 +3,8 @@
     from trainer import load_job, train_local
     train_local(load_job(tomllib.load(f)), sink)
 
-Rank 0's `emit` puts events on a multiprocessing queue; the parent takes them off and
-calls the sink, so the sink (a chain client, a blockstore) need not be picklable. A rank
+The ranks run under `trainer.supervisor.Supervisor`: rank 0's `emit` puts events on its
+queue; the parent takes them off and calls the sink, so the sink (a chain client, a blockstore) need not be picklable. A rank
 that raises sends its exception text through the same queue; the parent then stops the
 others and raises one `TrainingError` naming the rank and the cause.
 
@@ -18,20 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
-import os
-import queue
-import signal
 import socket
-import sys
 import time
-import traceback
 from typing import Any, Literal
 
 from trainer.artifacts import StepSink
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, TrainingError
+from trainer.supervisor import SILENT, ChildOptions, Supervisor, exit_note
 
-__all__ = ["check_local", "free_port", "stop_event", "train_local"]
+__all__ = ["StopFlag", "check_local", "free_port", "stop_event", "train_local", "train_rank"]
 
 MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no such limit
 RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's buffers
@@ -40,7 +36,6 @@ RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's 
 # pickles). Measured by scripts/bench_trainer.py: a 4.6M-parameter llama rank peaked at
 # 1.19 GB after three outer steps, about 170 bytes per parameter beyond the idle rank.
 BYTES_PER_PARAM = 4 * 44
-POLL_S = 0.2
 NETNS_PORT = 29500  # the store's port inside replica 0's fresh namespace
 GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
 # Errors that are usually the echo of another rank's death, not the cause.
@@ -112,81 +107,14 @@ def check_local(job: JobConfig) -> str:
     return f"cpu (auto: {gpus} GPU{'s' if gpus != 1 else ''} for {world} ranks)"
 
 
-def _rank_main(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    job: JobConfig,
-    events: Any,
-    control: Any = None,
-    *,
-    netns: str | None = None,
-    gpu: int | None = None,
-    log: str | None = None,
-) -> None:
-    # Imported here so the parent does not need torch.distributed initialised.
-    from dataclasses import replace
+def train_rank(emit: Any, rank: int, world_size: int, init_method: str, job: JobConfig,
+               control: Any = None) -> None:
+    """A supervised child's work (`trainer.supervisor.child_main`): global rank `rank` of
+    `job` (`trainer.engine.run_rank`). Imported here so the parent needs no
+    torch.distributed."""
+    from trainer.engine import run_rank
 
-    from trainer.engine import Cancelled, RankControl, run_rank
-
-    if gpu is not None:
-        control = replace(control or RankControl(), gpu=gpu)
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # A Ctrl-C at the terminal reaches the whole process group: the launcher decides how
-    # ranks stop (at an inner-step boundary), so a rank never dies of one mid-step.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-    if log is not None:
-        _output_to(log)
-    if netns is not None:  # before any socket: the replica's shaped namespace
-        from trainer.netns import enter_netns
-
-        enter_netns(netns)
-
-    def emit(kind: str, payload: Any) -> None:
-        events.put((kind, rank, payload))
-
-    try:
-        run_rank(rank, world_size, init_method, job, emit, control)
-    except Cancelled as exc:
-        events.put(("cancelled", rank, str(exc)))
-        _exit_quietly(events, 0)
-    except BaseException as exc:  # every failure, even SystemExit, must reach the parent
-        last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-        where = f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else ""
-        text = " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-        events.put(("error", rank, text + where))
-        _exit_quietly(events, 1)
-    events.put(("done", rank, None))
-    _exit_quietly(events, 0)
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this rank when the process that started it dies, so a killed
-    launcher or worker never leaves an orphan rank training on."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    PR_SET_PDEATHSIG = 1
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
-
-
-def _output_to(path: str) -> None:
-    """Send this rank's stdout and stderr (Python's and native libraries' alike) to `path`,
-    appended: the job queue keeps each rank's output in a file of its own (`dlx logs JOB`)."""
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError:  # not writable on this host: the output stays with the launcher's
-        return
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    run_rank(rank, world_size, init_method, job, emit, control)
 
 
 class StopFlag:
@@ -199,47 +127,13 @@ class StopFlag:
         return bool(self.event.is_set())
 
 
-def _exit_quietly(events: Any, code: int) -> None:
-    # Flush our events to the parent, then skip interpreter teardown: tearing down torch
-    # (dynamo, gloo threads) takes seconds per process and there is nothing left to save.
-    events.close()
-    events.join_thread()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _stop(procs: list[Any]) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 5
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-_SILENT = "process exited with code"
-
-
-def _exit_note(code: int) -> str:
-    if code < 0:
-        try:
-            return f"{_SILENT} {code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"{_SILENT} {code}"
-
-
 def _pick_cause(errors: dict[int, str]) -> tuple[int, str]:
     """The most likely root cause: a rank's own exception first, then a rank that died
     without a word (killed, crashed), and only then a peer's echo of the failure."""
 
     def rank_of(item: tuple[int, str]) -> int:
         text = item[1]
-        if text.startswith(_SILENT):
+        if text.startswith(SILENT):
             return 1
         return 2 if any(marker in text for marker in _ECHO_MARKERS) else 0
 
@@ -255,12 +149,13 @@ def stop_event() -> Any:
 
 
 def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = None,
-                stop: Any = None, start: list[Any] | None = None) -> Outcome:
+                stop: Any = None, start: list[Any] | None = None, hooks: Any = None) -> Outcome:
     """Train `job` in R*S local processes (gloo over 127.0.0.1), reporting to `sink`.
 
     `stop` (from `stop_event()`): once set, every rank stops at the next inner-step boundary
     and this returns "stopped". `start`: one `trainer.engine.ResumePoint` per rank, to
-    continue a run from a committed checkpoint.
+    continue a run from a committed checkpoint. `hooks`: a `trainer.hooks.RankHooks` for
+    every rank (a test's cheating ranks, trainer/cheat.py); None: honest ranks.
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
     raised by the sink stops the ranks and propagates unchanged. With
     `transport.link = "netns"` (root only) each replica's ranks run in their own network
@@ -280,103 +175,76 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
                              job.transport.latency_ms)
             )
             init_method = links.init_method(NETNS_PORT)
-            netns = [links.names[rank // job.parallel.stages] for rank in range(job.world_size)]
+            netns: list[str | None] = [links.names[rank // job.parallel.stages] for rank in range(job.world_size)]
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             netns = [None] * job.world_size
-        return _train_local(job, sink, timeout_s, init_method, netns, stop, start)
+        controls = _controls(job, sink, stop, start, hooks)
+        return _train_local(job, sink, timeout_s, init_method, netns, controls)
 
 
-def _train_local(
-    job: JobConfig,
-    sink: StepSink,
-    timeout_s: float | None,
-    init_method: str,
-    netns: list[str | None],
-    stop: Any,
-    start: list[Any] | None,
-) -> Outcome:
+def _train_local(job: JobConfig, sink: StepSink, timeout_s: float | None, init_method: str,
+                 netns: list[str | None], controls: list[Any]) -> Outcome:
+    with Supervisor() as sup:
+        for rank, control in enumerate(controls):
+            sup.start(rank, train_rank, (rank, job.world_size, init_method, job, control),
+                      name=f"dlx-rank-{rank}", options=ChildOptions(netns=netns[rank], ignore_sigint=True))
+        return _supervise(sup, job.world_size, sink, timeout_s)
+
+
+def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None, hooks: Any) -> list[Any]:
+    """Every rank's `RankControl` (a GPU each where this machine has one per rank); every
+    rank gets the same `cancellable` (its deadlock hazard)."""
     from trainer.engine import RankControl
 
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    world = job.world_size
     cuda = check_local(job).startswith("cuda")
-    # Every rank gets the same `cancellable` (RankControl's deadlock hazard).
-    controls = [
+    return [
         RankControl(stop_requested=StopFlag(stop) if stop is not None and rank == 0 else None,
                     cancellable=stop is not None, start=start[rank] if start else None,
-                    shard_digest=getattr(sink, "shard_digest", None))  # a ledger's sink co-signs shards
-        for rank in range(world)
+                    shard_digest=getattr(sink, "shard_digest", None),  # a ledger's sink co-signs shards
+                    gpu=rank if cuda else None, **({} if hooks is None else {"hooks": hooks}))
+        for rank in range(job.world_size)
     ]
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(rank, world, init_method, job, events, controls[rank]),
-            kwargs={"netns": netns[rank], "gpu": rank if cuda else None},
-            name=f"dlx-rank-{rank}",
-            daemon=True,
-        )
-        for rank in range(world)
-    ]
+
+
+def _supervise(sup: Supervisor, world: int, sink: StepSink, timeout_s: float | None) -> Outcome:
+    """Pass rank 0's events to `sink` until every rank is done or stopped; on a failure
+    wait GRACE_S for the root cause and raise one TrainingError naming it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     done: set[int] = set()
     stopped: set[int] = set()
     errors: dict[int, str] = {}
     failed_at: float | None = None
-    try:
-        for p in procs:
-            p.start()
-        while len(done | stopped) < world:
-            now = time.monotonic()
-            if failed_at is not None and (
-                now - failed_at > GRACE_S or len(errors) + len(done) == world
-            ):
-                break
-            if deadline is not None and now > deadline and failed_at is None:
-                raise TrainingError(f"training timed out after {timeout_s:g} s")
-            try:
-                kind, rank, payload = events.get(timeout=POLL_S)
-            except queue.Empty:
-                pass
-            else:
-                if kind == "error":
-                    errors[rank] = payload  # replaces a silent-exit note for the same rank
-                    failed_at = failed_at or time.monotonic()
-                elif kind == "done":
-                    done.add(rank)
-                elif kind == "cancelled":
-                    stopped.add(rank)
-                elif failed_at is None:
-                    _dispatch(sink, kind, payload)
-            for rank, p in enumerate(procs):
-                if p.exitcode not in (None, 0) and rank not in errors:
-                    # Died, maybe without a word (killed, segfault). A rank that raised
-                    # flushed its message before exiting; it replaces this note.
-                    errors[rank] = _exit_note(p.exitcode)
-                    failed_at = failed_at or time.monotonic()
-        if errors:
-            _drain_errors(events, errors)
-            rank, cause = _pick_cause(errors)
-            raise TrainingError(f"rank {rank} failed: {cause}")
-        for p in procs:
-            p.join()
-        return "stopped" if stopped else "completed"
-    finally:
-        _stop(procs)
-        events.close()
-        events.cancel_join_thread()
-
-
-def _drain_errors(events: Any, errors: dict[int, str]) -> None:
-    """Read error reports already sent; they replace silent-exit notes."""
-    while True:
-        try:
-            kind, rank, payload = events.get(timeout=0.05)
-        except queue.Empty:
-            return
-        if kind == "error":
-            errors[rank] = payload
+    while len(done | stopped) < world:
+        now = time.monotonic()
+        if failed_at is not None and (now - failed_at > GRACE_S or len(errors) + len(done) == world):
+            break
+        if deadline is not None and now > deadline and failed_at is None:
+            raise TrainingError(f"training timed out after {timeout_s:g} s")
+        event = sup.next_event()
+        if event is not None:
+            kind, rank, payload = event
+            if kind == "error":
+                errors[rank] = payload  # replaces a silent-exit note for the same rank
+                failed_at = failed_at or time.monotonic()
+            elif kind == "done":
+                done.add(rank)
+            elif kind == "cancelled":
+                stopped.add(rank)
+            elif failed_at is None:
+                _dispatch(sink, kind, payload)
+        for rank, code in sup.dead():
+            if rank not in errors:
+                # Died, maybe without a word (killed, segfault). A rank that raised
+                # flushed its message before exiting; it replaces this note.
+                errors[rank] = exit_note(code)
+                failed_at = failed_at or time.monotonic()
+    if errors:
+        errors.update({rank: text for kind, rank, text in sup.drain() if kind == "error"})
+        rank, cause = _pick_cause(errors)
+        raise TrainingError(f"rank {rank} failed: {cause}")
+    sup.join()
+    return "stopped" if stopped else "completed"
 
 
 def _dispatch(sink: StepSink, kind: str, payload: Any) -> None:

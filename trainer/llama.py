@@ -150,7 +150,7 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, embed_tokens: nn.Embedding | None,
-                 layers: dict[str, DecoderLayer], norm: RMSNorm | None, lm_head: nn.Linear | None):
+                 layers: dict[str, nn.Module], norm: RMSNorm | None, lm_head: nn.Linear | None):
         super().__init__()
         assert (norm is None) == (lm_head is None), "final norm and head go together"
         self.cfg = cfg

@@ -18,6 +18,7 @@ across stage counts and deterministic.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +92,7 @@ class GPTStage(nn.Module):
         *,
         wte: nn.Embedding | None,
         wpe: nn.Embedding | None,
-        blocks: dict[str, Block],
+        blocks: dict[str, nn.Module],
         ln_f: nn.LayerNorm | None,
         lm_head: nn.Linear | None,
         drop: nn.Dropout | None = None,
@@ -187,4 +188,6 @@ def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
 
 def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int) -> nn.Module:
     """Pipeline stage `stage` of `stages`, cut from the full model built under `seed`."""
-    return build_model(cfg, seed).stage(stage, stages)
+    model: Any = build_model(cfg, seed)  # GPT or Llama: nn.Module's type hides `.stage`
+    stage_module: nn.Module = model.stage(stage, stages)
+    return stage_module

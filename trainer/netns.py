@@ -86,7 +86,7 @@ class ReplicaLinks:
     def _shape(self, prefix: tuple[str, ...], dev: str) -> None:
         rate = f"{self.mbps:g}mbit"
         burst = max(32_000, int(self.mbps * 1e6 / 8 / 100))  # ~10 ms of traffic, >= 32 KB
-        parent = ("root",)
+        parent: tuple[str, ...] = ("root",)
         if self.latency_ms > 0:  # netem (sch_netem) for the delay, the bucket under it
             _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
                  "delay", f"{self.latency_ms:g}ms", "limit", "100000")

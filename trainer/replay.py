@@ -7,10 +7,11 @@ a rank's local weights, inner optimizer state and compressor state at the start 
 round. Replaying starts S local processes (spawn, gloo; stage s = rank s), loads those
 states and runs the same `inner_round` training runs, on the same data shard
 `corpus.shard(seed, replica, t, H, B, L)`, with one thread and deterministic algorithms;
-then it compresses reference - theta_local exactly as `DiLoCo.end_round` does (the
-reference is the start weights, or under the partial overlap rule the committed shard of
-the step before, which the round also merged at its recorded `round/merge_step`). On the
-machine class that trained, the payloads are bit-identical to the published ones.
+then it compresses reference - theta_local with `trainer.diloco.contribution`, the one
+function training calls too (the reference is the start weights, or under the partial
+overlap rule the committed shard of the step before, which the round also merged at its
+recorded `round/merge_step`). On the machine class that trained, the payloads are
+bit-identical to the published ones. The processes run under `trainer.supervisor`.
 
 Start weights that no checkpoint holds (the eager and partial rules) are derived from
 committed data and checked rather than trusted: `eager_start_matches` recomputes the eager
@@ -29,9 +30,7 @@ the weights), which a verifier compares with the next round's published start st
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -39,6 +38,7 @@ from typing import Any
 
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
+from trainer.supervisor import ChildOptions, Supervisor
 
 __all__ = [
     "ReplayItem",
@@ -51,7 +51,6 @@ __all__ = [
     "state_core",
 ]
 
-POLL_S = 0.2
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 
 
@@ -112,9 +111,6 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
     from trainer.data import with_prepared_data
 
     job = with_prepared_data(job)  # one token file for the S processes
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     if job.outer.rule == "partial" and any(it.outer is None or len(it.outer) != S for it in items):
         raise ValueError("the partial overlap rule needs each stage's committed shard of the step before")
     per_rank = [
@@ -122,91 +118,56 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
           None if it.outer is None else it.outer[s]) for it in items]
         for s in range(S)
     ]
-    procs = [
-        ctx.Process(target=_replay_main, args=(s, S, init_method, job, per_rank[s], events),
-                    name=f"dlx-replay-{s}", daemon=True)
-        for s in range(S)
-    ]
     results = [ReplayResult(payloads=[b""] * S, end_states=[b""] * S) for _ in items]
-    done: set[int] = set()
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            p.start()
-        while len(done) < S:
-            if deadline is not None and time.monotonic() > deadline:
-                raise TrainingError(f"replay timed out after {timeout_s:g} s")
-            try:
-                kind, rank, payload = events.get(timeout=POLL_S)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                kind, rank, payload = ("died",) + dead[0] if dead else ("wait", -1, None)
-            if kind == "wait":
-                continue
-            if kind == "died":
-                raise TrainingError(f"replay rank {rank} died: process exited with code {payload}")
-            if kind == "error":
-                raise TrainingError(f"replay rank {rank} failed: {payload}")
-            if kind == "done":
-                done.add(rank)
-                continue
-            i, out, end, digest, loss, secs, error = payload
-            r = results[i]
-            r.payloads[rank], r.end_states[rank] = out, end
-            r.seconds = max(r.seconds, secs)
-            r.error = r.error or error
-            if rank == 0:
-                r.data_shard, r.loss = digest, loss
-        for p in procs:
-            p.join()
-    finally:
-        _stop_all(procs)
-        events.close()
-        events.cancel_join_thread()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    with Supervisor() as sup:
+        for s in range(S):
+            sup.start(s, _replay_rank, (s, S, init_method, job, per_rank[s]), name=f"dlx-replay-{s}",
+                      options=ChildOptions(where=False))
+        _collect(sup, S, results, timeout_s)
     for r in results:
         if r.error:
             r.payloads, r.end_states = [], []
     return results
 
 
-def _stop_all(procs: list[Any]) -> None:
-    from trainer.launch import _stop
+def _collect(sup: Supervisor, S: int, results: list[ReplayResult], timeout_s: float | None) -> None:
+    """Fill `results` from the S replay processes' ("result", stage, ...) events until every
+    one is done; TrainingError if one fails, dies or the replay exceeds `timeout_s`."""
+    done: set[int] = set()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while len(done) < S:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TrainingError(f"replay timed out after {timeout_s:g} s")
+        event = sup.next_event()
+        if event is None:
+            dead = sup.dead()
+            if dead:
+                raise TrainingError(f"replay rank {dead[0][0]} died: process exited with code {dead[0][1]}")
+            continue
+        kind, rank, payload = event
+        if kind == "error":
+            raise TrainingError(f"replay rank {rank} failed: {payload}")
+        if kind == "done":
+            done.add(rank)
+            continue
+        i, out, end, digest, loss, secs, error = payload
+        r = results[i]
+        r.payloads[rank], r.end_states[rank] = out, end
+        r.seconds = max(r.seconds, secs)
+        r.error = r.error or error
+        if rank == 0:
+            r.data_shard, r.loss = digest, loss
+    sup.join()
 
-    _stop(procs)
 
-
-def _replay_main(rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple], events: Any) -> None:
-    from trainer.launch import _die_with_parent, _exit_quietly
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    _die_with_parent()
-    try:
-        _replay_rank(rank, S, init_method, job, items, events)
-    except BaseException as exc:  # every failure must reach the parent
-        events.put(("error", rank, " ".join(f"{type(exc).__name__}: {exc}".split())))
-        _exit_quietly(events, 1)
-    events.put(("done", rank, None))
-    _exit_quietly(events, 0)
-
-
-def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple], events: Any) -> None:
+def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple]) -> None:
+    """A supervised child's work: stage `rank` of every item, one ("result", rank, ...) event
+    each (`_collect` reads them)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.compress import Compressor, payload_budget
-    from trainer.data import derive_seed, load_corpus
-    from trainer.diloco import OuterOptimizer
-    from trainer.engine import (
-        Pipeline,
-        Topology,
-        agree_device,
-        build_inner_optimizer,
-        gpu_usable,
-        load_round_state,
-        merge_step_of,
-        rerun_round,
-        round_state,
-    )
+    from trainer.engine import Pipeline, Topology, agree_device, gpu_usable
     from trainer.model import build_stage
 
     torch.set_num_threads(1)
@@ -214,50 +175,73 @@ def _replay_rank(rank: int, S: int, init_method: str, job: JobConfig, items: lis
     torch.use_deterministic_algorithms(True)
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=S, timeout=COLLECTIVE_TIMEOUT)
     try:
-        H = job.outer.inner_steps
         topo = Topology(rank, 1, S)  # one pipeline; the replica's own seeds are passed explicitly
         # The job's device where this machine has a GPU per stage (bit for bit needs the
         # machine class that trained), else the CPU.
         device = agree_device(job, rank if gpu_usable(rank) else None, strict=False)
         group = dist.new_group(list(range(S)), backend="cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
+        from trainer.data import load_corpus
+
         corpus = load_corpus(job.data, job.model.vocab_size)
         module = build_stage(job.model, rank, S, job.seed).to(device)
         pipeline = Pipeline(module, topo, group, job, device)
-        params = [p for p in module.parameters() if p.requires_grad]
-        shapes = {n: p.shape for n, p in module.named_parameters()}
-        partial = job.outer.rule == "partial"
-        for i, (step, replica, state, claimed, shard) in enumerate(items):
-            start = time.perf_counter()
-            inner = build_inner_optimizer(module, job)
-            compressor = Compressor(job.outer.compression, shapes,
-                                    derive_seed("compress", job.seed, replica, rank))
-            error = ""
-            outer, merge_step = None, None
-            try:
-                outer_step, first_step = load_round_state(state, module, inner, compressor)
-                if outer_step != step:
-                    raise ValueError(f"start state is for round {outer_step}, not {step}")
-                budget = None if claimed is None else payload_budget(claimed)
-                if partial:
-                    outer = OuterOptimizer.from_bytes(shard, job.outer).params
-                    merge_step = merge_step_of(state)
-                    if merge_step is not None and merge_step > H:
-                        raise ValueError(f"start state merges at inner step {merge_step} of {H}")
-            except Exception as exc:  # safetensors and torch raise their own types too
-                error = f"step {step} replica {replica} stage {rank}: {' '.join(str(exc).split())}"
-            bad = torch.tensor([1 if error else 0], dtype=torch.int32)
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)  # every stage skips, or none
-            if bad.item():
-                events.put(("result", rank, (i, b"", b"", b"", 0.0, 0.0,
-                                             error or f"step {step} replica {replica}: another stage's start state is invalid")))
-                continue
-            payload, loss, digest = rerun_round(module, pipeline, inner, params, compressor, job, corpus,
-                                                replica, step, first_step, budget, outer=outer,
-                                                merge_step=merge_step)
-            end = round_state(module, inner, compressor, step + 1, first_step + H, weights=False)
-            events.put(("result", rank, (i, payload, end, digest, loss, time.perf_counter() - start, "")))
+        for i, item in enumerate(items):
+            emit("result", (i, *_replay_item(job, pipeline, corpus, item)))
     finally:
         dist.destroy_process_group()
+
+
+def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple) -> tuple:
+    """One item on this stage: (payload, end state, data digest, loss, seconds, error),
+    from a fresh inner optimizer and compressor loaded with its start state. Every stage
+    skips an item one stage's start state does not load (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from trainer.compress import Compressor
+    from trainer.data import derive_seed
+    from trainer.engine import StageRank, build_inner_optimizer, rerun_round, round_state
+
+    step, replica, state, claimed, shard = item
+    began, stage, H = time.perf_counter(), pipeline.topo.stage, job.outer.inner_steps
+    shapes = {n: p.shape for n, p in pipeline.module.named_parameters()}
+    rank = StageRank(job, pipeline, build_inner_optimizer(pipeline.module, job),
+                     Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage)),
+                     corpus)
+    try:
+        first_step, budget, outer, merge_step = _load_item(job, rank, item)
+        error = ""
+    except Exception as exc:  # safetensors and torch raise their own types too
+        error = f"step {step} replica {replica} stage {stage}: {' '.join(str(exc).split())}"
+    bad = torch.tensor([1 if error else 0], dtype=torch.int32)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=pipeline.group)  # every stage skips, or none
+    if bad.item():
+        return b"", b"", b"", 0.0, 0.0, error or f"step {step} replica {replica}: another stage's start state is invalid"
+    payload, loss, digest = rerun_round(rank, replica, step, first_step, budget, outer=outer, merge_step=merge_step)
+    end = round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H, weights=False)
+    return payload, end, digest, loss, time.perf_counter() - began, ""
+
+
+def _load_item(job: JobConfig, rank: Any, item: tuple) -> tuple[int, float | None, Any, int | None]:
+    """Load an item's start state into `rank`: (first inner step, the claimed payload's
+    budget, the partial rule's reference weights and merge step). ValueError if it does
+    not fit."""
+    from trainer.compress import payload_budget
+    from trainer.diloco import OuterOptimizer
+    from trainer.engine import load_round_state, merge_step_of
+
+    step, _, state, claimed, shard = item
+    outer_step, first_step = load_round_state(state, rank.module, rank.inner, rank.compressor)
+    if outer_step != step:
+        raise ValueError(f"start state is for round {outer_step}, not {step}")
+    budget = None if claimed is None else payload_budget(claimed)
+    if job.outer.rule != "partial":
+        return first_step, budget, None, None
+    outer = OuterOptimizer.from_bytes(shard, job.outer).params
+    merge_step = merge_step_of(state)
+    if merge_step is not None and merge_step > job.outer.inner_steps:
+        raise ValueError(f"start state merges at inner step {merge_step} of {job.outer.inner_steps}")
+    return first_step, budget, outer, merge_step
 
 
 def state_core(state: bytes) -> bytes:

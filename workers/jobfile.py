@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from trainer.cheat import CheatConfig, check_cheats
 from trainer.config import JobConfig, ModelConfig, _Section, load_job, one_line
 from trainer.errors import ConfigError
 
@@ -146,6 +147,22 @@ class JobFile(JobConfig):
     chain: ChainConfig = Field(default_factory=ChainConfig, description="Ledger settings.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Block storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics trackers.")
+    cheat: list[CheatConfig] = Field(
+        default_factory=list,
+        exclude=True,  # never dumped, so never hashed or recorded: a cheating node does not announce itself
+        description="Test-only misbehaviour, local chains only: one `[cheat]` table or several "
+        "`[[cheat]]` tables (trainer/cheat.py).",
+    )
+
+    @field_validator("cheat", mode="before")
+    @classmethod
+    def _one_or_many_cheats(cls, value: object) -> object:
+        return [value] if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _cheats_fit(self) -> JobFile:
+        check_cheats(self.cheat, self)
+        return self
 
     def training_config(self) -> JobConfig:
         """The trainer's view: the same job without chain and storage settings."""

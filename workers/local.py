@@ -49,7 +49,7 @@ from trainer.errors import ConfigError
 from trainer.launch import check_local, stop_event, train_local
 
 from .jobfile import ETHER, JobFile, load_job_file
-from .sink import LedgerSink, Signer, local_signer
+from .sink import HONEST, LedgerSink, Signer, local_signer
 
 CHAIN_STATE = "chain/state.json"
 EQUIVOCATION_DIR = "equivocation"
@@ -140,7 +140,7 @@ def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str],
     return accounts[0], accounts[1:]
 
 
-def refuse_cheat_off_local_chain(job: JobConfig, rpc: str | None, chain_id: int | None = None,
+def refuse_cheat_off_local_chain(job: JobFile, rpc: str | None, chain_id: int | None = None,
                                  *, queue: bool = False) -> None:
     """A job with a `[cheat]` section (test-only misbehaviour) runs only on a local chain:
     the embedded anvil (no RPC URL), or chain id 31337 on a loopback host. `chain_id` is
@@ -167,20 +167,20 @@ def refuse_cheat_off_local_chain(job: JobConfig, rpc: str | None, chain_id: int 
         raise ConfigError(refusal)
 
 
-def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, job: JobConfig,
+def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, cheats: cheat.Cheats,
                         run_dir: Path) -> Signer:
     """Test-only cheat: sign as `sign` does, and for each equivocating slot also sign a
     second claim that differs only in its contribution digest (equivocate) or its co-signed
-    shard digest (equivocate_result, `cheat.second_claim`); both signed claims go to
+    shard digest (equivocate_result, `Cheats.second_claim`); both signed claims go to
     <run dir>/equivocation/step-N-a.json (the one committed) and step-N-b.json."""
-    S = job.parallel.stages
+    S = cheats.stages
 
     def signer(step: int, claims: list[ContributionClaim]) -> list[bytes]:
         signatures = sign(step, claims)
-        for replica, stage in cheat.equivocating_slots(job, step):
+        for replica, stage in cheats.equivocating_slots(step):
             slot = replica * S + stage
             honest = claims[slot]
-            other = cheat.second_claim(job, step, honest)
+            other = cheats.second_claim(step, honest)
             out = run_dir / EQUIVOCATION_DIR
             out.mkdir(exist_ok=True)
             SignedClaim(domain, honest, signatures[slot]).save(out / f"step-{step}-a.json")
@@ -261,7 +261,7 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
                 job_dir=str(job_path.resolve().parent),
             )
             sink = _sink(job, record, run_dir, ledger, submitter, slot_keys, cb)
-            return _train(sink, record, run_dir, stop)
+            return _train(sink, job, record, run_dir, stop)
         except BaseException as exc:
             if record is not None and record.run_id:
                 _record_end(record, run_dir, exc)
@@ -302,7 +302,7 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
         record.status = "running"
         record.save(run_dir)
         try:
-            return _train(sink, record, run_dir, stop, start)
+            return _train(sink, job, record, run_dir, stop, start)
         except BaseException as exc:
             _record_end(record, run_dir, exc)
             raise
@@ -353,9 +353,10 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
     training = with_prepared(job.training_config(), prepared)
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    signer = local_signer(slot_keys, domain, training)
-    if training.cheat:
-        signer = equivocating_signer(signer, slot_keys, domain, training, run_dir)
+    cheats = cheat.hooks(job.cheat, job)  # test-only misbehaviour, injected; None when honest
+    signer = local_signer(slot_keys, domain, cheats or HONEST)
+    if cheats is not None:
+        signer = equivocating_signer(signer, slot_keys, domain, cheats, run_dir)
     return LedgerSink(
         job=training, config=config, store=store, ledger=ledger,
         submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
@@ -363,14 +364,14 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, on_progress=cb.progress,
         on_committed=Retention.for_job(job, record.open_store(run_dir), ledger, record, cb.committed),
-        tracking=job.tracking,
+        tracking=job.tracking, hooks=cheats or HONEST,
     )
 
 
-def _train(sink: LedgerSink, record: RunRecord, run_dir: Path, stop: Any,
+def _train(sink: LedgerSink, job: JobFile, record: RunRecord, run_dir: Path, stop: Any,
            start: list[Any] | None = None) -> RunRecord:
     """Run the ranks to the end or to a requested stop; record how the run ended."""
-    outcome = train_local(sink.job, sink, stop=stop, start=start)
+    outcome = train_local(sink.job, sink, stop=stop, start=start, hooks=cheat.hooks(job.cheat, job))
     record.status = outcome
     record.save(run_dir)
     return record

@@ -32,7 +32,6 @@ from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
 from lineage.store.manifest import Manifest, get_manifest, put_config, put_manifest
 from lineage.store.unixfs import file_cid, import_bytes
-from trainer import cheat
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingDiverged, TrainingError
@@ -46,14 +45,33 @@ TIMINGS_FILE = "timings.jsonl"
 Signer = Callable[[int, list[ContributionClaim]], list[bytes]]
 
 
-def local_signer(keys: list[LocalAccount], domain: Domain, job: JobConfig | None = None) -> Signer:
-    """Sign every slot's claim with that slot's key, held in this process (`dlx train`);
-    a `job` with the test-only shared_key cheat signs a slot with another slot's key."""
+class CommitHooks:
+    """Where a test-only extension changes what the coordinator commits: `trainer.cheat.Cheats`
+    (built from a job file's `[cheat]` tables) is injected in its place. These defaults are
+    what an honest coordinator does, so an honest run's commit path holds no cheat branch."""
+
+    def stored_shard(self, step: int, stage: int, data: bytes) -> bytes:
+        """The stage shard bytes stored for `step`: the aggregate the ranks computed."""
+        return data
+
+    def stale_parent(self, step: int) -> bool:
+        """Whether `step` is committed on an older parent than the head: never."""
+        return False
+
+    def signing_slot(self, step: int, slot: int) -> int:
+        """Whose key signs `slot`'s claim at `step`: its own."""
+        return slot
+
+
+HONEST = CommitHooks()
+
+
+def local_signer(keys: list[LocalAccount], domain: Domain, hooks: CommitHooks = HONEST) -> Signer:
+    """Sign every slot's claim with that slot's key, held in this process (`dlx train`), or
+    with the key `hooks.signing_slot` names (a test's shared_key cheat)."""
 
     def sign(step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        if job is None:
-            return [c.sign(domain, keys[i].key) for i, c in enumerate(claims)]
-        return [c.sign(domain, keys[cheat.signing_slot(job, step, c.replica, c.stage)].key) for c in claims]
+        return [c.sign(domain, keys[hooks.signing_slot(step, i)].key) for i, c in enumerate(claims)]
 
     return sign
 
@@ -90,19 +108,22 @@ class LedgerSink:
         on_progress: Callable[[Progress], None] | None = None,
         on_committed: Callable[[int, CID, StepArtifacts], None] | None = None,
         tracking: object | None = None,
+        hooks: CommitHooks = HONEST,
     ) -> None:
         """Either `slot_keys` (one local key per slot: `dlx train`) or `slot_nodes` and a
         `signer` that obtains each slot's signature from its own node (the job queue).
         `tracking`: the job file's `[tracking]` section (workers.jobfile.TrackingConfig);
-        `independence`: the run's `[chain] independence` ("keys" or "operators")."""
+        `independence`: the run's `[chain] independence` ("keys" or "operators");
+        `hooks`: what is stored, committed on and signed (`CommitHooks`; a test injects cheats)."""
         if slot_keys is not None:
             slot_nodes = [k.address for k in slot_keys]
-            signer = local_signer(slot_keys, ledger.domain, job)
+            signer = local_signer(slot_keys, ledger.domain, hooks)
         if slot_nodes is None or signer is None:
             raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
         if len(slot_nodes) != job.world_size:
             raise ValueError(f"need {job.world_size} slot nodes, got {len(slot_nodes)}")
         self.job = job
+        self.hooks = hooks
         self.config = config
         self.store = store
         self.ledger = ledger
@@ -168,9 +189,9 @@ class LedgerSink:
         if len(step.contributions) != R * S:
             raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
         self._refuse_divergence(step)
-        stages = [self._put_file(cheat.coordinator_shard(self.job, step.step, s)) for s in step.stages]
+        stages = [self._put_file(self.hooks.stored_shard(step.step, s.stage, s.data)) for s in step.stages]
         parent_cid = self._head
-        if cheat.stale_parent(self.job, step.step):  # test-only cheat: fork from an older step
+        if self.hooks.stale_parent(step.step):
             parent_cid = get_manifest(self.store, self._head).parent or self._head
         contribs = [self._put_file(c.data) for c in step.contributions]
         # Each rank's round-start state, for replay verification (none for the baseline).

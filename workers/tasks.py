@@ -24,9 +24,7 @@ from the last checkpoint committed on chain.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import threading
 import time
 import tomllib
@@ -226,21 +224,24 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     training = _training_config(rec, job)  # the token file fetched by CID from the run's store
     sink = _rank0_sink(store, job_id, attempt, rec, job, training, me, nodes) if rank == 0 else None
     start = _resume_point(rec, job, slot) if rec.get("resume_from") else None
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    from trainer.engine import RankControl
-    from trainer.launch import _rank_main
+    from trainer import cheat
+    from trainer.engine import RankControl, RankHooks
+    from trainer.launch import train_rank
+    from trainer.supervisor import ChildOptions, Supervisor
 
     gpu = _GPUS.take()
     control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
                           cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
-                          timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu)
-    proc = ctx.Process(target=_rank_main, args=(slot, world, f"tcp://{address}", training, events, control),
-                       kwargs={"log": str(rank_log(rec["run_dir"], slot, attempt))}, daemon=False)
+                          timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu,
+                          hooks=cheat.hooks(job.cheat, job) or RankHooks())  # a test's cheats, injected
+    sup = Supervisor()
     try:
-        proc.start()
+        proc = sup.start(slot, train_rank, (slot, world, f"tcp://{address}", training, control),
+                         name=f"dlx-rank-{slot}", daemon=False,
+                         options=ChildOptions(log=str(rank_log(rec["run_dir"], slot, attempt)), ignore_sigint=True))
     except BaseException:
         _GPUS.give(gpu)
+        sup.close(kill=True)
         raise
     pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
     last_check = last_state = 0.0
@@ -254,9 +255,8 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 if lost and beat.trusted:  # asked after the read: it may have waited out an outage
                     who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
                     raise JobError(f"lost {who}: its worker stopped answering; the round failed")
-            try:
-                kind, _, payload = events.get(timeout=POLL_S)
-            except queue.Empty:
+            event = sup.next_event(POLL_S)
+            if event is None:
                 _attest_pending(store, job_id, attempt, slot, me, pending, rec)
                 if proc.is_alive():
                     if time.monotonic() - last_state > HEARTBEAT_S:
@@ -265,11 +265,12 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                         if state in TERMINAL:
                             return {"rank": rank, "state": state}
                     continue
-                try:  # its last events ("done" among them) may have landed after the wait gave up
-                    kind, _, payload = events.get(timeout=POLL_S)
-                except queue.Empty:
+                # Its last events ("done" among them) may have landed after the wait gave up.
+                event = sup.next_event(POLL_S)
+                if event is None:
                     raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me,
-                                          f"training process exited with code {proc.exitcode}")) from None
+                                          f"training process exited with code {proc.exitcode}"))
+            kind, _, payload = event
             if kind == "contribution":
                 step, contribution = payload
                 pending[step] = contribution
@@ -305,9 +306,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                     store.finish(job_id, "completed")
                 return {"rank": rank, "state": "completed"}
     finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
+        sup.close(kill=True)
         _GPUS.give(gpu)
 
 
@@ -440,8 +439,9 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
     from lineage.store.datasets import DataRecord
     from lineage.store.retention import Retention
     from lineage.store.runconfig import RunConfig
+    from trainer import cheat
     from trainer.artifacts import code_hash
-    from workers.sink import LedgerSink
+    from workers.sink import HONEST, LedgerSink
 
     chain = Chain(rec["rpc"], int(rec["chain_id"]))
     ledger = Ledger(chain, rec["registry"], rec["ledger"])
@@ -463,6 +463,7 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, tracking=job.tracking,
         on_committed=Retention.for_job(job, Blockstore(record.blocks_dir(run_dir)), ledger, record),
+        hooks=cheat.hooks(job.cheat, job) or HONEST,  # a test's coordinator cheats, injected
     )
     if rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])

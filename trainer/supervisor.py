@@ -1,0 +1,219 @@
+"""One process supervisor for everything that runs ranks in spawned processes: local runs
+(`trainer.launch`), replays (`trainer.replay`) and the job queue's rank tasks
+(workers/tasks.py).
+
+    with Supervisor() as sup:
+        sup.start(train_rank, (rank, world, init_method, job, control), name="dlx-rank-0")
+        event = sup.next_event()          # (kind, rank, payload) or None after POLL_S
+        ...
+
+The parent side: a spawn context, one event queue every child writes to, `dead()` for
+children that exited without a word, `stop()` that terminates then kills. The child side:
+`child_main` wraps a work function so that every child ignores what it must, dies with
+its parent, reports ("error", rank, one line) for any exception, ("cancelled", rank, why)
+for a cooperative stop and ("done", rank, None) at the end, and skips interpreter teardown.
+Work functions get an `Emitter` (`emit(kind, payload)` puts (kind, rank, payload)).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "POLL_S",
+    "SILENT",
+    "ChildOptions",
+    "Emitter",
+    "Event",
+    "Supervisor",
+    "child_main",
+    "exit_note",
+]
+
+POLL_S = 0.2
+STOP_GRACE_S = 5.0  # after terminate(), how long a child may take before it is killed
+SILENT = "process exited with code"  # how a child that died without a word is described
+
+Event = tuple[str, int, Any]  # (kind, rank, payload)
+
+
+class Emitter:
+    """Picklable: a child's `emit(kind, payload)`, which puts (kind, rank, payload) on the
+    supervisor's queue."""
+
+    def __init__(self, events: Any, rank: int) -> None:
+        self.events, self.rank = events, rank
+
+    def __call__(self, kind: str, payload: Any) -> None:
+        self.events.put((kind, self.rank, payload))
+
+
+@dataclass(frozen=True)
+class ChildOptions:
+    """How a child starts before its work: `log` (append stdout and stderr to this file),
+    `netns` (enter this network namespace before any socket), `ignore_sigint` (the
+    launcher decides how ranks stop, so a Ctrl-C never kills one mid-step) and `where`
+    (end an error line with the file:line it was raised at)."""
+
+    log: str | None = None
+    netns: str | None = None
+    ignore_sigint: bool = False
+    where: bool = True
+
+
+def child_main(events: Any, rank: int, work: Callable[..., None], args: tuple[Any, ...],
+               options: ChildOptions = ChildOptions()) -> None:
+    """The body of every supervised child: `work(emit, *args)`, every outcome reported on
+    `events` (see the module docstring); never returns."""
+    from trainer.engine import Cancelled
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if options.ignore_sigint:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with_parent()
+    if options.log is not None:
+        output_to(options.log)
+    if options.netns is not None:  # before any socket: the replica's shaped namespace
+        from trainer.netns import enter_netns
+
+        enter_netns(options.netns)
+    try:
+        work(Emitter(events, rank), *args)
+    except Cancelled as exc:
+        events.put(("cancelled", rank, str(exc)))
+        exit_quietly(events, 0)
+    except BaseException as exc:  # every failure, even SystemExit, must reach the parent
+        events.put(("error", rank, error_line(exc, options.where)))
+        exit_quietly(events, 1)
+    events.put(("done", rank, None))
+    exit_quietly(events, 0)
+
+
+def error_line(exc: BaseException, where: bool = True) -> str:
+    """`Type: message` on one line, with the file:line it was raised at when `where`."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    last = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ and where else []
+    return text + (f" ({last[0].filename.rsplit('/', 1)[-1]}:{last[0].lineno})" if last else "")
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this process when the process that started it dies, so a killed
+    launcher or worker never leaves an orphan rank training on."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def output_to(path: str) -> None:
+    """Send this process's stdout and stderr (Python's and native libraries' alike) to
+    `path`, appended: the job queue keeps each rank's output in a file of its own."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError:  # not writable on this host: the output stays with the launcher's
+        return
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def exit_quietly(events: Any, code: int) -> None:
+    """Flush our events to the parent, then skip interpreter teardown: tearing down torch
+    (dynamo, gloo threads) takes seconds per process and there is nothing left to save."""
+    events.close()
+    events.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def exit_note(code: int) -> str:
+    """How a child that exited with `code` and no report is described."""
+    if code < 0:
+        try:
+            return f"{SILENT} {code} ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return f"{SILENT} {code}"
+
+
+class Supervisor:
+    """Spawned children sharing one event queue; a context manager that stops them all and
+    closes the queue on exit. Children are numbered in start order (`dead()` names them so)."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.events = self.ctx.Queue()
+        self.procs: list[Any] = []
+
+    def __enter__(self) -> Supervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self, rank: int, work: Callable[..., None], args: tuple[Any, ...], *, name: str,
+              options: ChildOptions = ChildOptions(), daemon: bool = True) -> Any:
+        """Spawn a child running `child_main(events, rank, work, args, options)`."""
+        proc = self.ctx.Process(target=child_main, args=(self.events, rank, work, args, options),
+                                name=name, daemon=daemon)
+        proc.start()
+        self.procs.append(proc)
+        return proc
+
+    def next_event(self, timeout: float = POLL_S) -> Event | None:
+        """The next event any child sent, or None after `timeout` seconds."""
+        try:
+            event: Event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        return event
+
+    def drain(self, timeout: float = 0.05) -> list[Event]:
+        """Every event already sent (waiting at most `timeout` for each next one)."""
+        out = []
+        while (event := self.next_event(timeout)) is not None:
+            out.append(event)
+        return out
+
+    def dead(self) -> list[tuple[int, int]]:
+        """(child index, exit code) of every child that exited with a non-zero code."""
+        return [(i, p.exitcode) for i, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+
+    def join(self) -> None:
+        for p in self.procs:
+            p.join()
+
+    def stop(self, *, kill: bool = False) -> None:
+        """Terminate (or `kill`) every child still alive, then kill any that outlives
+        STOP_GRACE_S."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill() if kill else p.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stop (or `kill`) every child and close the queue without waiting for unread events."""
+        self.stop(kill=kill)
+        self.events.close()
+        self.events.cancel_join_thread()
