@@ -27,6 +27,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from test_node_cli import one_line_error, run_dlx
 
+from lineage.audit.evidence import AuditError, open_replay_challenge
 from lineage.audit.query import ledger_lineage
 from lineage.audit.replay import ReplicaReplay, StageReplay
 from lineage.audit.report import render_html
@@ -40,7 +41,6 @@ from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
 from lineage.store.manifest import get_manifest, put_manifest
 from lineage.store.unixfs import file_cid, import_bytes, read_bytes
-from workers.cli_audit import AuditError, open_replay_challenge
 
 ETHER = 10**18
 WINDOW = 600

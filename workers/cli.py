@@ -4,7 +4,8 @@
     dlx lineage --run-dir runs/tiny-... # the run's checkpoint chain, read back from the chain
 
 Heavy libraries (torch, web3) are imported inside the commands, so `dlx --help` is fast.
-Every user error is one line on stderr and exit code 2.
+Every user error is one line on stderr and exit code 2 (workers/cli_common.py, which also
+says where every command finds the chain and the blocks).
 """
 
 from __future__ import annotations
@@ -13,11 +14,13 @@ import json
 import os
 import signal
 import sys
-from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+
+from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node
+from .cli_common import EXIT_FAILED, user_errors
 
 app = typer.Typer(
     name="dlx",
@@ -32,68 +35,6 @@ app = typer.Typer(
 RunDirOption = Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 ReadRpcOption = Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")]
-
-
-#: Exit codes (README, "Exit codes"): every command keeps this table.
-EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERNAL = 0, 1, 2, 3
-
-
-def _fail(message: str, code: int = EXIT_USER) -> None:
-    """One line on stderr, then exit with `code` (default: a user error)."""
-    sys.stderr.write(f"dlx: error: {message}\n")
-    raise typer.Exit(code)
-
-
-def user_errors(fn: Any) -> Any:
-    """Turn the project's errors into one line and exit code 2 (no traceback); anything
-    else is a bug of ours, exit code 3, so scripts can tell it from a failed check (1)."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from trainer.errors import DlxError, TrainingError
-
-        try:
-            return fn(*args, **kwargs)
-        except TrainingError as exc:  # the job ran and failed: not the user's input
-            _fail(_first_line(exc), EXIT_FAILED)
-        except DlxError as exc:
-            _fail(_first_line(exc))
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
-        except (typer.Exit, typer.Abort, SystemExit):
-            raise
-        except Exception as exc:
-            if os.environ.get("DLX_DEBUG"):
-                raise
-            known = _library_error(exc)
-            if known:
-                _fail(known)
-            _fail(f"internal error: {exc.__class__.__name__}: {_first_line(exc)}"
-                  " (set DLX_DEBUG=1 for the traceback)", EXIT_INTERNAL)
-
-    return wrapper
-
-
-def _library_error(exc: Exception) -> str | None:
-    """A library's error that reached the top without a project wrapper, in the user's
-    terms: a request to a chain or daemon that failed (naming the endpoint, not urllib3's
-    retry chain), bytes that are not DAG-CBOR, a file operation refused (naming the path).
-    None: a bug of ours."""
-    url = getattr(getattr(exc, "request", None), "url", None)
-    if isinstance(exc, OSError) and url:
-        from lineage.chain.client import why_failed
-
-        return f"{url}: {why_failed(exc)}"
-    if type(exc).__module__.startswith("dag_cbor."):
-        return f"not a DAG-CBOR block: {_first_line(exc)}"
-    if isinstance(exc, OSError) and exc.filename and exc.strerror:  # a path that is not what it should be
-        return f"{exc.filename}: {exc.strerror}"
-    return None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__
 
 
 @app.command()
@@ -261,14 +202,12 @@ def _queue_replayer(run_dir: Path, stack_dir: Path):
     return replayer
 
 
-app.add_typer(__import__("workers.cli_cas", fromlist=["app"]).app, name="cas")  # dlx cas ...
-app.add_typer(__import__("workers.cli_data", fromlist=["app"]).app, name="data")  # dlx data prepare
-
-
-__import__("workers.cli_jobs", fromlist=["register"]).register(app, user_errors)  # worker, submit, status, ...
-__import__("workers.cli_node", fromlist=["register"]).register(app, user_errors)  # node register|stake|...
-__import__("workers.cli_audit", fromlist=["register"]).register(app, user_errors)  # lineage, challenge, arbiter, ...
-__import__("workers.cli_model", fromlist=["register"]).register(app, user_errors)  # export, generate
+app.add_typer(cli_cas.app, name="cas")  # dlx cas ...
+app.add_typer(cli_data.app, name="data")  # dlx data prepare
+cli_jobs.register(app)  # worker, submit, status, ...
+cli_node.register(app)  # node register|stake|...
+cli_audit.register(app)  # lineage, challenge, arbiter, ...
+cli_model.register(app)  # export, generate
 
 
 def main() -> None:

@@ -9,9 +9,9 @@
     dlx cas verify                        # re-hash every block, list the bad ones (exit 1)
     dlx cas gc [--keep last:2] [--dry-run]  # retention, then delete blocks no pin reaches
 
-The store is, first match wins: a run's own blocks with `--run-dir DIR`; an IPFS daemon
-with `--ipfs-api MULTIADDR` (or $DLX_IPFS_API); a directory with `--store DIR` (or
-$DLX_STORE; default ~/.dlx/blocks).
+The store is found as for every command (workers/cli_common.py): `--ipfs-api MULTIADDR`,
+`--store DIR`, a run's own blockstore directory with `--run-dir DIR`, $DLX_IPFS_API,
+$DLX_STORE, else ~/.dlx/blocks.
 """
 
 from __future__ import annotations
@@ -19,45 +19,27 @@ from __future__ import annotations
 import os
 import sys
 import time
-from functools import wraps
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from .cli_common import open_blocks, user_errors
+
 app = typer.Typer(name="cas", help="Content-addressed storage: add, get, CIDs, CAR export/import, verify, gc.",
                   no_args_is_help=True)
 
-StoreOpt = Annotated[Path | None, typer.Option("--store", envvar="DLX_STORE",
-                                               help="Local blockstore directory (default ~/.dlx/blocks).")]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Use this run's blockstore (before --ipfs-api and --store).")]
-ApiOpt = Annotated[str | None, typer.Option("--ipfs-api", envvar="DLX_IPFS_API",
-                                            help="Use an IPFS daemon's RPC API, e.g. /ip4/127.0.0.1/tcp/5001/http.")]
-
-
-def user_errors(fn: Any) -> Any:
-    """`workers.cli.user_errors`, looked up at call time: cli.py imports this module."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from workers.cli import user_errors as one_line_errors
-
-        return one_line_errors(fn)(*args, **kwargs)
-
-    return wrapper
+StoreOpt = Annotated[Path | None, typer.Option("--store", help="Local blockstore directory (default: $DLX_STORE, else ~/.dlx/blocks).")]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Use this run's blockstore directory.")]
+ApiOpt = Annotated[str | None, typer.Option("--ipfs-api", help="Use an IPFS daemon's RPC API, e.g. /ip4/127.0.0.1/tcp/5001/http (default $DLX_IPFS_API).")]
+#: Where `dlx cas` keeps blocks when nothing names a store.
+DEFAULT_BLOCKS = Path.home() / ".dlx" / "blocks"
 
 
 def _open(store: Path | None, run_dir: Path | None, api: str | None) -> Any:
-    """The store to use: --run-dir's, else the daemon at --ipfs-api, else --store (or default)."""
-    from lineage.store.ipfs import open_store
-
-    if run_dir:
-        from lineage.chain.runrecord import RunRecord
-
-        return open_store(RunRecord.load(run_dir).blocks_dir(run_dir))
-    if api:
-        return open_store(api=api)
-    return open_store(store or Path.home() / ".dlx" / "blocks")
+    """The store to use, by the one precedence (workers/cli_common.py), defaulting to
+    ~/.dlx/blocks; a run's store is its blockstore directory, which `dlx cas` manages."""
+    return open_blocks(store, api, run_dir=run_dir, default=DEFAULT_BLOCKS, run_directory_only=True)
 
 
 def _user_error(message: str) -> None:

@@ -17,15 +17,10 @@ from typing import Annotated, Any
 
 import typer
 
+from .cli_common import user_errors
+
 app = typer.Typer(name="data", help="Datasets, tokenizers and token files: prepare a job's data.",
                   no_args_is_help=True)
-
-
-def user_errors(fn: Any) -> Any:
-    """`workers.cli.user_errors`, looked up at call time (cli.py imports this module)."""
-    from workers.cli_cas import user_errors as one_line_errors
-
-    return one_line_errors(fn)
 
 
 @app.command()

@@ -21,267 +21,278 @@ from typing import Annotated, Any
 
 import typer
 
+from .cli_common import user_errors
+
 STACK_HELP = "Stack directory written by `dlx up` (Redis, chain and ledger addresses)."
 
 
-def register(app: typer.Typer, user_errors: Any) -> None:
-    """Add the job-queue commands to the `dlx` app."""
+@user_errors
+def worker(
+    slots: Annotated[int | None, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks); default $DLX_WORKER_SLOTS, else one per GPU, else 1.")] = None,
+    queues: Annotated[str, typer.Option("--queues", help="Queues to consume.")] = "train,jobs,verify",
+    address: Annotated[str | None, typer.Option("--address", help="The address other ranks reach this node at (rank 0's TCPStore and gloo); default $DLX_WORKER_ADDRESS or 127.0.0.1.")] = None,
+    store_ports: Annotated[str | None, typer.Option("--store-ports", metavar="FIRST[-LAST]", help="Ports rank 0's TCPStore may listen on here (for a firewall); default: any free port.")] = None,
+) -> None:
+    """Run this machine as a training node: a Celery worker whose rank tasks sign with
+    this node's key (DLX_NODE_KEY, or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD).
+    The node's stake is checked on start (DLX_RPC, DLX_REGISTRY)."""
+    from workers.node import NodeIdentity
 
-    @app.command()
-    @user_errors
-    def worker(
-        slots: Annotated[int | None, typer.Option("--slots", min=1, help="Rank slots this node offers (concurrent rank tasks); default $DLX_WORKER_SLOTS, else one per GPU, else 1.")] = None,
-        queues: Annotated[str, typer.Option("--queues", help="Queues to consume.")] = "train,jobs,verify",
-        address: Annotated[str | None, typer.Option("--address", help="The address other ranks reach this node at (rank 0's TCPStore and gloo); default $DLX_WORKER_ADDRESS or 127.0.0.1.")] = None,
-        store_ports: Annotated[str | None, typer.Option("--store-ports", metavar="FIRST[-LAST]", help="Ports rank 0's TCPStore may listen on here (for a firewall); default: any free port.")] = None,
-    ) -> None:
-        """Run this machine as a training node: a Celery worker whose rank tasks sign with
-        this node's key (DLX_NODE_KEY, or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD).
-        The node's stake is checked on start (DLX_RPC, DLX_REGISTRY)."""
-        from workers.node import NodeIdentity
+    if address:
+        os.environ["DLX_WORKER_ADDRESS"] = address
+    if store_ports:
+        import re
 
-        if address:
-            os.environ["DLX_WORKER_ADDRESS"] = address
-        if store_ports:
-            import re
+        from trainer.errors import ConfigError
 
-            from trainer.errors import ConfigError
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", store_ports.strip())
+        if not m or not 0 < int(m[1]) <= int(m[2] or m[1]) < 65536:
+            raise ConfigError(f"--store-ports: expected PORT or FIRST-LAST, got {store_ports!r}")
+        os.environ["DLX_STORE_PORTS"] = store_ports.strip()
+    me = NodeIdentity.from_env()
+    if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo must use the interface holding our address
+        iface = interface_of(me.host)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+        else:
+            sys.stderr.write(f"warning: no interface here holds {me.host}; set GLOO_SOCKET_IFNAME\n")
+    rpc, registry = os.environ.get("DLX_RPC"), os.environ.get("DLX_REGISTRY")
+    if rpc and registry:
+        from web3.exceptions import Web3Exception
 
-            m = re.fullmatch(r"(\d+)(?:-(\d+))?", store_ports.strip())
-            if not m or not 0 < int(m[1]) <= int(m[2] or m[1]) < 65536:
-                raise ConfigError(f"--store-ports: expected PORT or FIRST-LAST, got {store_ports!r}")
-            os.environ["DLX_STORE_PORTS"] = store_ports.strip()
-        me = NodeIdentity.from_env()
-        if "GLOO_SOCKET_IFNAME" not in os.environ:  # gloo must use the interface holding our address
-            iface = interface_of(me.host)
-            if iface:
-                os.environ["GLOO_SOCKET_IFNAME"] = iface
-            else:
-                sys.stderr.write(f"warning: no interface here holds {me.host}; set GLOO_SOCKET_IFNAME\n")
-        rpc, registry = os.environ.get("DLX_RPC"), os.environ.get("DLX_REGISTRY")
-        if rpc and registry:
-            from web3.exceptions import Web3Exception
+        from lineage.chain.client import Chain, chain_failure
+        from trainer.errors import ConfigError
 
-            from lineage.chain.client import Chain, chain_failure
-            from trainer.errors import ConfigError
-
-            chain_id = os.environ.get("DLX_CHAIN_ID") or None
-            if chain_id is not None and not chain_id.isdigit():
-                raise ConfigError(f"DLX_CHAIN_ID is not a chain id: {chain_id!r}")
-            chain = Chain(rpc, int(chain_id) if chain_id else None)
-            try:
-                stake = chain.contract("NodeRegistry", registry).functions.stakeOf(me.address).call()
-            except (OSError, Web3Exception) as exc:
-                raise chain_failure(f"stake of {me.address} on registry {registry}", exc, rpc) from None
-            if stake == 0:
-                raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
-            sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
-        import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
-        from workers.celery_app import app as celery_app
-        from workers.tasks import gpu_count
-
-        if slots is None:
-            slots = int(os.environ.get("DLX_WORKER_SLOTS", "0")) or max(1, gpu_count())
-
-        beat = _announce(me, slots, queues)
+        chain_id = os.environ.get("DLX_CHAIN_ID") or None
+        if chain_id is not None and not chain_id.isdigit():
+            raise ConfigError(f"DLX_CHAIN_ID is not a chain id: {chain_id!r}")
+        chain = Chain(rpc, int(chain_id) if chain_id else None)
         try:
-            celery_app.worker_main([
-                "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,
-                "-n", f"{me.address[:10]}-{os.getpid()}@%h", "--loglevel", "INFO",
-                "--without-gossip", "--without-mingle",
-            ])
-        finally:
-            if beat is not None:
-                beat.stop()
+            stake = chain.contract("NodeRegistry", registry).functions.stakeOf(me.address).call()
+        except (OSError, Web3Exception) as exc:
+            raise chain_failure(f"stake of {me.address} on registry {registry}", exc, rpc) from None
+        if stake == 0:
+            raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
+        sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
+    import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
+    from workers.celery_app import app as celery_app
+    from workers.tasks import gpu_count
 
-    @app.command()
-    @user_errors
-    def submit(
-        job_file: Annotated[Path, typer.Argument(help="Job file (TOML).")],
-        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-        rendezvous_s: Annotated[float, typer.Option("--rendezvous-timeout", min=1, help="Seconds for all ranks to join.")] = 60.0,
-        collective_timeout_s: Annotated[float, typer.Option("--collective-timeout", min=5, help="Seconds before a lost rank fails the round.")] = 60.0,
-    ) -> None:
-        """Queue a training job; prints its id at once."""
-        sys.stdout.write(submit_job(stack_dir, job_file, rendezvous_s, collective_timeout_s) + "\n")
+    if slots is None:
+        slots = int(os.environ.get("DLX_WORKER_SLOTS", "0")) or max(1, gpu_count())
 
-    @app.command()
-    @user_errors
-    def status(
-        job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
-        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-        as_json: Annotated[bool, typer.Option("--json", help="Print JSON (state, run id, outer step, loss).")] = False,
-        follow: Annotated[bool, typer.Option("--follow", "-f", help="Draw a live bar until the job ends.")] = False,
-    ) -> None:
-        """A job's state and progress, read from Redis."""
-        from workers.jobs import TERMINAL, JobStore, connect
-        from workers.stack import Stack
+    beat = _announce(me, slots, queues)
+    try:
+        celery_app.worker_main([
+            "worker", "--pool", "threads", "--concurrency", str(slots), "-Q", queues,
+            "-n", f"{me.address[:10]}-{os.getpid()}@%h", "--loglevel", "INFO",
+            "--without-gossip", "--without-mingle",
+        ])
+    finally:
+        if beat is not None:
+            beat.stop()
 
-        store = JobStore(connect(Stack.load(stack_dir).redis_url))
-        rec = store.reconcile(job_id)
-        if as_json:
-            keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
-                    "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir")
-            sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
-            return
-        from workers.console import Ticker, console, is_tty
 
-        T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
-        out = console()
-        if follow and not is_tty():  # a pipe or a log: one line per committed outer step
-            seen = int(rec.get("step") or 0) - 1 if rec.get("step") else 0  # the latest one, then every new one
-            while True:
-                for step in range(seen + 1, int(rec.get("step") or 0) + 1):
-                    out.print(step_line(job_id, rec.get(f"step_{step}") or rec, T), markup=False)
-                    seen = step
-                if rec["state"] in TERMINAL:
-                    break
+@user_errors
+def submit(
+    job_file: Annotated[Path, typer.Argument(help="Job file (TOML).")],
+    stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    rendezvous_s: Annotated[float, typer.Option("--rendezvous-timeout", min=1, help="Seconds for all ranks to join.")] = 60.0,
+    collective_timeout_s: Annotated[float, typer.Option("--collective-timeout", min=5, help="Seconds before a lost rank fails the round.")] = 60.0,
+) -> None:
+    """Queue a training job; prints its id at once."""
+    sys.stdout.write(submit_job(stack_dir, job_file, rendezvous_s, collective_timeout_s) + "\n")
+
+
+@user_errors
+def status(
+    job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
+    stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (state, run id, outer step, loss).")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Draw a live bar until the job ends.")] = False,
+) -> None:
+    """A job's state and progress, read from Redis."""
+    from workers.jobs import TERMINAL, JobStore, connect
+    from workers.stack import Stack
+
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    rec = store.reconcile(job_id)
+    if as_json:
+        keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
+                "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir")
+        sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
+        return
+    from workers.console import Ticker, console, is_tty
+
+    T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
+    out = console()
+    if follow and not is_tty():  # a pipe or a log: one line per committed outer step
+        seen = int(rec.get("step") or 0) - 1 if rec.get("step") else 0  # the latest one, then every new one
+        while True:
+            for step in range(seen + 1, int(rec.get("step") or 0) + 1):
+                out.print(step_line(job_id, rec.get(f"step_{step}") or rec, T), markup=False)
+                seen = step
+            if rec["state"] in TERMINAL:
+                break
+            time.sleep(0.5)
+            rec = store.get(job_id)
+    else:
+        with Ticker(f"job {job_id}", T * H) as bar:
+            bar.update(*job_progress(rec, T, H))
+            while follow and rec["state"] not in TERMINAL:
                 time.sleep(0.5)
                 rec = store.get(job_id)
-        else:
-            with Ticker(f"job {job_id}", T * H) as bar:
                 bar.update(*job_progress(rec, T, H))
-                while follow and rec["state"] not in TERMINAL:
-                    time.sleep(0.5)
-                    rec = store.get(job_id)
-                    bar.update(*job_progress(rec, T, H))
-        out.print(f"job {job_id}: {rec['state']}" + (f", run {rec['run_id']}" if rec.get("run_id") else "")
-                  + (f", head {rec['head']}" if rec.get("head") else ""), markup=False)
-        if rec.get("error"):
-            out.print(f"error: {rec['error']}", markup=False)
+    out.print(f"job {job_id}: {rec['state']}" + (f", run {rec['run_id']}" if rec.get("run_id") else "")
+              + (f", head {rec['head']}" if rec.get("head") else ""), markup=False)
+    if rec.get("error"):
+        out.print(f"error: {rec['error']}", markup=False)
 
-    @app.command()
-    @user_errors
-    def cancel(
-        job_id: Annotated[str, typer.Argument(help="Job id.")],
-        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-    ) -> None:
-        """Stop a job's ranks at the next inner-step boundary; committed steps stay committed."""
-        from workers.jobs import TERMINAL, JobStore, connect
-        from workers.stack import Stack
 
-        store = JobStore(connect(Stack.load(stack_dir).redis_url))
-        rec = store.get(job_id)
-        if rec["state"] in TERMINAL:
-            sys.stdout.write(f"job {job_id} already {rec['state']}\n")
-            return
-        store.request_cancel(job_id)
-        if rec["state"] == "queued":
-            store.finish(job_id, "cancelled")
-        sys.stdout.write(f"cancel requested for job {job_id}\n")
+@user_errors
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+) -> None:
+    """Stop a job's ranks at the next inner-step boundary; committed steps stay committed."""
+    from workers.jobs import TERMINAL, JobStore, connect
+    from workers.stack import Stack
 
-    @app.command()
-    @user_errors
-    def resume(
-        job_id: Annotated[str, typer.Argument(help="Job id of a failed or cancelled job.")],
-        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-    ) -> None:
-        """Restart a failed or cancelled job from the last checkpoint committed on chain."""
-        from lineage.chain.client import Chain
-        from lineage.chain.ledger import Ledger
-        from lineage.store.cid import DAG_CBOR, cid_from_digest
-        from trainer.errors import ConfigError
-        from workers.jobs import JobStore, connect
-        from workers.stack import Stack
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    rec = store.get(job_id)
+    if rec["state"] in TERMINAL:
+        sys.stdout.write(f"job {job_id} already {rec['state']}\n")
+        return
+    store.request_cancel(job_id)
+    if rec["state"] == "queued":
+        store.finish(job_id, "cancelled")
+    sys.stdout.write(f"cancel requested for job {job_id}\n")
 
-        stack = Stack.load(stack_dir)
-        store = JobStore(connect(stack.redis_url))
-        rec = store.reconcile(job_id)
-        if rec["state"] not in ("failed", "cancelled"):
-            raise ConfigError(f"job {job_id} is {rec['state']}: only a failed or cancelled job can resume")
-        if not rec.get("run_id"):
-            raise ConfigError(f"job {job_id} committed nothing on chain: submit it again")
-        rpc = stack.rpc if rec.get("stack") else rec["rpc"]  # the stack's chain may listen elsewhere since `dlx up`
-        ledger = Ledger(Chain(rpc, int(rec["chain_id"])), rec["registry"], rec["ledger"])
-        head, step = ledger.head(int(rec["run_id"]))
-        if step >= int(rec["outer_steps"]):
-            raise ConfigError(f"job {job_id} already committed all {step} steps")
-        attempt = int(rec["attempt"]) + 1
-        store.r.delete(store.key(job_id, "cancel"))
-        store.update(job_id, state="queued", attempt=attempt, error=None, rpc=rpc,
-                     resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
-        _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
-        sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
 
-    @app.command()
-    @user_errors
-    def up(
-        workers: Annotated[int, typer.Option("--workers", min=0, max=30, help="Worker nodes to start (0: Redis and the chain only, for workers elsewhere).")] = 2,
-        slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots per worker.")] = 2,
-        stack_dir: Annotated[Path, typer.Option("--stack", help="Directory for the stack's state and logs.")] = Path(".dlx"),
-        host: Annotated[str, typer.Option("--host", help="Address Redis and the chain also listen on, for workers elsewhere.")] = "127.0.0.1",
-    ) -> None:
-        """Start a local stack: redis-server, anvil (state file) and N staked workers."""
-        import ipaddress
+@user_errors
+def resume(
+    job_id: Annotated[str, typer.Argument(help="Job id of a failed or cancelled job.")],
+    stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+) -> None:
+    """Restart a failed or cancelled job from the last checkpoint committed on chain."""
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
+    from lineage.store.cid import DAG_CBOR, cid_from_digest
+    from trainer.errors import ConfigError
+    from workers.jobs import JobStore, connect
+    from workers.stack import Stack
 
-        from trainer.errors import ConfigError
-        from workers.jobs import redact
-        from workers.stack import up as stack_up
+    stack = Stack.load(stack_dir)
+    store = JobStore(connect(stack.redis_url))
+    rec = store.reconcile(job_id)
+    if rec["state"] not in ("failed", "cancelled"):
+        raise ConfigError(f"job {job_id} is {rec['state']}: only a failed or cancelled job can resume")
+    if not rec.get("run_id"):
+        raise ConfigError(f"job {job_id} committed nothing on chain: submit it again")
+    rpc = stack.rpc if rec.get("stack") else rec["rpc"]  # the stack's chain may listen elsewhere since `dlx up`
+    ledger = Ledger(Chain(rpc, int(rec["chain_id"])), rec["registry"], rec["ledger"])
+    head, step = ledger.head(int(rec["run_id"]))
+    if step >= int(rec["outer_steps"]):
+        raise ConfigError(f"job {job_id} already committed all {step} steps")
+    attempt = int(rec["attempt"]) + 1
+    store.r.delete(store.key(job_id, "cancel"))
+    store.update(job_id, state="queued", attempt=attempt, error=None, rpc=rpc,
+                 resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
+    _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
+    sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
 
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise ConfigError(f"--host: not an IP address: {host!r}") from None
-        sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
-        stack = stack_up(stack_dir, workers, slots, host=host)
-        sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
-                         f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
 
-    @app.command()
-    @user_errors
-    def down(
-        stack_dir: Annotated[Path, typer.Option("--stack", help="Directory of the stack to stop.")] = Path(".dlx"),
-    ) -> None:
-        """Stop exactly the processes `dlx up` started."""
-        from workers.stack import down as stack_down
+@user_errors
+def up(
+    workers: Annotated[int, typer.Option("--workers", min=0, max=30, help="Worker nodes to start (0: Redis and the chain only, for workers elsewhere).")] = 2,
+    slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots per worker.")] = 2,
+    stack_dir: Annotated[Path, typer.Option("--stack", help="Directory for the stack's state and logs.")] = Path(".dlx"),
+    host: Annotated[str, typer.Option("--host", help="Address Redis and the chain also listen on, for workers elsewhere.")] = "127.0.0.1",
+) -> None:
+    """Start a local stack: redis-server, anvil (state file) and N staked workers."""
+    import ipaddress
 
-        pids = stack_down(stack_dir)
-        sys.stdout.write(f"stopped {len(pids)} processes (the chain and its ledger stay in {stack_dir / 'chain'} "
-                         "for the next `dlx up`)\n")
+    from trainer.errors import ConfigError
+    from workers.jobs import redact
+    from workers.stack import up as stack_up
 
-    @app.command()
-    @user_errors
-    def runs(
-        stack_dir: Annotated[Path | None, typer.Option("--stack", help="List the runs of this stack (up or down). Default: .dlx if there is one, else --dir runs.")] = None,
-        directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
-        as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
-    ) -> None:
-        """The runs a stack or a directory holds: id, name, steps, head, state and eval loss.
-        A stack's runs show their job's state when the stack is up."""
-        from trainer.errors import ConfigError
-        from workers.stack import run_summaries
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(f"--host: not an IP address: {host!r}") from None
+    sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
+    stack = stack_up(stack_dir, workers, slots, host=host)
+    sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
+                     f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
 
-        if stack_dir is not None and directory is not None:
-            raise ConfigError("--stack and --dir: give one")
-        if stack_dir is None and directory is None:  # the stack here, else `dlx train`'s runs/
-            stack_dir, directory = (Path(".dlx"), None) if Path(".dlx").is_dir() else (None, Path("runs"))
-            if directory is not None and not directory.is_dir():
-                raise ConfigError("no runs here (no stack in .dlx, no runs/ directory): pass --stack DIR or --dir DIR")
-        if stack_dir is not None and not stack_dir.is_dir():
-            raise ConfigError(f"no local stack in {stack_dir}: run `dlx up` first")
-        rows = run_summaries(directory, stack_dir)
-        if as_json:
-            sys.stdout.write(json.dumps(rows, indent=2) + "\n")
-            return
-        for row in [{"id": "id", "name": "name", "steps": "steps", "state": "state", "loss": "loss",
-                     "head": "head", "run_dir": "run dir"}, *rows]:
-            loss = row["loss"] if isinstance(row["loss"], str) else "-" if row["loss"] is None else f"{row['loss']:.4f}"
-            sys.stdout.write(f"{row['id']!s:>4}  {row['name']!s:<16} {row['steps']!s:>5}  {row['state']!s:<10} "
-                             f"{loss:>7}  {row['head'] or '-'}  {row['run_dir']}\n")
 
-    @app.command()
-    @user_errors
-    def logs(
-        job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
-        stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-    ) -> None:
-        """A job's logs: each rank's training output (every attempt, from the run directory)
-        and what the stack's workers logged about the job's tasks."""
-        from workers.stack import job_logs
+@user_errors
+def down(
+    stack_dir: Annotated[Path, typer.Option("--stack", help="Directory of the stack to stop.")] = Path(".dlx"),
+) -> None:
+    """Stop exactly the processes `dlx up` started."""
+    from workers.stack import down as stack_down
 
-        for title, lines in job_logs(stack_dir, job_id):
-            sys.stdout.write(f"== {title}\n")
-            sys.stdout.writelines(lines)
+    pids = stack_down(stack_dir)
+    sys.stdout.write(f"stopped {len(pids)} processes (the chain and its ledger stay in {stack_dir / 'chain'} "
+                     "for the next `dlx up`)\n")
+
+
+@user_errors
+def runs(
+    stack_dir: Annotated[Path | None, typer.Option("--stack", help="List the runs of this stack (up or down). Default: .dlx if there is one, else --dir runs.")] = None,
+    directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
+) -> None:
+    """The runs a stack or a directory holds: id, name, steps, head, state and eval loss.
+    A stack's runs show their job's state when the stack is up."""
+    from trainer.errors import ConfigError
+    from workers.stack import run_summaries
+
+    if stack_dir is not None and directory is not None:
+        raise ConfigError("--stack and --dir: give one")
+    if stack_dir is None and directory is None:  # the stack here, else `dlx train`'s runs/
+        stack_dir, directory = (Path(".dlx"), None) if Path(".dlx").is_dir() else (None, Path("runs"))
+        if directory is not None and not directory.is_dir():
+            raise ConfigError("no runs here (no stack in .dlx, no runs/ directory): pass --stack DIR or --dir DIR")
+    if stack_dir is not None and not stack_dir.is_dir():
+        raise ConfigError(f"no local stack in {stack_dir}: run `dlx up` first")
+    rows = run_summaries(directory, stack_dir)
+    if as_json:
+        sys.stdout.write(json.dumps(rows, indent=2) + "\n")
+        return
+    for row in [{"id": "id", "name": "name", "steps": "steps", "state": "state", "loss": "loss",
+                 "head": "head", "run_dir": "run dir"}, *rows]:
+        loss = row["loss"] if isinstance(row["loss"], str) else "-" if row["loss"] is None else f"{row['loss']:.4f}"
+        sys.stdout.write(f"{row['id']!s:>4}  {row['name']!s:<16} {row['steps']!s:>5}  {row['state']!s:<10} "
+                         f"{loss:>7}  {row['head'] or '-'}  {row['run_dir']}\n")
+
+
+@user_errors
+def logs(
+    job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
+    stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+) -> None:
+    """A job's logs: each rank's training output (every attempt, from the run directory)
+    and what the stack's workers logged about the job's tasks."""
+    from workers.stack import job_logs
+
+    for title, lines in job_logs(stack_dir, job_id):
+        sys.stdout.write(f"== {title}\n")
+        sys.stdout.writelines(lines)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the job-queue commands to the `dlx` app."""
+    app.command()(worker)
+    app.command()(submit)
+    app.command()(status)
+    app.command()(cancel)
+    app.command()(resume)
+    app.command()(up)
+    app.command()(down)
+    app.command()(runs)
+    app.command()(logs)
 
 
 def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, collective_timeout_s: float = 60.0) -> str:

@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_audit import ApiOpt, StoreOpt, open_blocks
+from .cli_common import ApiOpt, StoreOpt, open_blocks, user_errors
 
 TargetArg = Annotated[str | None, typer.Argument(metavar="CID", help="A checkpoint manifest's CID (or give --run-dir).", show_default=False)]
 RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="A run directory written by `dlx train`: its head checkpoint, or --step N.")]
@@ -212,70 +212,72 @@ def _decoder() -> Any:
     return codecs.getincrementaldecoder("utf-8")(errors="replace")
 
 
-def register(app: typer.Typer, user_errors: Any) -> None:
-    """Add export and generate to the `dlx` app."""
+@user_errors
+def export_(
+    target: TargetArg = None,
+    output: Annotated[Path | None, typer.Option("-o", "--output", help="The Hugging Face directory to write (must not exist, or be empty).", show_default=False)] = None,
+    run_dir: RunDirOpt = None,
+    step: StepOpt = None,
+    store: StoreOpt = None,
+    ipfs_api: ApiOpt = None,
+) -> None:
+    """Write a checkpoint as a Hugging Face model directory (config.json,
+    model.safetensors, generation_config.json, lineage.json) that
+    `AutoModelForCausalLM.from_pretrained` loads: llama as LlamaForCausalLM or
+    Qwen2ForCausalLM, gpt as GPT2LMHeadModel."""
+    if output is None:
+        raise _error("give the output directory: -o OUT")
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise _error(f"{output} exists and is not empty")  # before any loading
+    from workers.console import Ticker
 
-    @app.command("export")
-    @user_errors
-    def export_(
-        target: TargetArg = None,
-        output: Annotated[Path | None, typer.Option("-o", "--output", help="The Hugging Face directory to write (must not exist, or be empty).", show_default=False)] = None,
-        run_dir: RunDirOpt = None,
-        step: StepOpt = None,
-        store: StoreOpt = None,
-        ipfs_api: ApiOpt = None,
-    ) -> None:
-        """Write a checkpoint as a Hugging Face model directory (config.json,
-        model.safetensors, generation_config.json, lineage.json) that
-        `AutoModelForCausalLM.from_pretrained` loads: llama as LlamaForCausalLM or
-        Qwen2ForCausalLM, gpt as GPT2LMHeadModel."""
-        if output is None:
-            raise _error("give the output directory: -o OUT")
-        if output.exists() and (not output.is_dir() or any(output.iterdir())):
-            raise _error(f"{output} exists and is not empty")  # before any loading
-        from workers.console import Ticker
-
-        with Ticker(f"export {output}", 0):
-            cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
-            from trainer.hf import write_hf_dir
-
-            write_hf_dir(output, cp.job.model, cp.params, cp.lineage(), tokenizer=cp.tokenizer)
-        sys.stderr.write(f"exported step {cp.manifest.step} ({cp.cid}) of run {cp.lineage()['run']}\n")
-        sys.stdout.write(f"{output}\n")
-
-    @app.command()
-    @user_errors
-    def generate(
-        target: TargetArg = None,
-        prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (encoded with the run's tokenizer; one token per UTF-8 byte where it has none).")] = "",
-        max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="How many tokens to generate.")] = 200,
-        temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature; 0 is greedy.")] = 0.8,
-        top_k: Annotated[int, typer.Option("--top-k", help="Sample among the K likeliest tokens.")] = 50,
-        seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler: the same seed gives the same text.")] = 0,
-        run_dir: RunDirOpt = None,
-        step: StepOpt = None,
-        store: StoreOpt = None,
-        ipfs_api: ApiOpt = None,
-    ) -> None:
-        """Continue --prompt with a checkpoint's model, streaming the text to stdout."""
-        if not prompt:
-            raise _error("give a non-empty --prompt")
-        if max_new_tokens < 1:
-            raise _error(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise _error(f"--temperature must be >= 0, got {temperature}")
-        if top_k < 1:
-            raise _error(f"--top-k must be at least 1, got {top_k}")
+    with Ticker(f"export {output}", 0):
         cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+        from trainer.hf import write_hf_dir
 
-        from trainer.generate import generate as sample
-        from trainer.hf import load_params
-        from trainer.model import build_model
+        write_hf_dir(output, cp.job.model, cp.params, cp.lineage(), tokenizer=cp.tokenizer)
+    sys.stderr.write(f"exported step {cp.manifest.step} ({cp.cid}) of run {cp.lineage()['run']}\n")
+    sys.stdout.write(f"{output}\n")
 
-        model = build_model(cp.job.model, cp.job.seed)
-        load_params(model, cp.params)
-        ids, emit, finish = _text_codec(cp.tokenizer, prompt, sys.stdout)
-        sys.stdout.write(prompt)
-        sys.stdout.flush()
-        sample(model, ids, max_new_tokens, temperature, top_k, seed, emit)
-        finish()
+
+@user_errors
+def generate(
+    target: TargetArg = None,
+    prompt: Annotated[str, typer.Option("--prompt", help="The text to continue (encoded with the run's tokenizer; one token per UTF-8 byte where it has none).")] = "",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="How many tokens to generate.")] = 200,
+    temperature: Annotated[float, typer.Option("--temperature", help="Softmax temperature; 0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Sample among the K likeliest tokens.")] = 50,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampler: the same seed gives the same text.")] = 0,
+    run_dir: RunDirOpt = None,
+    step: StepOpt = None,
+    store: StoreOpt = None,
+    ipfs_api: ApiOpt = None,
+) -> None:
+    """Continue --prompt with a checkpoint's model, streaming the text to stdout."""
+    if not prompt:
+        raise _error("give a non-empty --prompt")
+    if max_new_tokens < 1:
+        raise _error(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise _error(f"--temperature must be >= 0, got {temperature}")
+    if top_k < 1:
+        raise _error(f"--top-k must be at least 1, got {top_k}")
+    cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+
+    from trainer.generate import generate as sample
+    from trainer.hf import load_params
+    from trainer.model import build_model
+
+    model = build_model(cp.job.model, cp.job.seed)
+    load_params(model, cp.params)
+    ids, emit, finish = _text_codec(cp.tokenizer, prompt, sys.stdout)
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    sample(model, ids, max_new_tokens, temperature, top_k, seed, emit)
+    finish()
+
+
+def register(app: typer.Typer) -> None:
+    """Add export and generate to the `dlx` app."""
+    app.command("export")(export_)
+    app.command()(generate)

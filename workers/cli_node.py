@@ -12,11 +12,8 @@ the node key from DLX_NODE_KEY or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD (workers/
 the operator's from DLX_OPERATOR_KEY or DLX_OPERATOR_KEYSTORE + DLX_OPERATOR_KEYSTORE_PASSWORD,
 and the node key itself when neither is set (a node that operates itself).
 
-Where the chain is, first match wins: `--rpc`, `--registry`, `--ledger`, `--chain-id`; a run
-directory (`--run-dir`, its run.json) or a local stack (`--stack`, its stack.json); the
-environment (DLX_RPC, DLX_REGISTRY, DLX_LEDGER, DLX_CHAIN_ID); the stack in `.dlx/` if one
-is there; http://127.0.0.1:8545. This module also holds those shared pieces (keys,
-amounts, chain options) for the audit commands in `cli_audit.py`.
+Where the chain is: workers/cli_common.py (one precedence for every command). This module
+also holds the keys and amounts the audit commands in `cli_audit.py` share.
 """
 
 from __future__ import annotations
@@ -26,35 +23,29 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-ETHER = 10**18
-DEFAULT_RPC = "http://127.0.0.1:8545"
-DEFAULT_STACK = Path(".dlx")
-ZERO_ADDRESS = "0x" + "0" * 40
+from .cli_common import (
+    ChainIdOpt,
+    Endpoint,
+    LedgerOpt,
+    RegistryOpt,
+    RpcOpt,
+    RunDirOpt,
+    StackOpt,
+    address,
+    config_error,
+    user_errors,
+)
 
-# Chain options every chain-touching command takes.
-RpcOpt = Annotated[str | None, typer.Option("--rpc", help="JSON-RPC URL of the chain (default: the run's or stack's, $DLX_RPC, else http://127.0.0.1:8545).")]
-ChainIdOpt = Annotated[int | None, typer.Option("--chain-id", min=1, help="Refuse any chain with another id (default: the run's or stack's, $DLX_CHAIN_ID).")]
-RegistryOpt = Annotated[str | None, typer.Option("--registry", help="NodeRegistry address (default: the run's or stack's, $DLX_REGISTRY, or the ledger's registry).")]
-LedgerOpt = Annotated[str | None, typer.Option("--ledger", help="TrainingLedger address (default: the run's or stack's, $DLX_LEDGER, or the registry's ledger).")]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="Take the chain (and blocks) from this run directory's run.json.")]
-StackOpt = Annotated[Path | None, typer.Option("--stack", help="Take the chain (and blocks) from this `dlx up` stack directory (default .dlx if present).")]
+ETHER = 10**18
+
 NodeOpt = Annotated[str | None, typer.Option("--node", help="The node's address (default: the node key's).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
-
-
-def _config_error(message: str) -> Exception:
-    from trainer.errors import ConfigError
-
-    return ConfigError(message)
 
 
 # -- amounts ------------------------------------------------------------------------------
@@ -68,15 +59,15 @@ def parse_amount(text: str) -> int:
     m = _AMOUNT.match(text)
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS:
-        raise _config_error(f"amount {text!r}: write a number and a unit, e.g. 1.5eth, 2gwei or 10wei")
+        raise config_error(f"amount {text!r}: write a number and a unit, e.g. 1.5eth, 2gwei or 10wei")
     try:
         wei = Decimal(m.group(1)) * _UNITS[unit]
     except InvalidOperation:
-        raise _config_error(f"amount {text!r} is not a number") from None
+        raise config_error(f"amount {text!r} is not a number") from None
     if wei != wei.to_integral_value():
-        raise _config_error(f"amount {text!r} is not a whole number of wei")
+        raise config_error(f"amount {text!r} is not a whole number of wei")
     if wei <= 0:
-        raise _config_error(f"amount {text!r} must be above zero")
+        raise config_error(f"amount {text!r} must be above zero")
     return int(wei)
 
 
@@ -108,25 +99,16 @@ def load_key(role: str = "node") -> Any:
         try:
             return Account.from_key(key)
         except (ValueError, TypeError):
-            raise _config_error(f"{prefix}_KEY is not a valid private key") from None
+            raise config_error(f"{prefix}_KEY is not a valid private key") from None
     password = os.environ.get(f"{prefix}_KEYSTORE_PASSWORD")
     if password is None:
-        raise _config_error(f"{prefix}_KEYSTORE is set but {prefix}_KEYSTORE_PASSWORD is not")
+        raise config_error(f"{prefix}_KEYSTORE is set but {prefix}_KEYSTORE_PASSWORD is not")
     try:
         return Account.from_key(Account.decrypt(json.loads(Path(keystore).read_text()), password))
     except FileNotFoundError:
-        raise _config_error(f"keystore not found: {keystore}") from None
+        raise config_error(f"keystore not found: {keystore}") from None
     except (ValueError, KeyError, json.JSONDecodeError):
-        raise _config_error(f"cannot decrypt keystore {keystore} (wrong password or not a keystore)") from None
-
-
-def address(text: str, what: str = "address") -> str:
-    """A checksummed address, or a one-line error naming `what`."""
-    from eth_utils import is_address, to_checksum_address
-
-    if not is_address(text):
-        raise _config_error(f"{what} {text!r} is not an address")
-    return to_checksum_address(text)
+        raise config_error(f"cannot decrypt keystore {keystore} (wrong password or not a keystore)") from None
 
 
 def _target(node: str | None) -> str:
@@ -134,96 +116,7 @@ def _target(node: str | None) -> str:
     return address(node, "--node") if node else load_key("node").address
 
 
-# -- where the chain is -------------------------------------------------------------------
-
-@dataclass
-class Endpoint:
-    """Where to find the chain, the contracts and (for the audit commands) the blocks."""
-
-    rpc: str | None
-    chain_id: int | None
-    registry: str | None
-    ledger: str | None
-    run_dir: Path | None = None  # set with rpc None: the run's embedded anvil state
-    record: Any = None  # the run directory's RunRecord
-    stack: Any = None  # the stack directory's Stack
-
-    @classmethod
-    def resolve(cls, *, rpc: str | None = None, chain_id: int | None = None, registry: str | None = None,
-                ledger: str | None = None, run_dir: Path | None = None, stack: Path | None = None) -> Endpoint:
-        """First match wins: the options, the run or stack directory, the environment, the
-        stack in `.dlx/`, the default URL."""
-        from workers.stack import STACK_FILE, Stack
-
-        record = stk = None
-        env = {k: os.environ.get(f"DLX_{k.upper()}") or None for k in ("rpc", "chain_id", "registry", "ledger")}
-        if run_dir is None and stack is None and not (rpc or registry or ledger or any(env.values())) \
-                and (DEFAULT_STACK / STACK_FILE).exists():
-            stack = DEFAULT_STACK  # nothing said where: the local stack, if one is up here
-        if run_dir is not None:
-            from lineage.chain.runrecord import RunRecord
-
-            record = RunRecord.load(run_dir)
-            src = {"rpc": record.rpc, "chain_id": record.chain_id, "registry": record.registry,
-                   "ledger": record.ledger}
-        elif stack is not None:
-            stk = Stack.load(stack)
-            src = {"rpc": stk.rpc, "chain_id": stk.chain_id, "registry": stk.registry, "ledger": stk.ledger}
-        else:
-            if env["chain_id"] is not None and not env["chain_id"].isdigit():
-                raise _config_error(f"DLX_CHAIN_ID is not a chain id: {env['chain_id']!r}")
-            src = {**env, "rpc": env["rpc"] or DEFAULT_RPC,
-                   "chain_id": int(env["chain_id"]) if env["chain_id"] else None}
-        ep = cls(rpc=rpc or src["rpc"], chain_id=chain_id if chain_id is not None else src["chain_id"],
-                 registry=address(registry, "--registry") if registry else src["registry"],
-                 ledger=address(ledger, "--ledger") if ledger else src["ledger"],
-                 run_dir=run_dir, record=record, stack=stk)
-        if ep.rpc is None and record is not None and not record.chain_state:
-            raise _config_error(f"run directory {run_dir} names no chain: pass --rpc")
-        return ep
-
-    @contextmanager
-    def connect(self, *, writable: bool = False) -> Iterator[Any]:
-        """A `lineage.chain.ledger.Ledger` on this endpoint. A run's embedded chain is started on
-        its state file: a copy to read, the file itself when `writable`."""
-        from lineage.chain.client import Chain
-        from lineage.chain.ledger import Ledger
-
-        if self.rpc is None:
-            from lineage.audit.query import open_ledger
-
-            with open_ledger(self.run_dir, self.record, writable=writable) as ledger:  # type: ignore[arg-type]
-                if self.chain_id is not None and ledger.chain.chain_id != self.chain_id:  # --chain-id wins
-                    from lineage.errors import ChainError
-
-                    raise ChainError(f"wrong chain id: the chain of {self.run_dir} has id {ledger.chain.chain_id}, "
-                                     f"not {self.chain_id}")
-                yield ledger
-            return
-        chain = Chain(self.rpc, self.chain_id)
-        registry, ledger = self.registry, self.ledger
-        if registry is None and ledger is None:
-            raise _config_error("no contract addresses: pass --ledger (or --registry), --run-dir, --stack, "
-                                "or set DLX_LEDGER")
-        if registry is None:
-            registry = _call(chain.contract("TrainingLedger", ledger).functions.registry(), "ledger", ledger)
-        if ledger is None:
-            ledger = _call(chain.contract("NodeRegistry", registry).functions.ledger(), "registry", registry)
-        # A registry no ledger is bound to yet still serves the node commands; its Ledger
-        # object then points its ledger half at the registry, and `node_status` knows.
-        yield Ledger(chain, registry, registry if ledger == ZERO_ADDRESS else ledger)
-
-
-def _call(fn: Any, what: str, where: str) -> str:
-    from web3.exceptions import Web3Exception
-
-    from lineage.errors import ChainError
-
-    try:
-        return str(fn.call())
-    except (Web3Exception, ValueError):
-        raise ChainError(f"no {what} contract answers at {where}") from None
-
+# -- the chain -----------------------------------------------------------------------------
 
 def chain_time(ledger: Any) -> int:
     """The latest block's timestamp: the clock the contracts' delays run on."""
@@ -253,136 +146,144 @@ def _when(ts: int, now: int) -> str:
 
 # -- commands -----------------------------------------------------------------------------
 
-def register(app: typer.Typer, user_errors: Any) -> None:
+node_app = typer.Typer(name="node", no_args_is_help=True,
+                       help="A node operator's commands: register, stake, unbond, withdraw, claim, status.")
+
+
+@node_app.command("register")
+@user_errors
+def register_(
+    operator: Annotated[str | None, typer.Option("--operator", help="The operator's address (default: the operator key's, else the node itself).")] = None,
+    stake: Annotated[str | None, typer.Option("--stake", help="Also stake this much from the operator key, e.g. 1.5eth.")] = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Register the node key (DLX_NODE_KEY or DLX_KEYSTORE) for its operator."""
+    amount = parse_amount(stake) if stake else None
+    node = load_key("node")
+    payer = load_key("operator")
+    op = address(operator, "--operator") if operator else payer.address
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        if amount is not None:  # refused before the node is registered, not after
+            lg.chain.require_funds(payer.address, amount, "--stake")
+        receipt = lg.register(node, op)
+        _out(f"node {node.address} registered for operator {op} (tx {tx_of(receipt)})")
+        if amount is not None:
+            receipt = lg.stake(payer, node.address, amount)
+            _out(f"staked {fmt_wei(amount)} from {payer.address}; stake now {fmt_wei(lg.stake_of(node.address))} "
+                 f"(tx {tx_of(receipt)})")
+
+
+@node_app.command("stake")
+@user_errors
+def stake_(
+    amount: Annotated[str, typer.Option("--amount", help="How much to add, with its unit: 1.5eth, 2gwei, 10wei.")],
+    node: NodeOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Add stake behind a node, paid by the operator key (anyone may stake for a node)."""
+    wei = parse_amount(amount)
+    payer = load_key("operator")
+    target = _target(node)
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        receipt = lg.stake(payer, target, wei)
+        _out(f"staked {fmt_wei(wei)} behind {target} from {payer.address}; stake now "
+             f"{fmt_wei(lg.stake_of(target))} (tx {tx_of(receipt)})")
+
+
+@node_app.command("unbond")
+@user_errors
+def unbond_(
+    node: NodeOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Unbond all of a node's stake (the operator key signs); the node stops attesting."""
+    operator = load_key("operator")
+    target = _target(node)
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        receipt = lg.unbond(operator, target)
+        amount, release_at = lg.unbonding_of(target)
+        _out(f"unbonding {fmt_wei(amount)} of {target}: withdrawable from "
+             f"{_when(release_at, chain_time(lg))} (tx {tx_of(receipt)})")
+
+
+@node_app.command("withdraw")
+@user_errors
+def withdraw_(
+    node: NodeOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Pay a node's unbonded stake to its operator, once the unbonding delay has passed."""
+    from web3.logs import DISCARD
+
+    operator = load_key("operator")
+    target = _target(node)
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        receipt = lg.withdraw(operator, target)
+        paid = sum(int(e["args"]["amount"]) for e in
+                   lg.registry.events.Withdrawn().process_receipt(receipt, errors=DISCARD))
+        _out(f"withdrew {fmt_wei(paid)} of {target} to {operator.address} (tx {tx_of(receipt)})")
+
+
+@node_app.command("claim")
+@user_errors
+def claim_(
+    as_operator: Annotated[bool, typer.Option("--operator", help="Claim the operator key's credit, not the node key's.")] = False,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Claim a key's credit: rewards, refunded challenge bonds, slash shares."""
+    account = load_key("operator" if as_operator else "node")
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        credit = lg.credit_of(account.address)
+        receipt = lg.claim(account)
+        _out(f"claimed {fmt_wei(credit)} to {account.address} (tx {tx_of(receipt)})")
+
+
+@node_app.command("status")
+@user_errors
+def status_(
+    node: NodeOpt = None,
+    as_json: JsonOpt = False,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """A node's stake, unbonding stake and release time, open challenges and credit."""
+    target = _target(node)
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect() as lg:
+        doc = node_status(lg, target)
+    if as_json:
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    _out(f"node        {doc['node']} on chain {doc['chain_id']}, registry {doc['registry']}")
+    if not doc["registered"]:
+        _out("registered  no")
+        return
+    _out(f"operator    {doc['operator']}")
+    _out(f"stake       {fmt_wei(int(doc['stake_wei']))}")
+    unb = doc["unbonding"]
+    if int(unb["amount_wei"]):
+        _out(f"unbonding   {fmt_wei(int(unb['amount_wei']))}, withdrawable from {_when(unb['release_at'], doc['time'])}")
+    else:
+        _out("unbonding   none")
+    open_ids = ", ".join(f"#{c['id']} (run {c['run']}, step {c['step']})" for c in doc["challenges"] if not c["resolved"])
+    _out(f"challenges  {doc['open_challenges']} open" + (f": {open_ids}" if open_ids else ""))
+    _out(f"credit      node {fmt_wei(int(doc['credit_wei']['node']))}, "
+         f"operator {fmt_wei(int(doc['credit_wei']['operator']))}")
+
+
+def register(app: typer.Typer) -> None:
     """Add `dlx node ...` to the `dlx` app."""
-    node_app = typer.Typer(name="node", no_args_is_help=True,
-                           help="A node operator's commands: register, stake, unbond, withdraw, claim, status.")
     app.add_typer(node_app, name="node")
-
-    @node_app.command("register")
-    @user_errors
-    def register_(
-        operator: Annotated[str | None, typer.Option("--operator", help="The operator's address (default: the operator key's, else the node itself).")] = None,
-        stake: Annotated[str | None, typer.Option("--stake", help="Also stake this much from the operator key, e.g. 1.5eth.")] = None,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """Register the node key (DLX_NODE_KEY or DLX_KEYSTORE) for its operator."""
-        amount = parse_amount(stake) if stake else None
-        node = load_key("node")
-        payer = load_key("operator")
-        op = address(operator, "--operator") if operator else payer.address
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect(writable=True) as lg:
-            if amount is not None:  # refused before the node is registered, not after
-                lg.chain.require_funds(payer.address, amount, "--stake")
-            receipt = lg.register(node, op)
-            _out(f"node {node.address} registered for operator {op} (tx {tx_of(receipt)})")
-            if amount is not None:
-                receipt = lg.stake(payer, node.address, amount)
-                _out(f"staked {fmt_wei(amount)} from {payer.address}; stake now {fmt_wei(lg.stake_of(node.address))} "
-                     f"(tx {tx_of(receipt)})")
-
-    @node_app.command("stake")
-    @user_errors
-    def stake_(
-        amount: Annotated[str, typer.Option("--amount", help="How much to add, with its unit: 1.5eth, 2gwei, 10wei.")],
-        node: NodeOpt = None,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """Add stake behind a node, paid by the operator key (anyone may stake for a node)."""
-        wei = parse_amount(amount)
-        payer = load_key("operator")
-        target = _target(node)
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect(writable=True) as lg:
-            receipt = lg.stake(payer, target, wei)
-            _out(f"staked {fmt_wei(wei)} behind {target} from {payer.address}; stake now "
-                 f"{fmt_wei(lg.stake_of(target))} (tx {tx_of(receipt)})")
-
-    @node_app.command("unbond")
-    @user_errors
-    def unbond_(
-        node: NodeOpt = None,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """Unbond all of a node's stake (the operator key signs); the node stops attesting."""
-        operator = load_key("operator")
-        target = _target(node)
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect(writable=True) as lg:
-            receipt = lg.unbond(operator, target)
-            amount, release_at = lg.unbonding_of(target)
-            _out(f"unbonding {fmt_wei(amount)} of {target}: withdrawable from "
-                 f"{_when(release_at, chain_time(lg))} (tx {tx_of(receipt)})")
-
-    @node_app.command("withdraw")
-    @user_errors
-    def withdraw_(
-        node: NodeOpt = None,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """Pay a node's unbonded stake to its operator, once the unbonding delay has passed."""
-        from web3.logs import DISCARD
-
-        operator = load_key("operator")
-        target = _target(node)
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect(writable=True) as lg:
-            receipt = lg.withdraw(operator, target)
-            paid = sum(int(e["args"]["amount"]) for e in
-                       lg.registry.events.Withdrawn().process_receipt(receipt, errors=DISCARD))
-            _out(f"withdrew {fmt_wei(paid)} of {target} to {operator.address} (tx {tx_of(receipt)})")
-
-    @node_app.command("claim")
-    @user_errors
-    def claim_(
-        as_operator: Annotated[bool, typer.Option("--operator", help="Claim the operator key's credit, not the node key's.")] = False,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """Claim a key's credit: rewards, refunded challenge bonds, slash shares."""
-        account = load_key("operator" if as_operator else "node")
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect(writable=True) as lg:
-            credit = lg.credit_of(account.address)
-            receipt = lg.claim(account)
-            _out(f"claimed {fmt_wei(credit)} to {account.address} (tx {tx_of(receipt)})")
-
-    @node_app.command("status")
-    @user_errors
-    def status_(
-        node: NodeOpt = None,
-        as_json: JsonOpt = False,
-        rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-        run_dir: RunDirOpt = None, stack: StackOpt = None,
-    ) -> None:
-        """A node's stake, unbonding stake and release time, open challenges and credit."""
-        target = _target(node)
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
-        with ep.connect() as lg:
-            doc = node_status(lg, target)
-        if as_json:
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
-            return
-        _out(f"node        {doc['node']} on chain {doc['chain_id']}, registry {doc['registry']}")
-        if not doc["registered"]:
-            _out("registered  no")
-            return
-        _out(f"operator    {doc['operator']}")
-        _out(f"stake       {fmt_wei(int(doc['stake_wei']))}")
-        unb = doc["unbonding"]
-        if int(unb["amount_wei"]):
-            _out(f"unbonding   {fmt_wei(int(unb['amount_wei']))}, withdrawable from {_when(unb['release_at'], doc['time'])}")
-        else:
-            _out("unbonding   none")
-        open_ids = ", ".join(f"#{c['id']} (run {c['run']}, step {c['step']})" for c in doc["challenges"] if not c["resolved"])
-        _out(f"challenges  {doc['open_challenges']} open" + (f": {open_ids}" if open_ids else ""))
-        _out(f"credit      node {fmt_wei(int(doc['credit_wei']['node']))}, "
-             f"operator {fmt_wei(int(doc['credit_wei']['operator']))}")
 
 
 def node_status(lg: Any, node: str) -> dict[str, Any]:

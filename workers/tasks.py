@@ -190,6 +190,28 @@ class Heartbeat:
             self._beat(final_ttl_s)
 
 
+def _rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
+                world: int) -> tuple[dict[int, str], str] | None:
+    """Join the job's rendezvous and wait for all `world` rank slots and rank 0's store
+    address; returns (ticket -> node address, the store's host:port), or None when the
+    job ended meanwhile. Rank 0 publishes the address of the TCPStore it will host."""
+    store.join(job_id, attempt, rank, me.address)
+    if rank == 0:
+        store.publish_store_address(job_id, attempt, f"{me.host}:{_store_port(me.host)}")
+    deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
+    while True:
+        joined = store.joined(job_id, attempt)
+        address = store.store_address(job_id, attempt)
+        if len(joined) >= world and address:
+            return joined, address
+        if store.state(job_id) in TERMINAL:
+            return None
+        if time.monotonic() > deadline:
+            raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
+                           f"{len(joined)} joined within {rec.get('rendezvous_s', 60)} s")
+        time.sleep(POLL_S)
+
+
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
          beat: Heartbeat) -> dict[str, Any]:
     from trainer.config import load_job
@@ -199,21 +221,10 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), JobFile)
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
-    store.join(job_id, attempt, rank, me.address)
-    if rank == 0:
-        store.publish_store_address(job_id, attempt, f"{me.host}:{_store_port(me.host)}")
-    deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
-    while True:
-        joined = store.joined(job_id, attempt)
-        address = store.store_address(job_id, attempt)
-        if len(joined) >= world and address:
-            break
-        if store.state(job_id) in TERMINAL:
-            return {"rank": rank, "skipped": True}
-        if time.monotonic() > deadline:
-            raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
-                           f"{len(joined)} joined within {rec.get('rendezvous_s', 60)} s")
-        time.sleep(POLL_S)
+    met = _rendezvous(store, job_id, rank, attempt, rec, me, world)
+    if met is None:
+        return {"rank": rank, "skipped": True}
+    joined, address = met
     by_ticket = [joined[i] for i in range(world)]  # liveness is kept per task (ticket)
     order = replica_aligned(joined, job.parallel.replicas, job.parallel.stages)
     slot = order.index(rank)  # the rank this task trains and attests
@@ -249,12 +260,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
         while True:
             if time.monotonic() - last_check > HEARTBEAT_S:
                 last_check = time.monotonic()
-                if beat.usurped:
-                    raise JobError(f"rank {rank} ({me.address}): another task took over this rank's lease")
-                lost = [r for r in store.lost_ranks(job_id, attempt, world) if r != rank]
-                if lost and beat.trusted:  # asked after the read: it may have waited out an outage
-                    who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
-                    raise JobError(f"lost {who}: its worker stopped answering; the round failed")
+                _check_peers(store, job_id, attempt, rank, me, beat, order, by_ticket)
             event = sup.next_event(POLL_S)
             if event is None:
                 _attest_pending(store, job_id, attempt, slot, me, pending, rec)
@@ -275,39 +281,59 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
                 step, contribution = payload
                 pending[step] = contribution
                 _attest_pending(store, job_id, attempt, slot, me, pending, rec)
-            elif kind == "genesis" and sink is not None:
-                sink.on_genesis(payload)
-            elif kind == "step" and sink is not None:
-                sink.on_step(payload)
-                summary = {"step": payload.step, "head": sink.record.head, "eval_loss": payload.metrics.get("eval_loss"),
-                           "bytes_sent": payload.metrics.get("bytes_sent", 0)}
-                # step_N: each step's summary stays, so `dlx status --follow` misses none.
-                store.update(job_id, run_id=sink.record.run_id, **summary, **{f"step_{payload.step}": summary})
-            elif kind == "progress" and sink is not None:
-                sink.on_progress(payload)  # metrics.jsonl, trackers, divergence
-                store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
-                             loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps,
-                             lr=payload.lr, tokens_per_s=payload.tokens_per_s, eta_s=payload.eta_s)
-            elif kind == "cancelled":
-                beat.stop(final_ttl_s=3600)  # ended, not lost: peers may still be finishing the step
-                # Steps gathered before the stop still get committed: attest them first.
-                while pending:
-                    _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
-                if rank == 0:
-                    store.finish(job_id, "cancelled")
-                return {"rank": rank, "state": "cancelled"}
+            elif kind in ("genesis", "step", "progress") and sink is not None:
+                _report(store, job_id, sink, kind, payload)
             elif kind == "error":
                 raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me, str(payload)))
-            elif kind == "done":
-                beat.stop(final_ttl_s=3600)  # finished ranks are never "lost"
-                while pending:
-                    _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
-                if rank == 0:
-                    store.finish(job_id, "completed")
-                return {"rank": rank, "state": "completed"}
+            elif kind in ("cancelled", "done"):
+                return _finish(store, job_id, attempt, rank, slot, me, pending, rec, beat,
+                               "cancelled" if kind == "cancelled" else "completed")
     finally:
         sup.close(kill=True)
         _GPUS.give(gpu)
+
+
+def _check_peers(store: JobStore, job_id: str, attempt: int, rank: int, me: NodeIdentity, beat: Heartbeat,
+                 order: list[int], by_ticket: list[str]) -> None:
+    """Fail the round when another task took this rank's lease or a peer rank stopped
+    answering (once Redis has been reachable long enough to trust a missing lease)."""
+    if beat.usurped:
+        raise JobError(f"rank {rank} ({me.address}): another task took over this rank's lease")
+    lost = [r for r in store.lost_ranks(job_id, attempt, len(by_ticket)) if r != rank]
+    if lost and beat.trusted:  # asked after the read: it may have waited out an outage
+        who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
+        raise JobError(f"lost {who}: its worker stopped answering; the round failed")
+
+
+def _report(store: JobStore, job_id: str, sink: Any, kind: str, payload: Any) -> None:
+    """Rank 0: hand a genesis, step or progress event to the sink, and the job's record."""
+    if kind == "genesis":
+        sink.on_genesis(payload)
+    elif kind == "step":
+        sink.on_step(payload)
+        summary = {"step": payload.step, "head": sink.record.head, "eval_loss": payload.metrics.get("eval_loss"),
+                   "bytes_sent": payload.metrics.get("bytes_sent", 0)}
+        # step_N: each step's summary stays, so `dlx status --follow` misses none.
+        store.update(job_id, run_id=sink.record.run_id, **summary, **{f"step_{payload.step}": summary})
+    else:
+        sink.on_progress(payload)  # metrics.jsonl, trackers, divergence
+        store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
+                     loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps,
+                     lr=payload.lr, tokens_per_s=payload.tokens_per_s, eta_s=payload.eta_s)
+
+
+def _finish(store: JobStore, job_id: str, attempt: int, rank: int, slot: int, me: NodeIdentity,
+            pending: dict[int, Any], rec: dict[str, Any], beat: Heartbeat, state: str) -> dict[str, Any]:
+    """The rank's training process ended (`completed`) or stopped on a cancel (`cancelled`):
+    stop beating, leaving one long beat (ended, not lost: peers may still be finishing the
+    step), attest the steps gathered before the end so they still get committed, and let
+    rank 0 record the job's end."""
+    beat.stop(final_ttl_s=3600)
+    while pending:
+        _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
+    if rank == 0:
+        store.finish(job_id, state)
+    return {"rank": rank, "state": state}
 
 
 class GpuPool:

@@ -1,0 +1,248 @@
+"""The evidence behind a challenge or an equivocation report, and the checks an arbiter
+runs before signing a verdict.
+
+A replay challenge's evidence is content-addressed: the replayed contribution as a UnixFS
+file and a DAG-CBOR node `{version, kind: "replay-mismatch", run, step, node, replica,
+stage, checkpoint, claimed, replayed, rel_l2, tolerance, chainId, ledger}` (CIDs as
+links) whose digest goes on chain, so an arbiter can fetch both contributions and replay
+the same round. An aggregate challenge's node is `{version, kind: "aggregate-mismatch",
+run, step, stage, checkpoint, cosigned, failure, chainId, ledger}`: the step's outer step
+recomputed (`dlx verify`'s aggregate level) shows the co-signed shard wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import DlxError
+
+EVIDENCE_VERSION = 1
+
+
+class AuditError(DlxError, ValueError):
+    """An audit command was asked for something the chain or the store contradicts."""
+
+
+def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: float) -> list[Any]:
+    """`lineage.audit.replay.replay_checkpoint` for `replicas` of `checkpoint`."""
+    try:
+        from .replay import replay_checkpoint
+    except ImportError:
+        raise AuditError("replay is not available in this installation (lineage/replay.py)") from None
+    return list(replay_checkpoint(store, checkpoint, replicas=replicas, tolerance=tolerance))
+
+
+def differs(stage_replay: Any, tolerance: float) -> bool:
+    """Whether a replayed stage contradicts its claim: a failed state check (its start
+    weights are no committed checkpoint's, say), any byte at tolerance 0, otherwise a
+    relative L2 difference above the tolerance."""
+    if getattr(stage_replay, "reason", ""):
+        return True
+    if stage_replay.exact:
+        return False
+    return tolerance == 0 or not stage_replay.rel_l2 <= tolerance  # NaN differs
+
+
+def _replayed(replays: list[Any]) -> list[Any]:
+    """`replays`, refusing any round that could not be replayed at all (nothing to judge)."""
+    for rr in replays:
+        if getattr(rr, "error", ""):
+            raise AuditError(f"cannot replay step {rr.step} replica {rr.replica}: {rr.error}")
+    return replays
+
+
+def store_evidence(store: Any, *, run_id: int, step: int, node: str, replica: int, stage: int,
+                   checkpoint: Any, claimed: Any, stage_replay: Any, tolerance: float,
+                   chain_id: int, ledger: str) -> Any:
+    """Store the replayed contribution and the evidence node; returns the evidence CID."""
+    import dag_cbor
+
+    from lineage.store.cid import DAG_CBOR, parse_cid
+    from lineage.store.unixfs import import_bytes
+
+    replayed = import_bytes(stage_replay.replayed_bytes, store.put).cid
+    if stage_replay.replayed and parse_cid(stage_replay.replayed) != replayed:
+        raise AuditError(f"the replay reports contribution {stage_replay.replayed} but its bytes hash to {replayed}")
+    rel = float(stage_replay.rel_l2)
+    node_doc = {
+        "version": EVIDENCE_VERSION, "kind": "replay-mismatch", "run": run_id, "step": step,
+        "node": node, "replica": replica, "stage": stage, "checkpoint": checkpoint,
+        "claimed": claimed, "replayed": replayed, "rel_l2": rel if math.isfinite(rel) else None,
+        "tolerance": float(tolerance), "chainId": chain_id, "ledger": ledger,
+    }
+    if getattr(stage_replay, "reason", ""):
+        node_doc["reason"] = stage_replay.reason
+    return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
+
+
+def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
+    """The evidence node whose digest a challenge carries (re-hashed on read)."""
+    import dag_cbor
+
+    from lineage.store.cid import DAG_CBOR, cid_from_digest
+
+    if digest == bytes(32):
+        raise AuditError("the challenge carries no evidence")
+    cid = cid_from_digest(digest, DAG_CBOR)
+    doc = dag_cbor.decode(store.get(cid))
+    if not isinstance(doc, dict) or doc.get("kind") != "replay-mismatch":
+        raise AuditError(f"evidence {cid} is not a replay-mismatch record")
+    return doc
+
+
+def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, step: int, node: str,
+                          replays: list[Any], tolerance: float, bond: int | None) -> dict[str, Any]:
+    """Turn `replays` of `node`'s slots at `step` into an on-chain challenge against the
+    first slot whose replay contradicts the claim; returns what was done."""
+    from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
+    from lineage.store.manifest import get_manifest
+
+    record = step_record(lg, run_id, step)
+    slots = slots_of(record, node)
+    checkpoint = cid_from_digest(record.checkpoint, DAG_CBOR)
+    manifest = get_manifest(store, checkpoint)
+    bad = [(rr.replica, st) for rr in _replayed(replays) for st in rr.stages
+           if (rr.replica, st.stage) in slots and differs(st, tolerance)]
+    if not bad:
+        raise AuditError("replay matches the claim; nothing to challenge")
+    replica, st = bad[0]
+    if bond is None:
+        bond = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
+    evidence = store_evidence(
+        store, run_id=run_id, step=step, node=node, replica=replica, stage=st.stage, checkpoint=checkpoint,
+        claimed=manifest.contributions[replica][st.stage], stage_replay=st, tolerance=tolerance,
+        chain_id=lg.chain.chain_id, ledger=lg.ledger.address)
+    challenge_id, tx = lg.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica,
+                                            stage=st.stage, bond=bond, evidence=digest_of(evidence))
+    return {"challenge": challenge_id, "run": run_id, "step": step, "node": node, "replica": replica,
+            "stage": st.stage, "rel_l2": st.rel_l2, "evidence": str(evidence), "bond_wei": str(bond),
+            "challenger": challenger.address, "tx": tx,
+            "mismatched_slots": [[r, s.stage] for r, s in bad]}
+
+
+def step_record(lg: Any, run_id: int, step: int) -> Any:
+    for rec in lg.steps(run_id):
+        if rec.step == step:
+            return rec
+    raise AuditError(f"run {run_id} has no step {step} on its current chain")
+
+
+def aggregate_failure(run_dir: Path, step: int, stage: int, rpc: str | None = None) -> str:
+    """Recompute the outer steps of the run in `run_dir` from the parent shards and the
+    published contributions (`dlx verify`'s aggregate level) and return step `step`'s
+    failure if it shows that stage `stage`'s committed shard, the one its replicas co-signed,
+    is not the aggregate; else an AuditError saying why there is nothing to challenge."""
+    from .verify import verify_run
+
+    for sr in verify_run(run_dir, rpc, levels=("aggregate",)).steps:
+        if sr.step != step:
+            continue
+        failure = sr.failures.get("aggregate")
+        if failure is None:
+            raise AuditError(f"step {step}: the recomputed outer step gives every committed shard; nothing to challenge")
+        if not failure.startswith(f"stage {stage}: recomputed shard differs"):
+            raise AuditError(f"step {step}: {failure} (it does not show stage {stage}'s shard wrong)")
+        return failure
+    raise AuditError(f"the run in {run_dir} has no step {step} on its current chain")
+
+
+def store_aggregate_evidence(store: Any, *, run_id: int, step: int, stage: int, checkpoint: Any, cosigned: bytes,
+                             failure: str, chain_id: int, ledger: str) -> Any:
+    """Store the evidence node of an aggregate challenge; returns its CID."""
+    import dag_cbor
+
+    from lineage.store.cid import DAG_CBOR
+
+    node_doc = {"version": EVIDENCE_VERSION, "kind": "aggregate-mismatch", "run": run_id, "step": step,
+                "stage": stage, "checkpoint": checkpoint, "cosigned": cosigned, "failure": failure,
+                "chainId": chain_id, "ledger": ledger}
+    return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
+
+
+def check_vote_by_recompute(run_dir: Path | None, rpc: str | None, challenge: dict[str, Any], upheld: bool) -> str:
+    """For an aggregate challenge: recompute the challenged step's outer step from the run
+    in `run_dir`; refuse a verdict the result contradicts. Returns a one-line account."""
+    if run_dir is None:
+        raise AuditError("--recompute needs --run-dir: the run whose outer step is recomputed")
+    try:
+        failure = aggregate_failure(run_dir, int(challenge["step"]), int(challenge["stage"]), rpc)
+    except AuditError as exc:
+        if upheld:
+            raise AuditError(f"the recomputed outer step contradicts upholding: {exc}") from None
+        return f"recomputed: {exc}"
+    if not upheld:
+        raise AuditError(f"the recomputed outer step contradicts dismissing: {failure}")
+    return f"recomputed: {failure}"
+
+
+def slots_of(record: Any, node: str) -> set[tuple[int, int]]:
+    slots = {(int(a["replica"]), int(a["stage"])) for a in record.attestations if a["node"].lower() == node.lower()}
+    if not slots:
+        raise AuditError(f"node {node} attested no slot of step {record.step}")
+    return slots
+
+
+def check_vote_by_replay(lg: Any, store: Any, challenge: dict[str, Any], upheld: bool, tolerance: float) -> str:
+    """Replay the challenged slot from the evidence's checkpoint; refuse a verdict the
+    replay contradicts. Returns a one-line account of the replay."""
+    from lineage.store.cid import digest_of, parse_cid
+
+    ev = load_evidence(store, challenge["evidence"])
+    for key, want in (("run", challenge["runId"]), ("step", challenge["step"]), ("replica", challenge["replica"]),
+                      ("stage", challenge["stage"])):
+        if ev.get(key) != want:
+            raise AuditError(f"the evidence's {key} is {ev.get(key)}, the challenge's {want}")
+    checkpoint = parse_cid(ev["checkpoint"])
+    commits = {(c.record.step, c.record.checkpoint) for c in lg.commits(challenge["runId"])}
+    if (challenge["step"], digest_of(checkpoint)) not in commits:
+        raise AuditError(f"the evidence's checkpoint {checkpoint} is no commit of run {challenge['runId']} "
+                         f"step {challenge['step']}")
+    (rr,) = _replayed(replay_slots(store, checkpoint, [challenge["replica"]], tolerance))
+    (st,) = [s for s in rr.stages if s.stage == challenge["stage"]]
+    bad = differs(st, tolerance)
+    account = (f"replay of replica {rr.replica} stage {st.stage}: "
+               f"{'differs from' if bad else 'matches'} the claim (relative L2 {st.rel_l2:.3g}"
+               + (f"; {st.reason}" if getattr(st, "reason", "") else "") + ")")
+    if upheld and not bad:
+        raise AuditError(f"{account}: refusing to sign an uphold")
+    if not upheld and bad:
+        raise AuditError(f"{account}: refusing to sign a dismissal")
+    return account
+
+
+def check_equivocation(a: Any, b: Any) -> tuple[str, bool]:
+    """The node that signed both claims, if they prove an equivocation, and whether it is one
+    on the result (two co-signed shards for one stage, any replicas; ledger version 2) rather
+    than on a slot's contribution; else a clear error."""
+    if a.domain != b.domain:
+        raise AuditError(f"the claims are for different ledgers: chain {a.domain.chain_id} "
+                         f"{a.domain.verifying_contract} and chain {b.domain.chain_id} {b.domain.verifying_contract}")
+    ca, cb = a.claim, b.claim
+    cosigned = a.domain.version != "1" and ca.new_shard != cb.new_shard
+    for name in ("run_id", "step", "stage") if cosigned else ("run_id", "step", "replica", "stage"):
+        if getattr(ca, name) != getattr(cb, name):
+            raise AuditError(f"the claims are for different slots: {name} {getattr(ca, name)} and {getattr(cb, name)}")
+    if ca.parent != cb.parent:
+        raise AuditError("the claims build on different parents: re-attesting after a rollback is no equivocation")
+    result = cosigned and (ca.contribution == cb.contribution or ca.replica != cb.replica)
+    if ca.contribution == cb.contribution and not result:
+        raise AuditError(f"both claims carry contribution 0x{ca.contribution.hex()}: no equivocation")
+    signer_a, signer_b = a.recover(), b.recover()
+    if signer_a != signer_b:
+        raise AuditError(f"the claims are signed by different keys: {signer_a} and {signer_b}")
+    return signer_a, result
+
+
+def report_equivocation(lg: Any, reporter: Any, a: Any, b: Any, result: bool) -> tuple[int, str]:
+    """Submit two signed claims `check_equivocation` accepted as the proof; returns (the
+    amount slashed in wei, the transaction hash). `result`: an equivocation on the co-signed
+    shard rather than on a slot's contribution."""
+    from lineage.chain.ledger import Attestation
+
+    atts = [Attestation(x.claim.replica, x.claim.stage, x.claim.contribution, x.claim.data_shard,
+                        x.claim.code_hash, x.claim.loss_micros, x.signature, x.claim.new_shard) for x in (a, b)]
+    c = a.claim
+    report = lg.report_result_equivocation if result else lg.report_equivocation_tx
+    return report(reporter, run_id=c.run_id, step=c.step, parent=c.parent, a=atts[0], b=atts[1])
