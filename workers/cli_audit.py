@@ -134,32 +134,7 @@ def show(
 ) -> None:
     """The commits of a run (status pending/finalized/rejected, signers, contributions,
     metrics, transaction) or the ancestors of one checkpoint, with the run's configuration."""
-    from lineage.audit import query
-
-    if target is None and run_dir is None:
-        raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
-    if target is None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
-        result = query.run_lineage(run_dir, rpc)  # type: ignore[arg-type]
-    else:  # flags win over run.json (README): read through the endpoint they name
-        cid = None
-        if target is not None and not target.isdigit():
-            from lineage.store.cid import parse_cid
-
-            try:
-                cid = parse_cid(target)
-            except ValueError:
-                raise AuditError(f"{target!r} is neither a run id nor a CID") from None
-        ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
-                              run_dir=run_dir, stack=stack)
-        if target is None:  # the run in --run-dir
-            target = str(ep.record.run_id)  # type: ignore[union-attr]
-        blocks = endpoint_blocks(ep, store, ipfs_api)
-        with ep.connect() as lg:
-            if cid is None:
-                name = ep.record.name if ep.record and ep.record.run_id == int(target) else None
-                result = query.ledger_lineage(lg, blocks, int(target), name=name)
-            else:
-                result = query.checkpoint_lineage(lg, blocks, cid)
+    result = _lineage(target, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api)
     doc = result.as_json()
     if html is not None:
         from lineage.audit.report import render_html
@@ -191,6 +166,38 @@ def show(
     out.print(table)
     if html is not None:
         out.print(f"report written to {html}")
+
+
+def _lineage(target: str | None, run_dir: Path | None, rpc: str | None, chain_id: int | None,
+             registry: str | None, ledger: str | None, stack: Path | None, store: Path | None,
+             ipfs_api: str | None) -> Any:
+    """`dlx lineage show`'s query: the run in --run-dir read as it recorded itself, or a run
+    id or checkpoint CID read through the endpoint the options name (flags win over run.json)."""
+    from lineage.audit import query
+
+    if target is None and run_dir is None:
+        raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
+    if target is None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
+        return query.run_lineage(run_dir, rpc)  # type: ignore[arg-type]
+    # flags win over run.json (README): read through the endpoint they name
+    cid = None
+    if target is not None and not target.isdigit():
+        from lineage.store.cid import parse_cid
+
+        try:
+            cid = parse_cid(target)
+        except ValueError:
+            raise AuditError(f"{target!r} is neither a run id nor a CID") from None
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
+                          run_dir=run_dir, stack=stack)
+    if target is None:  # the run in --run-dir
+        target = str(ep.record.run_id)  # type: ignore[union-attr]
+    blocks = endpoint_blocks(ep, store, ipfs_api)
+    with ep.connect() as lg:
+        if cid is None:
+            name = ep.record.name if ep.record and ep.record.run_id == int(target) else None
+            return query.ledger_lineage(lg, blocks, int(target), name=name)
+        return query.checkpoint_lineage(lg, blocks, cid)
 
 
 @lineage_app.command("compare")
