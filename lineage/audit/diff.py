@@ -104,6 +104,7 @@ def _shard(store: Any, manifest: Manifest, stage: int) -> dict[str, np.ndarray]:
 def _change(stage: int, name: str, a: np.ndarray | None, b: np.ndarray | None) -> TensorChange:
     if a is None or b is None:
         t = b if a is None else a
+        assert t is not None, "a tensor diffed is in at least one of the shards"
         norm = float(np.linalg.norm(t.astype(np.float64).ravel()))
         return TensorChange(stage, name, list(t.shape), norm, math.inf if a is None else 1.0,
                             float(np.abs(t).max()) if t.size else 0.0, "added" if a is None else "removed")

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import dag_cbor
 from multiformats import CID
@@ -43,8 +43,9 @@ def open_ledger(run_dir: Path, record: RunRecord, rpc: str | None = None, *,
     """Connect to the run's chain; for an embedded chain, start anvil on its state file:
     on a copy to read, or on the file itself (`writable`), which anvil rewrites at exit so
     transactions sent meanwhile stay in the run's chain."""
-    if rpc or record.rpc:
-        yield Ledger(Chain(rpc or record.rpc, record.chain_id), record.registry, record.ledger)
+    url = rpc or record.rpc
+    if url:
+        yield Ledger(Chain(url, record.chain_id), record.registry, record.ledger)
         return
     state = run_dir / (record.chain_state or "")
     if not record.chain_state or not state.exists():
@@ -204,12 +205,13 @@ def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> dict
 
 
 def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None,
-          manifest: Manifest | None | bool = None) -> LineageStep:
+          manifest: Manifest | Literal[False] | None = None) -> LineageStep:
     """One step: its manifest (re-hashed against the checkpoint CID; `False`: not in the
     store, so no metrics or contribution CIDs) and, if it was committed, the chain's record."""
     if manifest is None:
         manifest = get_manifest(store, checkpoint)
     if commit is None:
+        assert isinstance(manifest, Manifest), "an uncommitted step is a checkpoint in the store"
         contributions = [{"replica": r, "stage": s, "node": None, "cid": str(cid), "loss": None,
                           "data_shard": "0x" + manifest.data[r].hex() if r < len(manifest.data) else None}
                          for r, row in enumerate(manifest.contributions) for s, cid in enumerate(row)]

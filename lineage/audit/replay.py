@@ -188,6 +188,8 @@ def _prepare(store: Any, checkpoint: str, replica: int, tolerance: float, manife
         p.manifest = m
         p.reasons = _check_start_weights(store, m, p.starts, job, replica, manifests)
         if job.outer.rule == "partial":  # the round merged, and measured from, step t-1's shard
+            if m.parent is None:  # a malformed manifest: a step past the genesis links its parent
+                raise ValueError(f"step {m.step} links no parent manifest")
             p.outer = [read_bytes(store, _manifest(store, m.parent, manifests).stages[s]) for s in range(S)]
     except _Skip as exc:
         p.result.error = str(exc)

@@ -116,9 +116,10 @@ class _Fail(Exception):
     pass
 
 
-def _check(cond: bool, reason: str | Callable[[], str]) -> None:
+def _check(cond: bool, reason: str | Callable[..., str]) -> None:
     """Fail with `reason`; pass a lambda where it names a CID: multiformats takes about a
-    millisecond to print one, and an honest run never shows the message."""
+    millisecond to print one, and an honest run never shows the message. The lambda is
+    called with no arguments (`...`: its defaults bind a loop's current values)."""
     if not cond:
         raise _Fail(reason if isinstance(reason, str) else reason())
 

@@ -66,7 +66,7 @@ def _abi_type(item: dict[str, Any]) -> str:
     return item["type"]
 
 
-def decode_revert(data: str | bytes | None, context: str = "") -> ChainError:
+def decode_revert(data: str | bytes | dict[str, str] | None, context: str = "") -> ChainError:
     """Turn revert data into a ChainRevertError naming the custom error (or a ChainError)."""
     if isinstance(data, dict):
         data = data.get("data")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from eth_account.signers.local import LocalAccount
+from eth_typing import HexStr
 from eth_utils import to_checksum_address
 from web3.exceptions import Web3Exception
 from web3.logs import DISCARD
@@ -366,12 +367,13 @@ class Ledger:
             try:
                 with w3.batch_requests() as requests:
                     for tx in chunk:
-                        requests.add(w3.eth.get_transaction(tx))
+                        requests.add(w3.eth.get_transaction(HexStr(tx)))
                     txs = requests.execute()
             except (OSError, Web3Exception) as exc:
                 raise chain_failure(f"reading {len(chunk)} commit transactions", exc, self.chain.rpc_url) from None
-            for tx_hash, tx in zip(chunk, txs, strict=True):
-                _, out[tx_hash] = self.ledger.decode_function_input(tx["input"])
+            for tx_hash, txn in zip(chunk, txs, strict=True):
+                # web3 types execute() as RPCResponses; it returns each call's result (TxData)
+                _, out[tx_hash] = self.ledger.decode_function_input(txn["input"])  # type: ignore[typeddict-item]
         return out
 
     # -- stakes, slashing, challenges, finality (issue 5) ---------------------------------
@@ -494,7 +496,7 @@ class Ledger:
     def challenge(self, challenge_id: int) -> dict[str, Any]:
         """Challenge `challenge_id` as stored, plus the evidence digest of its opening event."""
         c = call_view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
-        keys = ("runId", "step", "epoch", "replica", "stage", "resolved", "aggregate", "openedAt", "node",
+        keys: tuple[str, ...] = ("runId", "step", "epoch", "replica", "stage", "resolved", "aggregate", "openedAt", "node",
                 "challenger", "bond")
         if self.version != DOMAIN_VERSION:
             keys = tuple(k for k in keys if k != "aggregate")

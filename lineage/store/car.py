@@ -43,10 +43,10 @@ def encode_header(roots: list[CID]) -> bytes:
 
 def export_car(store: BlockReader, roots: Iterable[CID | str], out: BinaryIO) -> int:
     """Write a CAR v1 of every block reachable from `roots` to `out`; returns the block count."""
-    roots = [parse_cid(r) for r in roots]
-    out.write(encode_header(roots))
+    cids = [parse_cid(r) for r in roots]
+    out.write(encode_header(cids))
     count = 0
-    for cid, block in walk(store, roots):
+    for cid, block in walk(store, cids):
         cid_bytes = bytes(cid)
         out.write(write_varint(len(cid_bytes) + len(block)))
         out.write(cid_bytes)
@@ -104,6 +104,14 @@ def _skip_varint(buf: bytes, pos: int) -> int:
     return read_varint(buf, pos)[1]
 
 
+def _root_cid(value: object) -> CID:
+    """A root listed in a CAR header as a CID; a value no CID can be read from (a number,
+    a map) fails with ValueError, as `parse_cid` fails on text that is no CID."""
+    if isinstance(value, str | bytes | CID):
+        return parse_cid(value)
+    raise ValueError(f"not a CID: {value!r}")
+
+
 def read_car(fh: BinaryIO) -> tuple[list[CID], Iterator[tuple[CID, bytes]]]:
     """The roots of a CAR and an iterator over its (CID, block) sections, each re-hashed."""
     size = _read_varint(fh, "header")
@@ -115,9 +123,10 @@ def read_car(fh: BinaryIO) -> tuple[list[CID], Iterator[tuple[CID, bytes]]]:
         header = dag_cbor.decode(_read_exact(fh, size, "the header"))
     except CBORDecodingError as exc:
         raise CarError(f"malformed CAR header: {exc}") from None
-    if not isinstance(header, dict) or header.get("version") != 1 or not isinstance(header.get("roots"), list):
+    listed = header.get("roots") if isinstance(header, dict) else None
+    if not isinstance(header, dict) or header.get("version") != 1 or not isinstance(listed, list):
         raise CarError(f"not a CAR v1 header: {header!r:.200}")
-    roots = [parse_cid(r) for r in header["roots"]]
+    roots = [_root_cid(r) for r in listed]
 
     def sections() -> Iterator[tuple[CID, bytes]]:
         while (length := _read_varint(fh, "section")) is not None:

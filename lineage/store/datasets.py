@@ -294,11 +294,11 @@ def check_stored(store: Any, record: DataRecord) -> list[str]:
             check_file(store, cid)
     except DlxError as exc:
         problems.append(f"dataset {record.dataset}: {exc}")
-    for name, cid in (("tokenizer", record.tokenizer), ("token file", record.tokens)):
-        if cid is None:
+    for name, file_cid in (("tokenizer", record.tokenizer), ("token file", record.tokens)):
+        if file_cid is None:
             continue
         try:
-            check_file(store, cid)
+            check_file(store, file_cid)
         except DlxError as exc:
-            problems.append(f"{name} {cid}: {exc}")
+            problems.append(f"{name} {file_cid}: {exc}")
     return problems

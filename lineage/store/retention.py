@@ -239,7 +239,8 @@ def plan(store: Blockstore, head: CID, hist: list[Manifest], kept: Kept, reach: 
                     if block_name(c)[0] not in keep_names and store.has(c)]
     if not doomed_roots:
         return Plan([], [], 0)
-    own = {block_name(c)[0] for c in [*(m.parent for m in hist[1:]), head]}
+    # past the genesis every manifest has a parent (`history` walked to hist[0] through them)
+    own = {block_name(c)[0] for c in [*(m.parent for m in hist[1:] if m.parent is not None), head]}
     protect = reach.blocks(keep, None, pruned)
     for roots in store.pins().values():
         if not {block_name(c)[0] for c in roots} <= own:  # another run's (or a user's) pin set

@@ -502,7 +502,8 @@ def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Itera
 
 def _read(store: BlockReader, root: CID | str, write: Callable[[bytes], Any], workers: int = 4) -> int:
     root = parse_cid(root)
-    written, sizes = 0, []
+    written = 0
+    sizes: list[int] = []  # _cat fills in the root's declared size
     for piece in _cat(store, root, workers, sizes):
         write(piece)
         written += len(piece)
