@@ -9,7 +9,7 @@ worker's job-file loader adds `chain` and `storage`); pass the subclass to `load
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, Self, TypeVar, overload
 
 from pydantic import (
     BaseModel,
@@ -592,6 +592,10 @@ class JobConfig(_Section):
     @property
     def world_size(self) -> int:
         return self.parallel.replicas * self.parallel.stages
+
+    def with_prepared(self, prepared: PreparedData) -> Self:
+        """This job, its ranks reading `prepared`'s token file (`DataConfig.with_prepared`)."""
+        return self.model_copy(update={"data": self.data.with_prepared(prepared)})
 
     def canonical_json(self) -> bytes:
         """The config as compact JSON with sorted keys: the bytes that get hashed."""

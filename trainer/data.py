@@ -177,4 +177,4 @@ def with_prepared_data(job: J) -> J:
     if job.data.prepared is not None:
         return job
     corpus = load_corpus(job.data, job.model.vocab_size)
-    return job.model_copy(update={"data": job.data.with_prepared(corpus.prepared)})
+    return job.with_prepared(corpus.prepared)

@@ -38,7 +38,7 @@ from lineage.chain.client import Chain, artifact
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.store.cid import DAG_CBOR, cid_from_digest
-from lineage.store.datasets import prepare_dataset, with_prepared
+from lineage.store.datasets import prepare_dataset
 from lineage.store.manifest import get_manifest
 from lineage.store.retention import Retention
 from lineage.store.runconfig import RunConfig
@@ -350,7 +350,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
           slot_keys: list[LocalAccount], cb: Callbacks) -> LedgerSink:
     store = record.open_store(run_dir)
     data, prepared = prepare_dataset(job.data, job.model.vocab_size, store.put)  # tokenized in preflight
-    training = with_prepared(job.training_config(), prepared)
+    training = job.training_config().with_prepared(prepared)
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     cheats = cheat.hooks(job.cheat, job)  # test-only misbehaviour, injected; None when honest

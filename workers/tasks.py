@@ -448,12 +448,12 @@ def _training_config(rec: dict[str, Any], job: Any) -> Any:
     CID from the run's store into this worker's data cache (re-hashed: a node trains on the
     data named on chain or not at all). A job queued before data records: as configured."""
     from lineage.store.blockstore import Blockstore
-    from lineage.store.datasets import DataRecord, fetch_prepared, with_prepared
+    from lineage.store.datasets import DataRecord, fetch_prepared
 
     training = job.training_config()
     if "data" not in rec:
         return training
-    return with_prepared(training, fetch_prepared(Blockstore(_blocks(rec)), DataRecord.from_doc(rec["data"])))
+    return training.with_prepared(fetch_prepared(Blockstore(_blocks(rec)), DataRecord.from_doc(rec["data"])))
 
 
 def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, training: Any,

@@ -112,14 +112,14 @@ def job_of(store: Any, config: CID | str, *, with_data: bool = True) -> Any:
     """The trainer's JobConfig from a run's config block (chain and storage sections dropped);
     `with_data`: reading the token file the block names, fetched by CID from `store` (a run
     that predates recorded data re-reads its corpus as it was configured)."""
-    from lineage.store.datasets import fetch_prepared, with_prepared
+    from lineage.store.datasets import fetch_prepared
 
     run_config = RunConfig.load(store, config)
     cfg = run_config.training_job()
     record = run_config.data if with_data else None
     if record is None:
         return cfg
-    return with_prepared(cfg, fetch_prepared(store, record))
+    return cfg.with_prepared(fetch_prepared(store, record))
 
 
 def replay_checkpoint(store: Any, checkpoint: CID | str, replicas: list[int] | None = None,

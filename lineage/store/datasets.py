@@ -45,7 +45,7 @@ from .unixfs import PutFn, import_file, read_file
 from .unixfs_dir import import_tree, read_tree
 
 __all__ = ["DataRecord", "check_shards", "check_stored", "check_tokenization", "data_cache", "fetch_prepared",
-           "prepare_dataset", "with_prepared"]
+           "prepare_dataset"]
 
 #: Bumped when the prepared cache's layout or the tokenization changes meaning.
 _CACHE_VERSION = 1
@@ -113,11 +113,6 @@ def _dtype(name: Any) -> str:
     if name not in ("uint16", "uint32"):
         raise ValueError(f"token dtype {name!r} is not uint16 or uint32")
     return str(name)
-
-
-def with_prepared(job: Any, prepared: Any) -> Any:
-    """`job` (a trainer JobConfig) reading the token file `prepared`."""
-    return job.model_copy(update={"data": job.data.model_copy(update={"prepared": prepared})})
 
 
 # -- preparing ------------------------------------------------------------------------------
