@@ -95,14 +95,22 @@ class GenesisArtifacts:
 class StepArtifacts:
     step: int  # 1-based outer step
     stages: list[StageShard]  # stage order
-    contributions: list[Contribution]  # slot order r*S + s
+    # slot order position*S + s over the step's present replicas (all R: r*S + s); each
+    # Contribution.replica is the replica id
+    contributions: list[Contribution]
     # at least eval_loss, train_loss, tokens (cumulative), inner_steps (cumulative), wall_s;
     # also (cumulative, rank 0 aggregates): bytes_sent (every rank, bytes that crossed
     # replicas), payload_bytes (this step's contributions), compute_s, rounds_wall_s,
     # compress_s, comm_wait_s, modelled_comm_s (slowest rank), peak_rss_mb (largest rank),
     # extra_memory_bytes and param_bytes (one replica), and for compressed runs rel_error,
-    # rank_mean, bits_mean, residual_norm (mean over ranks, latest step)
+    # rank_mean, bits_mean, residual_norm (mean over ranks, latest step); train_loss is the
+    # mean over the present replicas, tokens counts what the present replicas of every step
+    # trained
     metrics: dict[str, float]
+    # The replica ids whose contributions this step averages, ascending: () when all R took
+    # part (a full run's steps, as before elastic training), else the membership epoch's.
+    replicas: tuple[int, ...] = ()
+    epoch: int = 0  # the membership epoch (trainer.engine.Membership) that computed the step
 
 
 @dataclass(frozen=True)

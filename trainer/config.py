@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_serializer,
     model_validator,
@@ -202,12 +203,42 @@ class ParallelConfig(_Section):
         "the weights with zero momentum and empty contributions, not a verifiable outer step).",
     )
 
+    min_replicas: int | None = Field(
+        None, ge=1,
+        description="The fewest replicas an outer step may average (elastic training, "
+        "parallel.sync = 'diloco' only): a replica that is lost leaves the others training "
+        "while at least this many remain, and one that joins is in from a later step. Unset: "
+        "replicas (every replica in every step, a lost one fails the round).",
+    )
+
+    @field_validator("min_replicas")
+    @classmethod
+    def _valid_min_replicas(cls, value: int | None, info: ValidationInfo) -> int | None:
+        R, sync = info.data.get("replicas"), info.data.get("sync")
+        if value is None or R is None:
+            return value
+        if value > R:
+            raise ValueError(f"must be at most replicas ({R}) (got {value})")
+        if value < R and sync == "allreduce":
+            raise ValueError(f"must equal replicas ({R}) under sync = 'allreduce' (elastic "
+                             "training averages whichever replicas finished a round: DiLoCo only)")
+        return value
+
+    @property
+    def min_present(self) -> int:
+        """The fewest replicas an outer step may average: `min_replicas`, else R."""
+        return self.replicas if self.min_replicas is None else self.min_replicas
+
     @model_serializer(mode="wrap")
     def _omit_auto_device(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A job that leaves the device to `auto` dumps (and hashes) as before the field."""
+        """A job that leaves the device to `auto` and `min_replicas` unset (or at R) dumps (and
+        hashes) as before those fields."""
         data = handler(self)
-        if isinstance(data, dict) and data.get("device") == "auto":
-            del data["device"]
+        if isinstance(data, dict):
+            if data.get("device") == "auto":
+                del data["device"]
+            if data.get("min_replicas", None) in (None, self.replicas):
+                data.pop("min_replicas", None)
         return data
 
 

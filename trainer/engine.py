@@ -67,6 +67,7 @@ from trainer.transport import Transport, all_gather_bytes_sent
 __all__ = [
     "Cancelled",
     "Emit",
+    "Membership",
     "RankControl",
     "RankHooks",
     "ResumePoint",
@@ -104,12 +105,33 @@ class ResumePoint:
     claimed: bytes = b""
 
 
+@dataclass(frozen=True)
+class Membership:
+    """One membership epoch's world, as a launcher's `RankControl.regroup` returns it: the
+    present replicas `members` (ids, ascending) x S stages, global rank = position * S +
+    stage where position = members.index(replica id)."""
+
+    epoch: int  # increasing per run (0 = the first world)
+    rank: int  # this process's global rank in the epoch's world
+    members: tuple[int, ...]  # replica ids present, ascending; world = len(members) * S
+    init_method: str  # torch.distributed init for this epoch (tcp://host:port)
+    start_step: int  # the committed outer step to continue from (0 = genesis)
+    shard: bytes  # this rank's stage shard (outer params + momentum) after start_step
+
+
 @dataclass
 class RankControl:
     """How a launcher steers a rank beyond the job itself (the job queue uses it).
 
     Deadlock hazard: `cancellable` adds a broadcast from rank 0 at every inner-step
-    boundary, so every rank of a world must get the same `cancellable` value.
+    boundary, so every rank of a world must get the same `cancellable` value; likewise
+    `regroup` (set: a broadcast from rank 0 at every round end, for `grow_requested`).
+
+    Elastic training (`members`, `epoch`, `regroup`, `grow_requested`; the rules are in
+    this module's docstring): `regroup(failed epoch, reason)` is called by a rank whose
+    world broke (a collective raised or timed out: a peer died) or, with reason "grow", at
+    a growth boundary; it blocks until the next epoch's `Membership`, or raises
+    (TrainingError: fewer than min_replicas remain, or the job ended; Cancelled).
     """
 
     stop_requested: Callable[[], bool] | None = None  # polled on rank 0 only
@@ -124,6 +146,13 @@ class RankControl:
     shard_digest: Callable[[bytes], bytes] | None = None
     # Test-only misbehaviour (trainer/cheat.py), injected: the honest defaults otherwise.
     hooks: RankHooks = field(default_factory=RankHooks)
+    members: tuple[int, ...] | None = None  # the first world's replica ids (None: all R)
+    epoch: int = 0  # the first world's membership epoch (a joiner's is a later one)
+    # None: a broken world fails the rank (no elastic training).
+    regroup: Callable[[int, str], Membership] | None = None
+    # Polled on global rank 0 after each round's reports: True makes every rank regroup
+    # (reason "grow") at that boundary, so that waiting replicas can join.
+    grow_requested: Callable[[], bool] | None = None
 
 
 class Cancelled(Exception):

@@ -254,7 +254,7 @@ def _dispatch(sink: StepSink, kind: str, payload: Any) -> None:
         sink.on_step(payload)
     elif kind == "progress":
         sink.on_progress(payload)
-    elif kind == "contribution":
+    elif kind in ("contribution", "epoch"):
         pass  # only launchers that ask for them (RankControl.emit_contributions) act on these
     else:
         raise TrainingError(f"unknown event kind from rank 0: {kind!r}")
