@@ -9,15 +9,18 @@ import {ITrainingLedger} from "./interfaces/ITrainingLedger.sol";
 
 /// @title TrainingLedger
 /// @notice Records the outer steps of DiLoCoX training runs as a chain of checkpoints, each
-/// backed by one EIP-712 attestation per (replica, stage) slot from a staked member node;
+/// backed by one EIP-712 attestation per (replica, stage) slot of the replicas present in the
+/// step (its replica set, at least the run's `minReplicas`) from a staked member node;
 /// slashes equivocating nodes on proof, lets staked verifiers challenge a step's replay
 /// before an arbiter quorum, rolls the head back past rejected steps, and finalizes steps
 /// whose challenge window passed.
-/// @dev Signing domain: {name: "DiLoCoXLedger", version: "2", chainId, verifyingContract}
-/// (ERC-5267 `eip712Domain()` tells a verifier which version a deployment speaks; version 1
-/// signed no `newShard` and took 65-byte signatures). Each attestation co-signs the new
-/// shard of its stage, the replicas of a stage must agree on it, and within a step a node
-/// (or an operator, as the run chose) signs the slots of at most one replica.
+/// @dev Signing domain: {name: "DiLoCoXLedger", version: "3", chainId, verifyingContract}
+/// (ERC-5267 `eip712Domain()` tells a verifier which version a deployment speaks; version 2
+/// signed no `replicaSet` and every step had all replicas; version 1 also signed no
+/// `newShard` and took 65-byte signatures). Each attestation is signed over its step's
+/// replica set and co-signs the new shard of its stage, the present replicas of a stage must
+/// agree on it, and within a step a node (or an operator, as the run chose) signs the slots
+/// of at most one replica.
 /// Events carry everything a lineage query needs, so queries read logs, not storage.
 ///
 /// Step records are stored by step number. A rollback to step k-1 marks steps k..head
@@ -31,7 +34,7 @@ import {ITrainingLedger} from "./interfaces/ITrainingLedger.sol";
 contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @inheritdoc ITrainingLedger
     bytes32 public constant CONTRIBUTION_TYPEHASH = keccak256(
-        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
+        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,uint256 replicaSet,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
     );
 
     /// @inheritdoc ITrainingLedger
@@ -41,6 +44,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     uint8 private constant _FAILED_REPLAY = 1;
     uint8 private constant _BAD_AGGREGATE = 2;
     uint8 private constant _RESULT_EQUIVOCATION = 3;
+    /// @dev A step's replica set is a uint256 bitmap: bit r is replica r.
+    uint32 private constant _MAX_REPLICAS = 256;
 
     /// @dev The signer list whose eligibility was last checked in full for a run (the first
     /// 24 bytes of its hash, collision-resistant to 2^96 work), and the registry's
@@ -51,8 +56,9 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @dev One training run. `creator`, the shape and `quorum` share a slot; so do the
-    /// head, the window, the final step, the epoch and the independence mode (commitStep
-    /// reads that slot anyway). The head checkpoint is `steps[headStep].checkpoint`.
+    /// head, the window, the final step, the epoch, the independence mode and `minReplicas`
+    /// (commitStep reads that slot anyway; at most 256 replicas fit a uint16). The head
+    /// checkpoint is `steps[headStep].checkpoint`.
     struct Run {
         address creator;
         uint32 replicas;
@@ -63,6 +69,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint64 finalizedStep;
         uint32 epoch;
         Independence independence;
+        uint16 minReplicas;
         bytes32 configDigest;
         uint256 minStake;
         address[] arbiters;
@@ -84,7 +91,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     /// @param registry_ The registry whose stakes back attestations; it must bind this
     /// ledger ({INodeRegistry-bindLedger}) before slashing and challenges work.
-    constructor(INodeRegistry registry_) EIP712("DiLoCoXLedger", "2") {
+    constructor(INodeRegistry registry_) EIP712("DiLoCoXLedger", "3") {
         _registry = registry_;
         // Every window stays strictly below the unbonding delay (see NodeRegistry).
         _maxChallengeWindow = registry_.unbondingDelay() - 1;
@@ -94,19 +101,23 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     // ------------------------------------------------------------------------ runs and steps
 
     /// @inheritdoc ITrainingLedger
+    /// @dev `arbiters` is copied to memory: with eleven parameters the ABI decoder has no
+    /// stack slot left for a second calldata array without via-ir.
     function createRun(
         bytes32 configDigest,
         bytes32 genesisDigest,
         address[] calldata nodes,
         uint32 replicas,
         uint32 stages,
+        uint32 minReplicas,
         uint64 challengeWindow_,
         uint256 minStake,
-        address[] calldata arbiters,
+        address[] memory arbiters,
         uint32 quorum,
         uint8 independence
     ) external returns (uint256 runId) {
-        if (replicas == 0 || stages == 0) revert LedgerInvalidShape(replicas, stages);
+        if (replicas == 0 || replicas > _MAX_REPLICAS || stages == 0) revert LedgerInvalidShape(replicas, stages);
+        if (minReplicas == 0 || minReplicas > replicas) revert LedgerInvalidMinReplicas(minReplicas, replicas);
         if (independence > uint8(type(Independence).max)) revert LedgerInvalidIndependence(independence);
         if (nodes.length == 0) revert LedgerNoNodes();
         if (quorum > arbiters.length || (quorum == 0 && arbiters.length != 0)) {
@@ -115,9 +126,14 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         if (challengeWindow_ > _maxChallengeWindow) revert LedgerWindowTooLong(challengeWindow_, _maxChallengeWindow);
         if (genesisDigest == bytes32(0)) revert LedgerZeroDigest();
 
-        runId = ++_runCount;
+        runId = _storeRun(configDigest, genesisDigest, challengeWindow_, minStake);
         Run storage run = _runs[runId];
-        _storeRun(run, configDigest, genesisDigest, replicas, stages, challengeWindow_, minStake, quorum);
+        run.replicas = replicas;
+        run.stages = stages;
+        run.quorum = quorum;
+        // casting to 'uint16' is safe because minReplicas <= replicas <= 256
+        // forge-lint: disable-next-line(unsafe-typecast)
+        run.minReplicas = uint16(minReplicas);
         run.independence = Independence(independence);
         _addMembers(run, nodes);
         _addArbiters(run, arbiters);
@@ -132,27 +148,32 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         bytes32 checkpoint,
         bytes32 contributionsRoot,
         bytes32 metricsDigest,
+        uint256 replicaSet,
         Attestation[] calldata attestations
     ) external {
         Run storage run = _existingRun(runId);
-        uint64 headStep = run.headStep;
-        if (step != headStep + 1) revert LedgerWrongStep(headStep + 1, step);
-        bytes32 head = run.steps[headStep].checkpoint;
-        if (parent != head) revert LedgerStaleParent(head, parent);
+        {
+            uint64 headStep = run.headStep;
+            if (step != headStep + 1) revert LedgerWrongStep(headStep + 1, step);
+            bytes32 head = run.steps[headStep].checkpoint;
+            if (parent != head) revert LedgerStaleParent(head, parent);
+        }
         if (checkpoint == bytes32(0)) revert LedgerZeroDigest();
         (address[] memory signers, bytes32 signersHash, bytes32 shardsRoot) =
-            _verifyAttestations(run, runId, step, parent, contributionsRoot, attestations);
+            _verifyAttestations(run, runId, step, parent, contributionsRoot, replicaSet, attestations);
 
         run.headStep = step;
         run.steps[step] = StepInfo({
             checkpoint: checkpoint,
-            witnessHash: _witnessHash(signersHash, shardsRoot),
+            witnessHash: _witnessHash(signersHash, shardsRoot, replicaSet),
             committedAt: uint40(block.timestamp),
             epoch: run.epoch,
             openChallenges: 0,
             rejected: false
         });
-        emit StepCommitted(runId, step, checkpoint, parent, contributionsRoot, metricsDigest, msg.sender, shardsRoot);
+        emit StepCommitted(
+            runId, step, checkpoint, parent, contributionsRoot, metricsDigest, msg.sender, shardsRoot, replicaSet
+        );
         for (uint256 i = 0; i < attestations.length; ++i) {
             _emitContributionAttested(runId, step, signers[i], attestations[i]);
         }
@@ -190,6 +211,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             revert LedgerDifferentSlots(a.replica, a.stage, b.replica, b.stage);
         }
         if (a.contribution == b.contribution) revert LedgerSameContribution(a.contribution);
+        if (a.replicaSet != b.replicaSet) revert LedgerDifferentReplicaSets(a.replicaSet, b.replicaSet);
         address node = _attestationSigner(runId, step, parent, a);
         address other = _attestationSigner(runId, step, parent, b);
         if (node != other) revert LedgerSignerMismatch(node, other);
@@ -216,6 +238,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         Run storage run = _existingRun(runId);
         if (a.stage != b.stage) revert LedgerDifferentStages(a.stage, b.stage);
         if (a.newShard == b.newShard) revert LedgerSameShard(a.newShard);
+        if (a.replicaSet != b.replicaSet) revert LedgerDifferentReplicaSets(a.replicaSet, b.replicaSet);
         address node = _attestationSigner(runId, step, parent, a);
         address other = _attestationSigner(runId, step, parent, b);
         if (node != other) revert LedgerSignerMismatch(node, other);
@@ -236,6 +259,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint64 step,
         uint32 replica,
         uint32 stage,
+        uint256 replicaSet,
         address[] calldata signers,
         bytes32 shardsRoot,
         bytes32 evidence
@@ -244,10 +268,9 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         if (run.quorum == 0) revert LedgerNoArbiters(runId);
         StepInfo storage record = _challengeableStep(run, runId, step);
         if (replica >= run.replicas || stage >= run.stages) revert LedgerSlotOutOfRange(runId, replica, stage);
-        _checkWitnesses(record, signers, shardsRoot);
-        // A matching hash means `signers` has exactly replicas * stages entries.
-        address node = signers[uint256(replica) * run.stages + stage];
-        challengeId = _storeChallenge(run, runId, step, record, replica, stage, node, false);
+        _checkWitnesses(record, signers, shardsRoot, replicaSet);
+        address node = _slotSigner(signers, replicaSet, replica, stage, run.stages);
+        challengeId = _storeChallenge(run, runId, step, replica, stage, node, false);
         _emitChallengeOpened(challengeId, evidence);
         _registry.holdBond{value: msg.value}(node);
     }
@@ -257,6 +280,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint256 runId,
         uint64 step,
         uint32 stage,
+        uint256 replicaSet,
         address[] calldata signers,
         bytes32[] calldata shards,
         bytes32 evidence
@@ -264,8 +288,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         Run storage run = _existingRun(runId);
         if (run.quorum == 0) revert LedgerNoArbiters(runId);
         StepInfo storage record = _challengeableStep(run, runId, step);
-        address[] memory coSigners = _coSignersAt(run, runId, record, stage, signers, shards);
-        challengeId = _storeChallenge(run, runId, step, record, 0, stage, coSigners[0], true);
+        address[] memory coSigners = _coSignersAt(run, runId, record, stage, replicaSet, signers, shards);
+        challengeId = _storeChallenge(run, runId, step, 0, stage, coSigners[0], true);
         _coSigners[challengeId] = coSigners;
         _emitChallengeOpened(challengeId, evidence);
         emit AggregateChallenged(challengeId, stage, shards[stage], coSigners);
@@ -434,21 +458,16 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     // ------------------------------------------------------------------------ internals
 
-    /// @dev Writes a new run's parameters, with `genesisDigest` as its head at step 0.
-    function _storeRun(
-        Run storage run,
-        bytes32 configDigest,
-        bytes32 genesisDigest,
-        uint32 replicas,
-        uint32 stages,
-        uint64 challengeWindow_,
-        uint256 minStake,
-        uint32 quorum
-    ) private {
+    /// @dev Stores a new run with its creator, digests, window and minimum stake, with
+    /// `genesisDigest` as its head at step 0; returns its id. createRun writes the rest: its
+    /// own frame has no stack slots left to pass it all on without via-ir.
+    function _storeRun(bytes32 configDigest, bytes32 genesisDigest, uint64 challengeWindow_, uint256 minStake)
+        private
+        returns (uint256 runId)
+    {
+        runId = ++_runCount;
+        Run storage run = _runs[runId];
         run.creator = msg.sender;
-        run.replicas = replicas;
-        run.stages = stages;
-        run.quorum = quorum;
         run.challengeWindow = challengeWindow_;
         run.configDigest = configDigest;
         run.minStake = minStake;
@@ -467,7 +486,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     /// @dev Stores `arbiters` in `run`; reverts with {LedgerInvalidArbiter} on a repeated
     /// or zero address.
-    function _addArbiters(Run storage run, address[] calldata arbiters) private {
+    function _addArbiters(Run storage run, address[] memory arbiters) private {
         for (uint256 i = 0; i < arbiters.length; ++i) {
             address arbiter = arbiters[i];
             if (arbiter == address(0) || run.isArbiter[arbiter]) revert LedgerInvalidArbiter(arbiter);
@@ -487,6 +506,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             run.steps[0].checkpoint,
             run.replicas,
             run.stages,
+            run.minReplicas,
             nodes,
             run.independence
         );
@@ -502,59 +522,174 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     /// @dev Emits {ContributionAttested} for `a`, signed by `node`. Its seven data fields are
-    /// `Attestation`'s first seven, so they are copied from calldata into scratch memory in
-    /// one go: commitStep emits one per slot, and Solidity's encoder would allocate fresh
-    /// memory each time. _verifyAttestations has validated every copied field.
+    /// `Attestation`'s first eight but `replicaSet` (which {StepCommitted} carries once), so
+    /// they are copied from calldata into scratch memory in two pieces: commitStep emits one
+    /// per slot, and Solidity's encoder would allocate fresh memory each time.
+    /// _verifyAttestations has validated every copied field.
     // slither-disable-next-line assembly -- scratch-memory copy; see the comment above.
     function _emitContributionAttested(uint256 runId, uint64 step, address node, Attestation calldata a) private {
         bytes32 topic = ContributionAttested.selector;
         assembly ("memory-safe") {
             let m := mload(0x40)
-            calldatacopy(m, a, 0xe0)
+            calldatacopy(m, a, 0x40)
+            calldatacopy(add(m, 0x40), add(a, 0x60), 0xa0)
             log4(m, 0xe0, topic, runId, step, node)
         }
     }
 
-    /// @dev Checks the attestations against the run and `contributionsRoot`; returns the
-    /// signer of each in slot order, their hash, and the root of the co-signed stage shards.
+    /// @dev Checks the replica set and the attestations against the run and
+    /// `contributionsRoot`; returns the signer of each in slot order, their hash, and the
+    /// root of the co-signed stage shards.
     function _verifyAttestations(
         Run storage run,
         uint256 runId,
         uint64 step,
         bytes32 parent,
         bytes32 contributionsRoot,
+        uint256 replicaSet,
         Attestation[] calldata attestations
     ) private returns (address[] memory signers, bytes32 signersHash, bytes32 shardsRoot) {
         uint32 stages = run.stages;
-        uint256 slots = uint256(run.replicas) * stages;
-        if (attestations.length != slots) revert LedgerWrongAttestationCount(slots, attestations.length);
-
-        signers = new address[](slots);
-        bytes32[] memory contributions = new bytes32[](slots);
-        bytes32[] memory shards = new bytes32[](stages);
-        for (uint256 i = 0; i < slots; ++i) {
-            Attestation calldata a = attestations[i];
-            // replica * stages + stage == i with stage < stages pins replica < replicas too.
-            // Reading lossMicros validates it (an int64 must be sign-extended in calldata).
-            if (a.stage >= stages || uint256(a.replica) * stages + a.stage != i || a.lossMicros != a.lossMicros) {
-                revert LedgerSlotOutOfOrder(i, a.replica, a.stage);
-            }
-            // Replica 0 states each stage's shard; every later replica must co-sign the same.
-            if (i < stages) {
-                shards[i] = a.newShard;
-            } else if (a.newShard != shards[a.stage]) {
-                revert LedgerShardMismatch(a.stage, a.replica, shards[a.stage], a.newShard);
-            }
-            signers[i] = _attestationSigner(runId, step, parent, a);
-            contributions[i] = a.contribution;
+        uint256 slots = _checkReplicaSet(run, replicaSet) * stages;
+        if (attestations.length > slots) revert LedgerWrongAttestationCount(slots, attestations.length);
+        bytes32[] memory contributions;
+        bytes32[] memory shards;
+        (signers, contributions, shards) = _readSlots(runId, step, parent, replicaSet, stages, attestations);
+        if (attestations.length < slots) {
+            // The first slot past the last attestation is missing.
+            uint32 replica = _replicaAt(replicaSet, attestations.length / stages);
+            // casting to 'uint32' is safe because it is below the run's uint32 stages
+            // forge-lint: disable-next-line(unsafe-typecast)
+            revert LedgerMissingStage(replica, uint32(attestations.length % stages));
         }
         signersHash = keccak256(abi.encodePacked(signers));
-        _checkEligible(run, runId, signers, signersHash);
+        _checkEligible(run, runId, signers, signersHash, replicaSet);
 
         // abi.encodePacked of a bytes32[] is its elements back to back, without a length.
         bytes32 expectedRoot = keccak256(abi.encodePacked(contributions));
         if (contributionsRoot != expectedRoot) revert LedgerContributionsRootMismatch(expectedRoot, contributionsRoot);
         shardsRoot = keccak256(abi.encodePacked(shards));
+    }
+
+    /// @dev Walks the attestations of a step over `replicaSet` (at most one per slot, which
+    /// the caller checked) in slot order; returns each one's signer and contribution, and
+    /// the stage shards the set's first replica co-signed. The walk keeps the expected
+    /// (replica, stage) and compares it with each attestation: the hot path is one
+    /// comparison per field, and a mismatch is named by {_slotError}.
+    function _readSlots(
+        uint256 runId,
+        uint64 step,
+        bytes32 parent,
+        uint256 replicaSet,
+        uint32 stages,
+        Attestation[] calldata attestations
+    ) private view returns (address[] memory signers, bytes32[] memory contributions, bytes32[] memory shards) {
+        signers = new address[](attestations.length);
+        contributions = new bytes32[](attestations.length);
+        shards = new bytes32[](stages);
+        uint256 replica = _nextReplica(replicaSet, 0);
+        uint256 stage = 0;
+        for (uint256 i = 0; i < attestations.length; ++i) {
+            Attestation calldata a = attestations[i];
+            // Reading lossMicros validates it (an int64 must be sign-extended in calldata).
+            if (a.replica != replica || a.stage != stage || a.replicaSet != replicaSet || a.lossMicros != a.lossMicros)
+            {
+                _slotError(attestations, i, replicaSet, stages);
+            }
+            // The set's first replica states each stage's shard; every later one must co-sign it.
+            if (i < stages) {
+                shards[i] = a.newShard;
+            } else if (a.newShard != shards[stage]) {
+                revert LedgerShardMismatch(a.stage, a.replica, shards[stage], a.newShard);
+            }
+            signers[i] = _attestationSigner(runId, step, parent, a);
+            contributions[i] = a.contribution;
+            if (++stage == stages && i + 1 < attestations.length) {
+                stage = 0;
+                replica = _nextReplica(replicaSet, replica + 1);
+            }
+        }
+    }
+
+    /// @dev Reverts unless `replicaSet` names only replicas of `run` and at least its
+    /// `minReplicas`; returns how many it names.
+    function _checkReplicaSet(Run storage run, uint256 replicaSet) private view returns (uint256 present) {
+        uint32 replicas = run.replicas;
+        // replicas <= 256, and a shift by 256 gives 0: a full 256-replica set passes.
+        if (replicaSet >> replicas != 0) revert LedgerReplicaSetOutOfRange(replicaSet, replicas);
+        present = _popcount(replicaSet);
+        if (present < run.minReplicas) revert LedgerTooFewReplicas(present, run.minReplicas);
+    }
+
+    /// @dev Names why attestation `index` is not slot `index` of a step over `replicaSet`,
+    /// by reverting: signed over another set; for a replica outside the set; a stage out of
+    /// range, or a slot repeated or out of place (its expected slot comes later); or the
+    /// expected slot (a stage of a present replica) missing from the list. Only failing
+    /// commits come here, so the scan for the expected slot costs nothing on the hot path.
+    function _slotError(Attestation[] calldata attestations, uint256 index, uint256 replicaSet, uint32 stages)
+        private
+        pure
+    {
+        Attestation calldata a = attestations[index];
+        if (a.replicaSet != replicaSet) revert LedgerReplicaSetMismatch(index, replicaSet, a.replicaSet);
+        if ((replicaSet >> a.replica) & 1 == 0) revert LedgerReplicaNotInSet(a.replica, replicaSet);
+        uint32 replica = _replicaAt(replicaSet, index / stages);
+        // casting to 'uint32' is safe because it is below the run's uint32 stages
+        // forge-lint: disable-next-line(unsafe-typecast)
+        uint32 stage = uint32(index % stages);
+        if (a.stage < stages && (a.replica > replica || (a.replica == replica && a.stage > stage))) {
+            bool later = false;
+            for (uint256 j = index + 1; j < attestations.length && !later; ++j) {
+                later = attestations[j].replica == replica && attestations[j].stage == stage;
+            }
+            if (!later) revert LedgerMissingStage(replica, stage);
+        }
+        revert LedgerSlotOutOfOrder(index, a.replica, a.stage);
+    }
+
+    /// @dev The lowest replica id at or above `from` in `replicaSet`; the caller knows one is.
+    function _nextReplica(uint256 replicaSet, uint256 from) private pure returns (uint256 replica) {
+        replica = from;
+        while ((replicaSet >> replica) & 1 == 0) {
+            ++replica;
+        }
+    }
+
+    /// @dev The node that signed slot (`replica`, `stage`) of a step over `replicaSet`, given
+    /// the step's signers in slot order (checked against its witness hash, so `signers` has
+    /// one entry per slot of the set); reverts if the replica is not in the set. The
+    /// replica's slots follow those of the set's replicas below it.
+    function _slotSigner(
+        address[] calldata signers,
+        uint256 replicaSet,
+        uint32 replica,
+        uint32 stage,
+        uint32 stages
+    ) private pure returns (address) {
+        if ((replicaSet >> replica) & 1 == 0) revert LedgerReplicaNotInSet(replica, replicaSet);
+        uint256 below = replicaSet & ((uint256(1) << replica) - 1);
+        return signers[_popcount(below) * stages + stage];
+    }
+
+    /// @dev The replica id at position `position` (0-based, ascending) of `replicaSet`.
+    function _replicaAt(uint256 replicaSet, uint256 position) private pure returns (uint32) {
+        uint256 replica = _nextReplica(replicaSet, 0);
+        for (uint256 p = 0; p < position; ++p) {
+            replica = _nextReplica(replicaSet, replica + 1);
+        }
+        // casting to 'uint32' is safe because a replica id is below 256
+        // forge-lint: disable-next-line(unsafe-typecast)
+        return uint32(replica);
+    }
+
+    /// @dev The number of set bits of `x` (one loop turn per bit).
+    function _popcount(uint256 x) private pure returns (uint256 count) {
+        unchecked {
+            while (x != 0) {
+                x &= x - 1;
+                ++count;
+            }
+        }
     }
 
     /// @dev Reverts unless every one of `signers` is a member of `run` with an active stake of
@@ -569,7 +704,13 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// the replicas still independent, and the per-signer reads (a membership slot here and
     /// a stake slot in the registry, both cold) are skipped. Steady runs sign with the same
     /// nodes every step.
-    function _checkEligible(Run storage run, uint256 runId, address[] memory signers, bytes32 signersHash) private {
+    function _checkEligible(
+        Run storage run,
+        uint256 runId,
+        address[] memory signers,
+        bytes32 signersHash,
+        uint256 replicaSet
+    ) private {
         uint64 decreases = _registry.stakeDecreases();
         EligibleSigners storage cache = run.eligible;
         if (cache.signers == bytes24(signersHash) && cache.atDecreases == decreases) return;
@@ -583,7 +724,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         for (uint256 i = 0; i < signers.length; ++i) {
             if (stakes[i] < required) revert LedgerInsufficientStake(signers[i], stakes[i], required);
         }
-        _checkIndependent(run, signers);
+        _checkIndependent(run, signers, replicaSet);
         cache.signers = bytes24(signersHash);
         cache.atDecreases = decreases;
     }
@@ -591,8 +732,9 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @dev Reverts with {LedgerNotIndependent} if a witness (the node key, or under
     /// `Operators` its operator) signs slots of two replicas. Slots are replica-major, so each
     /// slot is compared with the slots of the replicas before its own: quadratic in the
-    /// slots, and run only when the eligibility cache misses.
-    function _checkIndependent(Run storage run, address[] memory signers) private view {
+    /// slots, and run only when the eligibility cache misses. The error names replica ids
+    /// (positions in `replicaSet` mapped back).
+    function _checkIndependent(Run storage run, address[] memory signers, uint256 replicaSet) private view {
         address[] memory witnesses =
             run.independence == Independence.Operators ? _registry.operatorsOf(signers) : signers;
         uint256 stages = run.stages;
@@ -600,9 +742,9 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             uint256 replicaStart = i - i % stages;
             for (uint256 j = 0; j < replicaStart; ++j) {
                 if (witnesses[i] == witnesses[j]) {
-                    // casting to 'uint32' is safe because both are below the run's uint32 replicas
-                    // forge-lint: disable-next-line(unsafe-typecast)
-                    revert LedgerNotIndependent(signers[i], uint32(j / stages), uint32(i / stages));
+                    revert LedgerNotIndependent(
+                        signers[i], _replicaAt(replicaSet, j / stages), _replicaAt(replicaSet, i / stages)
+                    );
                 }
             }
         }
@@ -630,44 +772,50 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         }
     }
 
-    /// @dev Reverts unless `signers` and `shardsRoot` hash to `record`'s witness hash.
-    function _checkWitnesses(StepInfo storage record, address[] calldata signers, bytes32 shardsRoot) private view {
-        bytes20 got = _witnessHash(keccak256(abi.encodePacked(signers)), shardsRoot);
+    /// @dev Reverts unless `signers`, `shardsRoot` and `replicaSet` hash to `record`'s
+    /// witness hash.
+    function _checkWitnesses(
+        StepInfo storage record,
+        address[] calldata signers,
+        bytes32 shardsRoot,
+        uint256 replicaSet
+    ) private view {
+        bytes20 got = _witnessHash(keccak256(abi.encodePacked(signers)), shardsRoot, replicaSet);
         if (got != record.witnessHash) revert LedgerWitnessMismatch(record.witnessHash, got);
     }
 
     /// @dev The co-signers of stage `stage`'s shard in `record`, in replica order, given the
-    /// record's signers in slot order and its co-signed shards in stage order.
+    /// record's replica set, its signers in slot order and its co-signed shards in stage order.
     function _coSignersAt(
         Run storage run,
         uint256 runId,
         StepInfo storage record,
         uint32 stage,
+        uint256 replicaSet,
         address[] calldata signers,
         bytes32[] calldata shards
     ) private view returns (address[] memory coSigners) {
         uint32 stages = run.stages;
         if (stage >= stages) revert LedgerSlotOutOfRange(runId, 0, stage);
-        _checkWitnesses(record, signers, keccak256(abi.encodePacked(shards)));
-        // A matching hash means `signers` has replicas * stages entries and `shards` stages.
-        coSigners = new address[](run.replicas);
+        _checkWitnesses(record, signers, keccak256(abi.encodePacked(shards)), replicaSet);
+        // A matching hash means `signers` has one entry per slot of the set and `shards` stages.
+        coSigners = new address[](signers.length / stages);
         for (uint256 r = 0; r < coSigners.length; ++r) {
             coSigners[r] = signers[r * stages + stage];
         }
     }
 
     /// @dev What a step record keeps of its witnesses: see {ITrainingLedger-StepInfo}.
-    function _witnessHash(bytes32 signersHash, bytes32 shardsRoot) private pure returns (bytes20) {
-        return bytes20(keccak256(abi.encode(signersHash, shardsRoot)));
+    function _witnessHash(bytes32 signersHash, bytes32 shardsRoot, uint256 replicaSet) private pure returns (bytes20) {
+        return bytes20(keccak256(abi.encode(signersHash, shardsRoot, replicaSet)));
     }
 
     /// @dev Checks the challenger's stake and bond against `run`'s minimum and stores a new
-    /// challenge of `record` against `node`; returns its id.
+    /// challenge of step `step`'s record against `node`; returns its id.
     function _storeChallenge(
         Run storage run,
         uint256 runId,
         uint64 step,
-        StepInfo storage record,
         uint32 replica,
         uint32 stage,
         address node,
@@ -679,6 +827,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         if (msg.value < required) revert LedgerInsufficientBond(required, msg.value);
 
         challengeId = ++_challengeCount;
+        StepInfo storage record = run.steps[step];
         _challenges[challengeId] = Challenge({
             runId: runId,
             step: step,
@@ -711,6 +860,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint8 kind = c.aggregate ? _BAD_AGGREGATE : _FAILED_REPLAY;
         bytes32 epoch = bytes32(uint256(c.epoch));
         for (uint256 i = 0; i < nodes.length; ++i) {
+            // An aggregate offence's replica is the co-signer's position in the step's set.
             // casting to 'uint32' is safe because i is below the run's uint32 replicas
             // forge-lint: disable-next-line(unsafe-typecast)
             uint32 replica = c.aggregate ? uint32(i) : c.replica;
@@ -775,10 +925,11 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @dev The EIP-712 `hashStruct` of the `Contribution` that `a` attests, built in scratch
     /// memory past the free memory pointer: commitStep hashes one per slot, and allocating a
     /// struct and its encoding each time would grow memory with every attestation.
-    /// `Attestation`'s first seven fields are in `Contribution` order around `parent`:
-    /// replica and stage at offsets 0x00 and 0x20; contribution, dataShard, codeHash,
-    /// lossMicros and newShard from 0x40 to 0xdf. Callers validate the fields they read
-    /// (commitStep reads them all), and a dirty word only hashes to a message nobody signed.
+    /// `Attestation`'s first eight fields are in `Contribution` order around `parent`:
+    /// replica, stage and replicaSet at offsets 0x00 to 0x5f; contribution, dataShard,
+    /// codeHash, lossMicros and newShard from 0x60 to 0xff. Callers validate the fields they
+    /// read (commitStep reads them all), and a dirty word only hashes to a message nobody
+    /// signed.
     // slither-disable-next-line assembly -- scratch-memory hashing; see the comment above.
     function _contributionHash(uint256 runId, uint64 step, bytes32 parent, Attestation calldata a)
         private
@@ -791,10 +942,10 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             mstore(m, typehash)
             mstore(add(m, 0x20), runId)
             mstore(add(m, 0x40), step)
-            calldatacopy(add(m, 0x60), a, 0x40)
-            mstore(add(m, 0xa0), parent)
-            calldatacopy(add(m, 0xc0), add(a, 0x40), 0xa0)
-            structHash := keccak256(m, 0x160)
+            calldatacopy(add(m, 0x60), a, 0x60)
+            mstore(add(m, 0xc0), parent)
+            calldatacopy(add(m, 0xe0), add(a, 0x60), 0xa0)
+            structHash := keccak256(m, 0x180)
         }
     }
 

@@ -9,7 +9,7 @@ import {ITrainingLedger} from "../src/interfaces/ITrainingLedger.sol";
 import {LedgerHandler} from "./handlers/LedgerHandler.sol";
 
 /// Invariant tests of the registry and ledger together, driven through a whole run's life:
-/// commits, equivocation reports, challenges and verdicts, rollbacks, finality, unbonding,
+/// commits of full and partial steps (one replica of two), equivocation reports, challenges and verdicts, rollbacks, finality, unbonding,
 /// withdrawals and claims, in random order.
 contract LedgerInvariantTest is Test {
     LedgerHandler internal handler;
@@ -64,6 +64,13 @@ contract LedgerInvariantTest is Test {
     // No step is accepted whose replicas share a node: the replicas are independent witnesses.
     function invariant_replicasNeverShareANode() public view {
         assertEq(handler.ghost_dependentAccepted(), 0);
+    }
+
+    // No step is accepted whose replica set the attestations do not match or the run does
+    // not allow (no replica, a replica the run lacks, a present replica missing a stage, an
+    // attestation outside the set or signed over another set), and each is refused by name.
+    function invariant_badReplicaSetsAreRefused() public view {
+        assertEq(handler.ghost_badSetAccepted(), 0);
     }
 
     // The head is always a committed, non-rejected step, or the genesis.

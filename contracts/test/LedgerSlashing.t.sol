@@ -38,6 +38,7 @@ contract LedgerSlashingTest is LedgerFixture {
         ITrainingLedger.Attestation memory copy;
         copy.replica = b.replica;
         copy.stage = b.stage;
+        copy.replicaSet = b.replicaSet;
         copy.contribution = contribution;
         copy.dataShard = b.dataShard;
         copy.codeHash = b.codeHash;
@@ -67,7 +68,7 @@ contract LedgerSlashingTest is LedgerFixture {
 
     function test_createRun_acceptsTheLongestWindow() public {
         uint64 longest = UNBONDING_DELAY - 1;
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, longest, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, longest, MIN_STAKE, arbiters, 2, 0);
         assertEq(ledger.challengeWindowOf(runId), longest);
     }
 
@@ -75,7 +76,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.expectRevert(
             abi.encodeWithSelector(ITrainingLedger.LedgerWindowTooLong.selector, UNBONDING_DELAY, UNBONDING_DELAY - 1)
         );
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2, 0);
     }
 
     function test_createRun_revertsWith_InvalidArbiter_whenAnArbiterRepeats() public {
@@ -116,7 +117,7 @@ contract LedgerSlashingTest is LedgerFixture {
         StepCall memory c = _commitNext(runId);
         ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, 1);
         assertEq(info.checkpoint, c.checkpoint);
-        assertEq(info.witnessHash, _witness(_signersOf(c), _shardsRoot(c)));
+        assertEq(info.witnessHash, _witness(_signersOf(c), _shardsRoot(c), 3));
         assertEq(info.committedAt, 1_000);
         assertEq(info.epoch, 0);
         assertEq(info.openChallenges, 0);
@@ -259,7 +260,7 @@ contract LedgerSlashingTest is LedgerFixture {
         emit ITrainingLedger.ChallengeOpened(1, runId, 1, nodes[3], 0, 1, 1, verifier, MIN_STAKE, keccak256("evidence"));
         vm.prank(verifier);
         uint256 id = ledger.openChallenge{value: MIN_STAKE}(
-            runId, 1, 1, 1, signers, _shardsRootAt(runId, 1), keccak256("evidence")
+            runId, 1, 1, 1, _fullSet(2), signers, _shardsRootAt(runId, 1), keccak256("evidence")
         );
 
         assertEq(id, 1);
@@ -280,15 +281,15 @@ contract LedgerSlashingTest is LedgerFixture {
     function test_openChallenge_revertsWith_UnknownRun_whenRunDoesNotExist() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownRun.selector, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(1, 1, 0, 0, nodes, _shardsRootAt(1, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(1, 1, 0, 0, _fullSet(2), nodes, _shardsRootAt(1, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
         address[] memory signers = _signersOf(_commitNext(runId));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_UnknownStep_whenStepIsAboveTheHead() public {
@@ -297,14 +298,14 @@ contract LedgerSlashingTest is LedgerFixture {
         address[] memory signers = _signersOf(c);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownStep.selector, runId, 2));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 2, 0, 0, signers, _shardsRootAt(runId, 2), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 2, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 2), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_StepFinalized_forTheGenesis() public {
         uint256 runId = _createRun();
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 0));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 0, 0, 0, nodes, _shardsRootAt(runId, 0), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 0, 0, 0, _fullSet(2), nodes, _shardsRootAt(runId, 0), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_WindowClosed_afterTheWindow() public {
@@ -315,7 +316,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.warp(deadline + 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_SlotOutOfRange_whenSlotIsOutsideTheShape() public {
@@ -324,11 +325,7 @@ contract LedgerSlashingTest is LedgerFixture {
         address[] memory signers = _signersOf(c);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSlotOutOfRange.selector, runId, 2, 0));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 2, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
-    }
-
-    function _witness(address[] memory signers, bytes32 shardsRoot) internal pure returns (bytes20) {
-        return bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), shardsRoot)));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 2, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_WitnessMismatch_whenSignersAreWrong() public {
@@ -336,27 +333,27 @@ contract LedgerSlashingTest is LedgerFixture {
         StepCall memory c = _commitNext(runId);
         address[] memory signers = _signersOf(c);
         bytes32 root = _shardsRoot(c);
-        bytes20 expected = _witness(signers, root);
+        bytes20 expected = _witness(signers, root, 3);
         signers[1] = signers[0];
         vm.expectRevert(
-            abi.encodeWithSelector(ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, root))
+            abi.encodeWithSelector(ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, root, 3))
         );
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, signers, root, bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, _fullSet(2), signers, root, bytes32(0));
     }
 
     function test_openChallenge_revertsWith_WitnessMismatch_whenTheShardsRootIsWrong() public {
         uint256 runId = _createRun();
         StepCall memory c = _commitNext(runId);
         address[] memory signers = _signersOf(c);
-        bytes20 expected = _witness(signers, _shardsRoot(c));
+        bytes20 expected = _witness(signers, _shardsRoot(c), 3);
         vm.expectRevert(
             abi.encodeWithSelector(
-                ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, keccak256("other"))
+                ITrainingLedger.LedgerWitnessMismatch.selector, expected, _witness(signers, keccak256("other"), 3)
             )
         );
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, signers, keccak256("other"), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 1, _fullSet(2), signers, keccak256("other"), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_InsufficientStake_whenTheChallengerIsNotStaked() public {
@@ -368,7 +365,7 @@ contract LedgerSlashingTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientStake.selector, reporter, 0, MIN_STAKE)
         );
         vm.prank(reporter);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_openChallenge_revertsWith_InsufficientBond_whenTheBondIsBelowTheMinimumStake() public {
@@ -379,7 +376,7 @@ contract LedgerSlashingTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientBond.selector, MIN_STAKE, MIN_STAKE - 1)
         );
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE - 1}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE - 1}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function testFuzz_openChallenge_isAllowedExactlyWithinTheWindow(uint64 wait) public {
@@ -393,7 +390,7 @@ contract LedgerSlashingTest is LedgerFixture {
             vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         }
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     // ---------------------------------------------------------------- resolveChallenge
@@ -744,7 +741,7 @@ contract LedgerSlashingTest is LedgerFixture {
         // Nor can a rejected step be challenged again.
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepRejected.selector, runId, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function test_finalize_revertsWith_StepChallenged_whileAChallengeIsOpen() public {
@@ -766,13 +763,13 @@ contract LedgerSlashingTest is LedgerFixture {
         ledger.finalize(runId, 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 1));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
     }
 
     function testFuzz_finalize_opensExactlyAfterTheDeadline(uint64 window, uint64 wait) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         wait = uint64(bound(wait, 0, 2 * uint256(UNBONDING_DELAY)));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
         _commitNext(runId);
         uint64 deadline = uint64(block.timestamp) + window;
         vm.warp(block.timestamp + wait);
@@ -818,7 +815,7 @@ contract LedgerSlashingTest is LedgerFixture {
     function testFuzz_unbonding_cannotFinishWhileAnAttestedStepIsChallengeable(uint64 window, uint64 gap) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         gap = uint64(bound(gap, 0, UNBONDING_DELAY));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
         address[] memory signers = _signersOf(_commitNext(runId));
         uint64 deadline = uint64(block.timestamp) + window;
         // The node unbonds some time after its last attestation ...
@@ -831,7 +828,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.warp(releaseAt);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         vm.prank(verifier);
-        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, signers, _shardsRootAt(runId, 1), bytes32(0));
+        ledger.openChallenge{value: MIN_STAKE}(runId, 1, 0, 0, _fullSet(2), signers, _shardsRootAt(runId, 1), bytes32(0));
         vm.prank(_operatorOf("node0"));
         registry.withdraw(nodes[0]);
     }
@@ -846,7 +843,7 @@ contract LedgerSlashingTest is LedgerFixture {
         for (uint256 i = nodes.length; i < slots; ++i) {
             _addStakedNode(string.concat("extra", vm.toString(i)), MIN_STAKE);
         }
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, slots, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, slots, 1, WINDOW, MIN_STAKE, arbiters, 2, 0);
         _shapes[runId] = [uint32(1), slots];
         if (steady) _commitNext(runId);
         StepCall memory c = _nextStep(runId);
@@ -856,7 +853,7 @@ contract LedgerSlashingTest is LedgerFixture {
         return _executionGas(
             abi.encodeCall(
                 ledger.commitStep,
-                (c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.attestations)
+                (c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.replicaSet, c.attestations)
             )
         );
     }
@@ -885,7 +882,7 @@ contract LedgerSlashingTest is LedgerFixture {
         StepCall memory c = _nextStep(ledger.runCount());
         bytes memory data = abi.encodeCall(
             ledger.commitStep,
-            (c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.attestations)
+            (c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.replicaSet, c.attestations)
         );
         uint256 intrinsic = 21_000;
         for (uint256 i = 0; i < data.length; ++i) {

@@ -30,6 +30,7 @@ contract LedgerWitnessesTest is LedgerFixture {
         ITrainingLedger.Attestation memory copy;
         copy.replica = a.replica;
         copy.stage = a.stage;
+        copy.replicaSet = a.replicaSet;
         copy.contribution = a.contribution;
         copy.dataShard = a.dataShard;
         copy.codeHash = a.codeHash;
@@ -56,7 +57,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     function test_createRun_storesTheIndependenceMode_andEmitsIt() public {
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.RunCreated(
-            1, address(this), CONFIG, GENESIS, 2, 2, nodes, ITrainingLedger.Independence.Operators
+            1, address(this), CONFIG, GENESIS, 2, 2, 2, nodes, ITrainingLedger.Independence.Operators
         );
         uint256 runId = _createOperatorRun();
         assertEq(uint8(ledger.independenceOf(runId)), uint8(ITrainingLedger.Independence.Operators));
@@ -66,7 +67,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     function testFuzz_createRun_revertsWith_InvalidIndependence_forAnUnknownMode(uint8 mode) public {
         mode = uint8(bound(mode, 2, type(uint8).max));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidIndependence.selector, mode));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode);
     }
 
     function test_independenceOf_revertsWith_UnknownRun() public {
@@ -171,10 +172,10 @@ contract LedgerWitnessesTest is LedgerFixture {
         assertEq(root, _shardsRoot(c));
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.StepCommitted(
-            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, address(this), root
+            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, address(this), root, 3
         );
         _commit(c);
-        bytes20 witness = bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(_signersOf(c))), root)));
+        bytes20 witness = bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(_signersOf(c))), root, 3)));
         assertEq(ledger.stepInfo(runId, 1).witnessHash, witness);
     }
 
@@ -373,12 +374,12 @@ contract LedgerWitnessesTest is LedgerFixture {
     }
 
     function test_openAggregateChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
         StepCall memory c = _commitNext(runId);
         (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_SlotOutOfRange_forAStageOutsideTheShape() public {
@@ -387,7 +388,7 @@ contract LedgerWitnessesTest is LedgerFixture {
         (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSlotOutOfRange.selector, runId, 0, 2));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 2, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 2, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_WitnessMismatch_forOtherShards() public {
@@ -395,13 +396,12 @@ contract LedgerWitnessesTest is LedgerFixture {
         StepCall memory c = _commitNext(runId);
         address[] memory signers = _signersOf(c);
         bytes32[] memory shards = _shardsOf(c);
-        bytes20 expected = bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), _shardsRoot(c))));
+        bytes20 expected = _witness(signers, _shardsRoot(c), 3);
         shards[1] = keccak256("forged");
-        bytes20 got =
-            bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), keccak256(abi.encodePacked(shards)))));
+        bytes20 got = _witness(signers, keccak256(abi.encodePacked(shards)), 3);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWitnessMismatch.selector, expected, got));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_InsufficientBond() public {
@@ -413,7 +413,7 @@ contract LedgerWitnessesTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientBond.selector, MIN_STAKE, MIN_STAKE - 1)
         );
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE - 1}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE - 1}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_WindowClosed_afterTheWindow() public {
@@ -424,7 +424,7 @@ contract LedgerWitnessesTest is LedgerFixture {
         vm.warp(deadline + 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWindowClosed.selector, runId, 1, deadline));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_InsufficientStake_whenTheChallengerIsNotStaked() public {
@@ -437,14 +437,14 @@ contract LedgerWitnessesTest is LedgerFixture {
             abi.encodeWithSelector(ITrainingLedger.LedgerInsufficientStake.selector, stranger, 0, MIN_STAKE)
         );
         vm.prank(stranger);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_UnknownRun() public {
         bytes32[] memory shards = new bytes32[](2);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerUnknownRun.selector, 3));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(3, 1, 0, nodes, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(3, 1, 0, _fullSet(2), nodes, shards, bytes32(0));
     }
 
     function test_openAggregateChallenge_revertsWith_StepFinalized_onAFinalStep() public {
@@ -455,7 +455,7 @@ contract LedgerWitnessesTest is LedgerFixture {
         ledger.finalize(runId, 1);
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerStepFinalized.selector, runId, 1));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, signers, shards, bytes32(0));
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, 1, 0, _fullSet(2), signers, shards, bytes32(0));
     }
 
     function testFuzz_resolveChallenge_upheldAggregate_slashesEachCoSignerOnce(uint8 stageSeed, uint8 times) public {

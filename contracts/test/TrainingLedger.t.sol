@@ -19,7 +19,7 @@ contract TrainingLedgerTest is LedgerFixture {
         (, string memory name, string memory version, uint256 chainId, address verifyingContract,,) =
             ledger.eip712Domain();
         assertEq(name, "DiLoCoXLedger");
-        assertEq(version, "2");
+        assertEq(version, "3");
         assertEq(chainId, block.chainid);
         assertEq(verifyingContract, address(ledger));
     }
@@ -34,11 +34,11 @@ contract TrainingLedgerTest is LedgerFixture {
         ITrainingLedger.Attestation memory a
     ) internal view returns (bytes32) {
         bytes32 domainSeparator = keccak256(
-            abi.encode(DOMAIN_TYPEHASH, keccak256("DiLoCoXLedger"), keccak256("2"), block.chainid, verifyingContract)
+            abi.encode(DOMAIN_TYPEHASH, keccak256("DiLoCoXLedger"), keccak256("3"), block.chainid, verifyingContract)
         );
         bytes32 structHash = keccak256(
             bytes.concat(
-                abi.encode(CONTRIBUTION_TYPEHASH, runId, step, a.replica, a.stage),
+                abi.encode(CONTRIBUTION_TYPEHASH, runId, step, a.replica, a.stage, a.replicaSet),
                 abi.encode(parent, a.contribution, a.dataShard, a.codeHash, a.lossMicros, a.newShard)
             )
         );
@@ -76,7 +76,7 @@ contract TrainingLedgerTest is LedgerFixture {
     function test_createRun_storesRun_andEmitsRunCreated() public {
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.RunCreated(
-            1, address(this), CONFIG, GENESIS, 2, 2, nodes, ITrainingLedger.Independence.Keys
+            1, address(this), CONFIG, GENESIS, 2, 2, 2, nodes, ITrainingLedger.Independence.Keys
         );
         uint256 runId = _createRun();
 
@@ -102,7 +102,7 @@ contract TrainingLedgerTest is LedgerFixture {
     }
 
     function test_createRun_acceptsZeroQuorum_whenThereAreNoArbiters() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, 1, 0, 0, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, 1, 1, 0, 0, new address[](0), 0, 0);
         assertEq(runId, 1);
     }
 
@@ -118,7 +118,7 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_NoNodes_whenNodeListIsEmpty() public {
         vm.expectRevert(ITrainingLedger.LedgerNoNodes.selector);
-        ledger.createRun(CONFIG, GENESIS, new address[](0), 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(CONFIG, GENESIS, new address[](0), 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     function test_createRun_revertsWith_DuplicateNode_whenANodeIsListedTwice() public {
@@ -129,17 +129,17 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumExceedsArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 4, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 4, 0);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 4, 0);
     }
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumIsZeroWithArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 0, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 0, 0);
+        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 0, 0);
     }
 
     function test_createRun_revertsWith_ZeroDigest_whenGenesisIsZero() public {
         vm.expectRevert(ITrainingLedger.LedgerZeroDigest.selector);
-        ledger.createRun(CONFIG, bytes32(0), nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(CONFIG, bytes32(0), nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     // ---------------------------------------------------------------- views on unknown runs
@@ -176,7 +176,7 @@ contract TrainingLedgerTest is LedgerFixture {
 
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.StepCommitted(
-            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, submitter, _shardsRoot(c)
+            runId, 1, c.checkpoint, GENESIS, c.contributionsRoot, c.metricsDigest, submitter, _shardsRoot(c), 3
         );
         for (uint256 i = 0; i < c.attestations.length; ++i) {
             ITrainingLedger.Attestation memory a = c.attestations[i];
@@ -288,13 +288,25 @@ contract TrainingLedgerTest is LedgerFixture {
         _commit(c);
     }
 
-    function test_commitStep_revertsWith_WrongAttestationCount_whenASlotIsMissing() public {
+    function test_commitStep_revertsWith_MissingStage_whenTheLastSlotIsMissing() public {
         StepCall memory c = _nextStep(_createRun());
         ITrainingLedger.Attestation[] memory attestations = c.attestations;
         assembly ("memory-safe") {
             mstore(attestations, 3)
         }
-        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWrongAttestationCount.selector, 4, 3));
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerMissingStage.selector, 1, 1));
+        _commit(c);
+    }
+
+    function test_commitStep_revertsWith_WrongAttestationCount_whenThereIsOneSlotTooMany() public {
+        StepCall memory c = _nextStep(_createRun());
+        ITrainingLedger.Attestation[] memory five = new ITrainingLedger.Attestation[](5);
+        for (uint256 i = 0; i < 4; ++i) {
+            five[i] = c.attestations[i];
+        }
+        five[4] = c.attestations[3];
+        c.attestations = five;
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerWrongAttestationCount.selector, 4, 5));
         _commit(c);
     }
 
@@ -321,10 +333,10 @@ contract TrainingLedgerTest is LedgerFixture {
         _commit(c);
     }
 
-    function test_commitStep_revertsWith_SlotOutOfOrder_whenReplicaIsOutOfRange() public {
+    function test_commitStep_revertsWith_ReplicaNotInSet_whenReplicaIsOutOfRange() public {
         StepCall memory c = _nextStep(_createRun());
         c.attestations[3].replica = 2;
-        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerSlotOutOfOrder.selector, 3, 2, 1));
+        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerReplicaNotInSet.selector, 2, 3));
         _commit(c);
     }
 

@@ -3,7 +3,9 @@ pragma solidity ^0.8.24;
 
 /// @title ITrainingLedger
 /// @notice The on-chain lineage of DiLoCoX training runs: one record per outer step, each
-/// backed by one EIP-712 attestation per (replica, stage) slot from a staked member node.
+/// backed by one EIP-712 attestation per (replica, stage) slot of the replicas that took part
+/// in the step (its replica set: at least the run's `minReplicas` of its `replicas`, every
+/// stage of each) from a staked member node.
 /// @dev Digests are the 32-byte sha2-256 digests of CIDs (DESIGN.md section 4): the
 /// checkpoint manifest (dag-cbor) and each contribution (UnixFS file).
 interface ITrainingLedger {
@@ -17,8 +19,12 @@ interface ITrainingLedger {
     }
 
     /// @notice One node's signed statement about the work of its (replica, stage) slot.
-    /// @param replica The data-parallel replica index, below the run's `replicas`.
+    /// @param replica The data-parallel replica id, below the run's `replicas`; ids never
+    /// change meaning (data shards, seeds and slots are by id), whoever is present.
     /// @param stage The pipeline stage index, below the run's `stages`.
+    /// @param replicaSet The replicas present in the step, as a bitmap (bit r set: replica r
+    /// took part), that the node signed over: the outer step it co-signs averages exactly
+    /// those replicas' contributions.
     /// @param contribution Digest of the compressed contribution the node produced.
     /// @param dataShard Digest of the data shard the node trained on.
     /// @param codeHash Hash of the trainer source that ran.
@@ -33,6 +39,7 @@ interface ITrainingLedger {
     struct Attestation {
         uint32 replica;
         uint32 stage;
+        uint256 replicaSet;
         bytes32 contribution;
         bytes32 dataShard;
         bytes32 codeHash;
@@ -45,10 +52,11 @@ interface ITrainingLedger {
     /// @notice What the ledger knows about one committed step (step 0 is the genesis).
     /// @param checkpoint Digest of the step's checkpoint manifest.
     /// @param witnessHash The first 20 bytes of `keccak256(abi.encode(signersHash,
-    /// shardsRoot))`: `signersHash` is keccak256 of the attesting node keys in slot order
-    /// (each padded to 32 bytes, as `abi.encodePacked(address[])` does) and `shardsRoot`
-    /// keccak256 of the co-signed stage shard digests in stage order (see {StepCommitted}).
-    /// It binds who attested and what result they co-signed; it never changes.
+    /// shardsRoot, replicaSet))`: `signersHash` is keccak256 of the attesting node keys in
+    /// slot order (each padded to 32 bytes, as `abi.encodePacked(address[])` does),
+    /// `shardsRoot` keccak256 of the co-signed stage shard digests in stage order and
+    /// `replicaSet` the step's replica bitmap (see {StepCommitted}). It binds who attested,
+    /// for which replicas, and what result they co-signed; it never changes.
     /// @param committedAt Block timestamp of the commit; the challenge window starts here.
     /// @param epoch The run's rollback count when the step was committed.
     /// @param openChallenges Challenges opened against this record and not yet resolved.
@@ -70,7 +78,7 @@ interface ITrainingLedger {
     /// @param runId The run.
     /// @param step The challenged step.
     /// @param epoch The epoch of the challenged step record (a rollback makes it stale).
-    /// @param replica The challenged slot's replica (0 for an aggregate challenge).
+    /// @param replica The challenged slot's replica id (0 for an aggregate challenge).
     /// @param stage The challenged slot's (or co-signed shard's) stage.
     /// @param resolved Whether the arbiters have ruled.
     /// @param aggregate Whether it disputes the stage's co-signed shard (all its co-signers,
@@ -95,8 +103,36 @@ interface ITrainingLedger {
     /// @notice No run has id `runId`.
     error LedgerUnknownRun(uint256 runId);
 
-    /// @notice A run needs at least one replica and one stage.
+    /// @notice A run needs one to 256 replicas (a step's replica set is a 256-bit map) and at
+    /// least one stage.
     error LedgerInvalidShape(uint32 replicas, uint32 stages);
+
+    /// @notice A run's `minReplicas` must be between 1 and its `replicas`.
+    error LedgerInvalidMinReplicas(uint32 minReplicas, uint32 replicas);
+
+    /// @notice The step's replica set names `present` replicas, fewer than the run's
+    /// `minReplicas`.
+    error LedgerTooFewReplicas(uint256 present, uint32 minReplicas);
+
+    /// @notice The step's replica set `replicaSet` has a bit at or above the run's `replicas`.
+    error LedgerReplicaSetOutOfRange(uint256 replicaSet, uint32 replicas);
+
+    /// @notice Replica `replica` is not in the replica set `replicaSet` (an attestation for a
+    /// replica the step does not name, or a challenge of a slot the step did not have).
+    error LedgerReplicaNotInSet(uint32 replica, uint256 replicaSet);
+
+    /// @notice Attestation `index` was signed over the replica set `got`, not the step's
+    /// `expected` one.
+    error LedgerReplicaSetMismatch(uint256 index, uint256 expected, uint256 got);
+
+    /// @notice The step names replica `replica` but has no attestation for its stage `stage`
+    /// (slots run replica by replica in ascending id, each replica's stages in order).
+    error LedgerMissingStage(uint32 replica, uint32 stage);
+
+    /// @notice The two attestations were signed over different replica sets, `replicaSetA`
+    /// and `replicaSetB`: after a membership change a node may sign the same step again for
+    /// another set, which is no equivocation.
+    error LedgerDifferentReplicaSets(uint256 replicaSetA, uint256 replicaSetB);
 
     /// @notice A run needs at least one node.
     error LedgerNoNodes();
@@ -116,10 +152,12 @@ interface ITrainingLedger {
     /// @notice The committed step's parent is not the run's head.
     error LedgerStaleParent(bytes32 expected, bytes32 got);
 
-    /// @notice The number of attestations is not replicas * stages.
+    /// @notice There are more attestations than the replica set's replicas * stages.
     error LedgerWrongAttestationCount(uint256 expected, uint256 got);
 
-    /// @notice Attestation `index` is not for slot `index` (slot = replica * stages + stage).
+    /// @notice Attestation `index` is not for slot `index` (slot = position * stages + stage,
+    /// position the replica's rank among the set's replicas): a stage out of range, or a slot
+    /// repeated or out of order.
     error LedgerSlotOutOfOrder(uint256 index, uint32 replica, uint32 stage);
 
     /// @notice The attestation was signed by `node`, which is not a member of the run.
@@ -228,13 +266,15 @@ interface ITrainingLedger {
         bytes32 genesisDigest,
         uint32 replicas,
         uint32 stages,
+        uint32 minReplicas,
         address[] nodes,
         Independence independence
     );
 
     /// @notice Outer step `step` of run `runId` moved the head from `parent` to `checkpoint`;
     /// `shardsRoot` is keccak256 of the stage shard digests its replicas co-signed, in stage
-    /// order (each {ContributionAttested} carries its stage's digest).
+    /// order (each {ContributionAttested} carries its stage's digest), and `replicaSet` the
+    /// bitmap of the replicas that took part (bit r: replica r), whose slots follow.
     event StepCommitted(
         uint256 indexed runId,
         uint64 indexed step,
@@ -243,11 +283,13 @@ interface ITrainingLedger {
         bytes32 contributionsRoot,
         bytes32 metricsDigest,
         address submitter,
-        bytes32 shardsRoot
+        bytes32 shardsRoot,
+        uint256 replicaSet
     );
 
     /// @notice `node` attested its contribution to slot (`replica`, `stage`) of step `step`
-    /// and co-signed `newShard` as the stage's new outer shard.
+    /// and co-signed `newShard` as the stage's new outer shard (signed over the step's
+    /// replica set, which its {StepCommitted} carries).
     event ContributionAttested(
         uint256 indexed runId,
         uint64 indexed step,
@@ -262,7 +304,8 @@ interface ITrainingLedger {
     );
 
     /// @notice `node` signed two different contributions, `contributionA` and
-    /// `contributionB`, for slot (`replica`, `stage`) of step `step` on top of `parent`;
+    /// `contributionB`, for slot (`replica`, `stage`) of step `step` on top of `parent`, both
+    /// over one replica set;
     /// `reporter` proved it (the registry's {INodeRegistry-Slashed} event has the amounts).
     event EquivocationSlashed(
         uint256 indexed runId,
@@ -277,7 +320,8 @@ interface ITrainingLedger {
     );
 
     /// @notice `node` co-signed two different shards, `shardA` and `shardB`, as stage
-    /// `stage`'s new shard at step `step` on top of `parent`; `reporter` proved it.
+    /// `stage`'s new shard at step `step` on top of `parent`, both over one replica set;
+    /// `reporter` proved it.
     event ResultEquivocationSlashed(
         uint256 indexed runId,
         uint64 indexed step,
@@ -307,7 +351,8 @@ interface ITrainingLedger {
     );
 
     /// @notice Challenge `challengeId` disputes stage `stage`'s co-signed shard `shard`;
-    /// `coSigners` (one per replica, in replica order) answer for it together.
+    /// `coSigners` (one per replica of the step's set, in replica order) answer for it
+    /// together.
     event AggregateChallenged(uint256 indexed challengeId, uint32 stage, bytes32 shard, address[] coSigners);
 
     /// @notice No verdict on challenge `challengeId` came within the resolution period: it is
@@ -340,7 +385,8 @@ interface ITrainingLedger {
     ///
     /// Requirements:
     ///
-    /// - `replicas` and `stages` are greater than zero;
+    /// - `replicas` is 1 to 256 and `stages` greater than zero;
+    /// - `minReplicas`, the fewest replicas a step may have, is 1 to `replicas`;
     /// - `nodes` is not empty and has no duplicates;
     /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
     /// - `arbiters` has no duplicates and no zero address;
@@ -353,9 +399,10 @@ interface ITrainingLedger {
         address[] calldata nodes,
         uint32 replicas,
         uint32 stages,
+        uint32 minReplicas,
         uint64 challengeWindow,
         uint256 minStake,
-        address[] calldata arbiters,
+        address[] memory arbiters,
         uint32 quorum,
         uint8 independence
     ) external returns (uint256 runId);
@@ -371,10 +418,14 @@ interface ITrainingLedger {
     /// - `step` is the run's head step plus one;
     /// - `parent` is the run's head;
     /// - `checkpoint` is not zero;
-    /// - there are replicas * stages attestations, attestation i for slot i
-    ///   (slot = replica * stages + stage);
-    /// - each attestation is signed over (`runId`, `step`, `parent`, its fields) by a member
-    ///   of the run whose registry stake is at least the run's minimum and above zero;
+    /// - `replicaSet` (bit r: replica r took part) has no bit at or above the run's
+    ///   `replicas` and at least its `minReplicas` bits;
+    /// - there is exactly one attestation per (replica in the set, stage), replica by
+    ///   replica in ascending id and each replica's stages in order: attestation i is for
+    ///   slot i (slot = position * stages + stage, position the replica's rank in the set);
+    /// - every attestation carries `replicaSet` and is signed over (`runId`, `step`,
+    ///   `parent`, its fields) by a member of the run whose registry stake is at least the
+    ///   run's minimum and above zero;
     /// - the replicas are independent: no node (under `Operators`, no operator's nodes)
     ///   signs slots of two replicas;
     /// - every replica of a stage co-signs the same `newShard`;
@@ -386,6 +437,7 @@ interface ITrainingLedger {
         bytes32 checkpoint,
         bytes32 contributionsRoot,
         bytes32 metricsDigest,
+        uint256 replicaSet,
         Attestation[] calldata attestations
     ) external;
 
@@ -399,9 +451,11 @@ interface ITrainingLedger {
     /// Requirements:
     ///
     /// - run `runId` exists;
-    /// - `a` and `b` are for the same (replica, stage) and carry different contributions;
+    /// - `a` and `b` are for the same (replica, stage), signed over the same replica set,
+    ///   and carry different contributions;
     /// - both are signed over (`runId`, `step`, `parent`, their fields) by one member node;
-    /// - that node was not slashed for this (run, step, replica, stage, parent) before.
+    /// - that node was not slashed for this (run, step, replica, stage, parent) before (under
+    ///   any replica set: one slash per slot and parent).
     function reportEquivocation(
         uint256 runId,
         uint64 step,
@@ -418,7 +472,8 @@ interface ITrainingLedger {
     /// Requirements:
     ///
     /// - run `runId` exists;
-    /// - `a` and `b` are for the same stage and carry different `newShard`s;
+    /// - `a` and `b` are for the same stage, signed over the same replica set, and carry
+    ///   different `newShard`s;
     /// - both are signed over (`runId`, `step`, `parent`, their fields) by one member node;
     /// - that node was not slashed for this (run, step, stage, parent) result before.
     function reportResultEquivocation(
@@ -438,8 +493,9 @@ interface ITrainingLedger {
     /// - run `runId` exists and has arbiters;
     /// - `step` is a committed, non-rejected, non-final step, within its challenge window;
     /// - the slot is inside the run's shape;
-    /// - `signers` are the step's attesting nodes in slot order and `shardsRoot` its shards
-    ///   root (both from its events);
+    /// - `signers` are the step's attesting nodes in slot order, `shardsRoot` its shards
+    ///   root and `replicaSet` its replica set (all from its events), and `replica` is in
+    ///   the set;
     /// - the caller is a node whose active stake is at least the run's minimum (and not 0);
     /// - the bond is at least the run's minimum stake (and not 0).
     function openChallenge(
@@ -447,6 +503,7 @@ interface ITrainingLedger {
         uint64 step,
         uint32 replica,
         uint32 stage,
+        uint256 replicaSet,
         address[] calldata signers,
         bytes32 shardsRoot,
         bytes32 evidence
@@ -454,18 +511,21 @@ interface ITrainingLedger {
 
     /// @notice Opens an aggregate challenge against stage `stage` of step `step`: the shard
     /// its replicas co-signed (`shards[stage]`) is not the outer step recomputed from the
-    /// parent shard and the published contributions (verify level 3). Every co-signer
+    /// parent shard and the published contributions of the step's replica set (verify
+    /// level 3). Every co-signer
     /// answers for it: none may withdraw while it is open, and an upheld verdict slashes them
     /// all. `msg.value` is the bond. Returns the challenge id.
     /// @dev Emits {ChallengeOpened} and {AggregateChallenged} (and the registry's {BondHeld}
     /// and one {INodeRegistry-NodeHeld} per further co-signer).
     ///
     /// Requirements: as {openChallenge}, with `shards` the step's co-signed digests in stage
-    /// order (keccak256 of them is its shards root) and `stage` below the run's stages.
+    /// order (keccak256 of them is its shards root), `replicaSet` the step's replica set and
+    /// `stage` below the run's stages.
     function openAggregateChallenge(
         uint256 runId,
         uint64 step,
         uint32 stage,
+        uint256 replicaSet,
         address[] calldata signers,
         bytes32[] calldata shards,
         bytes32 evidence
@@ -547,8 +607,8 @@ interface ITrainingLedger {
     /// @dev Requirements: the challenge exists.
     function challenge(uint256 challengeId) external view returns (Challenge memory);
 
-    /// @notice The co-signers an aggregate challenge holds, in replica order (empty for a
-    /// replay challenge).
+    /// @notice The co-signers an aggregate challenge holds, one per replica of the step's set
+    /// in replica order (empty for a replay challenge).
     /// @dev Requirements: the challenge exists.
     function coSignersOf(uint256 challengeId) external view returns (address[] memory);
 
@@ -565,8 +625,9 @@ interface ITrainingLedger {
     /// @notice The id of an offence by `node` at slot (`replica`, `stage`) of step `step`:
     /// `kind` 0 is an equivocation, `key` its parent; `kind` 1 a failed replay, `key` the
     /// challenged record's epoch; `kind` 2 a co-signed shard that is not the aggregate, `key`
-    /// the epoch; `kind` 3 a result equivocation, `key` the parent and `replica`
-    /// type(uint32).max (any). One offence is slashed at most once.
+    /// the epoch and `replica` the co-signer's position in the step's replica set (its
+    /// replica id when the set is full); `kind` 3 a result equivocation, `key` the parent
+    /// and `replica` type(uint32).max (any). One offence is slashed at most once.
     function offenceId(uint8 kind, uint256 runId, uint64 step, uint32 replica, uint32 stage, bytes32 key, address node)
         external
         pure

@@ -8,10 +8,11 @@ import {NodeRegistry} from "../../src/NodeRegistry.sol";
 import {TrainingLedger} from "../../src/TrainingLedger.sol";
 import {ITrainingLedger} from "../../src/interfaces/ITrainingLedger.sol";
 
-/// @notice Drives a registry and ledger pair through a whole run's life: commits, equivocation
-/// reports, challenges with arbiter verdicts, finality, unbonding, withdrawals and claims.
-/// Every action is valid (or caught where the point is that it must fail), and ghost
-/// variables track what the invariants compare against.
+/// @notice Drives a registry and ledger pair through a whole run's life: commits (of both
+/// replicas or of one: the run needs one of its two), equivocation reports, challenges with
+/// arbiter verdicts, finality, unbonding, withdrawals and claims. Every action is valid (or
+/// caught where the point is that it must fail), and ghost variables track what the
+/// invariants compare against.
 contract LedgerHandler is CommonBase, StdUtils {
     uint256 public constant MIN_STAKE = 1 ether;
     uint64 public constant WINDOW = 50;
@@ -27,9 +28,11 @@ contract LedgerHandler is CommonBase, StdUtils {
     address public immutable verifier;
     address[] internal _payees;
 
-    /// @dev The signers of each step's current record and the shards it co-signed, for challenges.
+    /// @dev The signers of each step's current record, the shards it co-signed and its
+    /// replica set, for challenges.
     mapping(uint64 step => address[]) internal _signers;
     mapping(uint64 step => bytes32[]) internal _shards;
+    mapping(uint64 step => uint256) internal _sets;
     uint256[] internal _openChallenges;
     uint256 internal _nonce;
 
@@ -42,6 +45,8 @@ contract LedgerHandler is CommonBase, StdUtils {
     uint256 public ghost_ineligibleAccepted;
     uint256 public ghost_ineligibleRefused;
     uint256 public ghost_dependentAccepted;
+    uint256 public ghost_badSetAccepted;
+    uint256 public ghost_partialCommits;
     /// @dev Every step made final, with its checkpoint at that moment.
     uint64[] public ghost_finalSteps;
     mapping(uint64 step => bytes32) public ghost_finalCheckpoint;
@@ -79,7 +84,7 @@ contract LedgerHandler is CommonBase, StdUtils {
         // Equivocation reports come from this handler, which is paid the reporter's share.
         _payees.push(address(this));
 
-        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, 1, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     /// @dev Claims of the reporter's share land here.
@@ -101,12 +106,57 @@ contract LedgerHandler is CommonBase, StdUtils {
 
     // ---------------------------------------------------------------- actions
 
-    /// @notice Commits the next step, each slot signed by an eligible member (topping up a
-    /// member whose stake was slashed, unless it is unbonding).
+    /// @notice Commits the next step over both replicas or (one seed in two) over one of
+    /// them, each slot signed by an eligible member (topping up a member whose stake was
+    /// slashed, unless it is unbonding).
     function commit(uint256 seed) external {
-        address[] memory signers = new address[](4);
-        uint256[] memory signerKeys = new uint256[](4);
-        for (uint256 slot = 0; slot < 4; ++slot) {
+        uint256 set = seed % 4 < 2 ? 3 : seed % 4 - 1; // {0, 1}, {0} or {1}
+        (address[] memory signers, uint256[] memory signerKeys) = _pickSigners(seed, set == 3 ? 4 : 2);
+        if (signers.length == 0) return;
+        (uint64 step, bytes32 head, ITrainingLedger.Attestation[] memory atts, bytes32 root) =
+            _nextAttestations(signerKeys, set, bytes32(++_nonce));
+        bytes32 checkpoint = keccak256(abi.encode("checkpoint", step, _nonce));
+        ledger.commitStep(runId, step, head, checkpoint, root, bytes32(0), set, atts);
+        if (set != 3) ghost_partialCommits += 1;
+        _signers[step] = signers;
+        _sets[step] = set;
+        bytes32[] memory shards = new bytes32[](2);
+        (shards[0], shards[1]) = (atts[0].newShard, atts[1].newShard);
+        _shards[step] = shards;
+        ghost_witness[step] = bytes20(
+            keccak256(abi.encode(keccak256(abi.encodePacked(signers)), keccak256(abi.encodePacked(shards)), set))
+        );
+    }
+
+    /// @dev The attestations of the step after the head over `set` ({0, 1}, {0} or {1}),
+    /// slot i signed by `signerKeys[i]`, and their contributions root.
+    function _nextAttestations(uint256[] memory signerKeys, uint256 set, bytes32 salt)
+        internal
+        view
+        returns (uint64 step, bytes32 head, ITrainingLedger.Attestation[] memory atts, bytes32 root)
+    {
+        uint64 headStep;
+        (head, headStep) = ledger.runHead(runId);
+        step = headStep + 1;
+        atts = new ITrainingLedger.Attestation[](signerKeys.length);
+        bytes memory packed;
+        for (uint256 slot = 0; slot < atts.length; ++slot) {
+            uint32 replica = set == 2 ? 1 : uint32(slot / 2);
+            atts[slot] = _attest(signerKeys[slot], step, head, replica, uint32(slot % 2), set, salt);
+            packed = bytes.concat(packed, atts[slot].contribution);
+        }
+        root = keccak256(packed);
+    }
+
+    /// @dev An eligible, not unbonding member per slot (topping up a slashed stake), the
+    /// replicas' signers distinct; empty if there are not enough.
+    function _pickSigners(uint256 seed, uint256 slots)
+        internal
+        returns (address[] memory signers, uint256[] memory signerKeys)
+    {
+        signers = new address[](slots);
+        signerKeys = new uint256[](slots);
+        for (uint256 slot = 0; slot < slots; ++slot) {
             bool found = false;
             for (uint256 k = 0; k < 4 && !found; ++k) {
                 uint256 i = (slot + k + seed % 4) % 4;
@@ -117,28 +167,46 @@ contract LedgerHandler is CommonBase, StdUtils {
                 signerKeys[slot] = _nodeKeys[i];
                 found = true;
             }
-            if (!found) return;
+            if (!found) return (new address[](0), new uint256[](0));
         }
         // Replicas are independent witnesses: a node in both would be refused.
-        for (uint256 slot = 0; slot < 2; ++slot) {
-            if (signers[slot] == signers[2] || signers[slot] == signers[3]) return;
+        for (uint256 slot = 0; slots == 4 && slot < 2; ++slot) {
+            if (signers[slot] == signers[2] || signers[slot] == signers[3]) return (new address[](0), new uint256[](0));
         }
+    }
+
+    /// @notice Tries to commit the next step with a replica set the attestations do not
+    /// match, or one the run does not allow: no replica; a replica the run does not have; a
+    /// present replica without its last stage; an attestation for a replica outside the set;
+    /// an attestation signed over another set. Each must be refused with its own error,
+    /// whatever the signers' stakes.
+    function commitBadSet(uint256 seed) external {
         (bytes32 head, uint64 headStep) = ledger.runHead(runId);
         uint64 step = headStep + 1;
-        bytes32 checkpoint = keccak256(abi.encode("checkpoint", step, ++_nonce));
-        ITrainingLedger.Attestation[] memory atts = new ITrainingLedger.Attestation[](4);
+        uint256 kind = seed % 5;
+        uint256[5] memory sets = [uint256(0), 5, 3, 1, 1];
+        uint256[5] memory counts = [uint256(0), 4, 3, 2, 2];
+        bytes4[5] memory errors = [
+            ITrainingLedger.LedgerTooFewReplicas.selector,
+            ITrainingLedger.LedgerReplicaSetOutOfRange.selector,
+            ITrainingLedger.LedgerMissingStage.selector,
+            ITrainingLedger.LedgerReplicaNotInSet.selector,
+            ITrainingLedger.LedgerReplicaSetMismatch.selector
+        ];
+        ITrainingLedger.Attestation[] memory atts = new ITrainingLedger.Attestation[](counts[kind]);
         bytes memory packed;
-        for (uint256 slot = 0; slot < 4; ++slot) {
-            atts[slot] = _attest(signerKeys[slot], step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+        for (uint256 slot = 0; slot < atts.length; ++slot) {
+            // kind 3: slot 1 claims replica 1, outside {0}; kind 4: slot 1 signs over {0, 1}.
+            uint32 replica = kind == 3 && slot == 1 ? 1 : uint32(slot / 2);
+            uint256 signedSet = kind == 4 && slot == 1 ? 3 : sets[kind];
+            atts[slot] = _attest(_nodeKeys[slot], step, head, replica, uint32(slot % 2), signedSet, bytes32(_nonce));
             packed = bytes.concat(packed, atts[slot].contribution);
         }
-        ledger.commitStep(runId, step, head, checkpoint, keccak256(packed), bytes32(0), atts);
-        _signers[step] = signers;
-        bytes32[] memory shards = new bytes32[](2);
-        (shards[0], shards[1]) = (atts[0].newShard, atts[1].newShard);
-        _shards[step] = shards;
-        ghost_witness[step] =
-            bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), keccak256(abi.encodePacked(shards)))));
+        try ledger.commitStep(runId, step, head, keccak256(abi.encode("bad set", seed)), keccak256(packed), 0, sets[kind], atts) {
+            ghost_badSetAccepted += 1;
+        } catch (bytes memory reason) {
+            if (bytes4(reason) != errors[kind]) ghost_badSetAccepted += 1;
+        }
     }
 
     /// @notice Tries to commit the next step with one slot signed by a member whose active
@@ -160,10 +228,10 @@ contract LedgerHandler is CommonBase, StdUtils {
         bytes memory packed;
         for (uint256 slot = 0; slot < 4; ++slot) {
             uint256 key = slot == seed % 4 ? _nodeKeys[bad] : _nodeKeys[slot];
-            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), 3, bytes32(_nonce));
             packed = bytes.concat(packed, atts[slot].contribution);
         }
-        try ledger.commitStep(runId, step, head, keccak256(abi.encode(seed)), keccak256(packed), 0, atts) {
+        try ledger.commitStep(runId, step, head, keccak256(abi.encode(seed)), keccak256(packed), 0, 3, atts) {
             ghost_ineligibleAccepted += 1;
         } catch (bytes memory reason) {
             // Refused, and for the right reason.
@@ -184,10 +252,12 @@ contract LedgerHandler is CommonBase, StdUtils {
         for (uint256 slot = 0; slot < 4; ++slot) {
             // Slot (1, s) signed by the node of slot (0, s) for the chosen stage.
             uint256 key = slot == 2 + twice % 2 ? _nodeKeys[twice % 2] : _nodeKeys[slot];
-            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), bytes32(_nonce));
+            atts[slot] = _attest(key, step, head, uint32(slot / 2), uint32(slot % 2), 3, bytes32(_nonce));
             packed = bytes.concat(packed, atts[slot].contribution);
         }
-        try ledger.commitStep(runId, step, head, keccak256(abi.encode("dependent", seed)), keccak256(packed), 0, atts) {
+        try ledger.commitStep(
+            runId, step, head, keccak256(abi.encode("dependent", seed)), keccak256(packed), 0, 3, atts
+        ) {
             ghost_dependentAccepted += 1;
         } catch (bytes memory reason) {
             bytes4 selector = bytes4(reason);
@@ -203,11 +273,13 @@ contract LedgerHandler is CommonBase, StdUtils {
     function equivocate(uint256 nodeSeed, uint256 stepSeed, uint256 x, uint256 y) external {
         uint256 i = bound(nodeSeed, 0, 3);
         uint64 step = uint64(bound(stepSeed, 1, 3));
-        bytes32 a = bytes32(bound(x, 1, 3));
-        bytes32 b = bytes32(bound(y, 1, 3));
-        if (a == b) return;
-        ITrainingLedger.Attestation memory first = _attest(_nodeKeys[i], step, GENESIS, 0, 0, a);
-        ITrainingLedger.Attestation memory second = _attest(_nodeKeys[i], step, GENESIS, 0, 0, b);
+        if (bound(x, 1, 3) == bound(y, 1, 3)) return;
+        // Either set: the offence is the slot's, whatever set both were signed over.
+        uint256 set = x % 2 == 0 ? 1 : 3;
+        ITrainingLedger.Attestation memory first =
+            _attest(_nodeKeys[i], step, GENESIS, 0, 0, set, bytes32(bound(x, 1, 3)));
+        ITrainingLedger.Attestation memory second =
+            _attest(_nodeKeys[i], step, GENESIS, 0, 0, set, bytes32(bound(y, 1, 3)));
         bytes32 offence = ledger.offenceId(0, runId, step, 0, 0, GENESIS, _nodes[i]);
         bool before = ledger.isSlashed(offence);
         try ledger.reportEquivocation(runId, step, GENESIS, first, second) {
@@ -228,8 +300,8 @@ contract LedgerHandler is CommonBase, StdUtils {
         bytes32 a = bytes32(bound(x, 1, 3));
         bytes32 b = bytes32(bound(y, 1, 3));
         if (a == b) return;
-        ITrainingLedger.Attestation memory first = _attest(_nodeKeys[i], step, GENESIS, 0, 1, a);
-        ITrainingLedger.Attestation memory second = _attest(_nodeKeys[i], step, GENESIS, 1, 1, b);
+        ITrainingLedger.Attestation memory first = _attest(_nodeKeys[i], step, GENESIS, 0, 1, 3, a);
+        ITrainingLedger.Attestation memory second = _attest(_nodeKeys[i], step, GENESIS, 1, 1, 3, b);
         bytes32 offence = ledger.offenceId(3, runId, step, type(uint32).max, 1, GENESIS, _nodes[i]);
         bool before = ledger.isSlashed(offence);
         try ledger.reportResultEquivocation(runId, step, GENESIS, first, second) {
@@ -251,12 +323,14 @@ contract LedgerHandler is CommonBase, StdUtils {
         if (block.timestamp > info.committedAt + WINDOW) return;
         uint32 stage = uint32(bound(stageSeed, 0, 1));
         vm.prank(verifier);
-        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, step, stage, _signers[step], _shards[step], 0);
+        ledger.openAggregateChallenge{value: MIN_STAKE}(runId, step, stage, _sets[step], _signers[step], _shards[step], 0);
         _openChallenges.push(ledger.challengeCount());
         ghost_in += MIN_STAKE;
         ghost_bonds += MIN_STAKE;
-        ghost_openChallengesAgainst[_signers[step][stage]] += 1;
-        ghost_openChallengesAgainst[_signers[step][2 + stage]] += 1;
+        // One co-signer per replica of the step's set.
+        for (uint256 slot = stage; slot < _signers[step].length; slot += 2) {
+            ghost_openChallengesAgainst[_signers[step][slot]] += 1;
+        }
     }
 
     /// @notice The verifier challenges a slot of a challengeable step.
@@ -267,10 +341,13 @@ contract LedgerHandler is CommonBase, StdUtils {
         uint64 step = uint64(bound(stepSeed, finalized + 1, headStep));
         ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
         if (block.timestamp > info.committedAt + WINDOW) return;
-        uint256 slot = bound(slotSeed, 0, 3);
+        uint256 slot = bound(slotSeed, 0, _signers[step].length - 1);
+        // The slot's replica: its position in the set, or the one replica of a partial step.
+        uint256 set = _sets[step];
+        uint32 replica = set == 3 ? uint32(slot / 2) : (set == 1 ? 0 : 1);
         vm.prank(verifier);
         bytes32 root = keccak256(abi.encodePacked(_shards[step]));
-        ledger.openChallenge{value: MIN_STAKE}(runId, step, uint32(slot / 2), uint32(slot % 2), _signers[step], root, 0);
+        ledger.openChallenge{value: MIN_STAKE}(runId, step, replica, uint32(slot % 2), set, _signers[step], root, 0);
         _openChallenges.push(ledger.challengeCount());
         ghost_in += MIN_STAKE;
         ghost_bonds += MIN_STAKE;
@@ -410,13 +487,14 @@ contract LedgerHandler is CommonBase, StdUtils {
         ghost_in += amount;
     }
 
-    function _attest(uint256 key, uint64 step, bytes32 parent, uint32 replica, uint32 stage, bytes32 salt)
+    function _attest(uint256 key, uint64 step, bytes32 parent, uint32 replica, uint32 stage, uint256 set, bytes32 salt)
         internal
         view
         returns (ITrainingLedger.Attestation memory a)
     {
         a.replica = replica;
         a.stage = stage;
+        a.replicaSet = set;
         a.contribution = keccak256(abi.encode(salt, step, replica, stage));
         a.dataShard = keccak256(abi.encode("shard", step, replica));
         a.codeHash = keccak256("code");

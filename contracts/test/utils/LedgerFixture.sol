@@ -14,7 +14,7 @@ abstract contract LedgerFixture is Test {
     bytes32 internal constant DOMAIN_TYPEHASH =
         keccak256("EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)");
     bytes32 internal constant CONTRIBUTION_TYPEHASH = keccak256(
-        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
+        "Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,uint256 replicaSet,bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)"
     );
     bytes32 internal constant CONFIG = keccak256("config");
     bytes32 internal constant GENESIS = keccak256("genesis");
@@ -32,6 +32,7 @@ abstract contract LedgerFixture is Test {
         bytes32 checkpoint;
         bytes32 contributionsRoot;
         bytes32 metricsDigest;
+        uint256 replicaSet;
         ITrainingLedger.Attestation[] attestations;
     }
 
@@ -133,11 +134,11 @@ abstract contract LedgerFixture is Test {
         address[] memory signers = _signersOf(c);
         vm.prank(verifier);
         return ledger.openChallenge{value: MIN_STAKE}(
-            c.runId, c.step, replica, stage, signers, _shardsRoot(c), keccak256("evidence")
+            c.runId, c.step, replica, stage, c.replicaSet, signers, _shardsRoot(c), keccak256("evidence")
         );
     }
 
-    /// @dev The stage shard digests step `c` co-signs, in stage order (replica 0's).
+    /// @dev The stage shard digests step `c` co-signs, in stage order (its first replica's).
     function _shardsOf(StepCall memory c) internal view returns (bytes32[] memory shards) {
         (, uint32 stages) = _shapeOf(c.runId);
         shards = new bytes32[](stages);
@@ -171,22 +172,28 @@ abstract contract LedgerFixture is Test {
         vm.prank(verifier);
         return
             ledger.openAggregateChallenge{value: MIN_STAKE}(
-                c.runId, c.step, stage, signers, shards, keccak256("evidence")
+                c.runId, c.step, stage, c.replicaSet, signers, shards, keccak256("evidence")
             );
     }
 
-    /// @dev A 2 x 2 run over the four setUp nodes.
+    /// @dev A 2 x 2 run over the four setUp nodes, every step with both replicas.
     function _createRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
     }
 
     function _createRun(uint32 replicas, uint32 stages, uint256 minStake) internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, WINDOW, minStake, arbiters, 2, 0);
+        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, replicas, WINDOW, minStake, arbiters, 2, 0);
+    }
+
+    /// @dev A `replicas` x `stages` run whose steps need `minReplicas` of the replicas.
+    function _createElasticRun(uint32 replicas, uint32 stages, uint32 minReplicas) internal returns (uint256 runId) {
+        runId = ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, minReplicas, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        _shapes[runId] = [replicas, stages];
     }
 
     /// @dev A 2 x 2 run over the four setUp nodes whose replicas must have distinct operators.
     function _createOperatorRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 1);
+        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 1);
     }
 
     function _sign(uint256 key, bytes32 digest) internal pure returns (bytes memory) {
@@ -202,14 +209,31 @@ abstract contract LedgerFixture is Test {
         return ledger.contributionDigest(runId, step, parent, a);
     }
 
-    /// @dev The attestation for slot (replica, stage), signed by `key` through `ledger`.
+    /// @dev The attestation for slot (replica, stage) of a full step, signed by `key` through
+    /// `ledger`.
     function _attestation(uint256 key, uint256 runId, uint64 step, bytes32 parent, uint32 replica, uint32 stage)
         internal
         view
         returns (ITrainingLedger.Attestation memory a)
     {
+        (uint32 replicas,) = _shapeOf(runId);
+        return _attestation(key, runId, step, parent, replica, stage, _fullSet(replicas));
+    }
+
+    /// @dev The attestation for slot (replica, stage) of a step over `replicaSet`, signed by
+    /// `key` through `ledger`.
+    function _attestation(
+        uint256 key,
+        uint256 runId,
+        uint64 step,
+        bytes32 parent,
+        uint32 replica,
+        uint32 stage,
+        uint256 replicaSet
+    ) internal view returns (ITrainingLedger.Attestation memory a) {
         a.replica = replica;
         a.stage = stage;
+        a.replicaSet = replicaSet;
         a.contribution = keccak256(abi.encode("contribution", runId, step, replica, stage));
         a.dataShard = keccak256(abi.encode("shard", step, replica));
         a.codeHash = CODE;
@@ -228,24 +252,45 @@ abstract contract LedgerFixture is Test {
         return keccak256(packed);
     }
 
-    /// @dev A valid commit of the step after the head of `runId`; slot i is signed by key i
-    /// (modulo the number of nodes).
+    /// @dev A valid commit of the step after the head of `runId` with every replica; slot i
+    /// is signed by key i (modulo the number of nodes).
     function _nextStep(uint256 runId) internal view returns (StepCall memory c) {
-        (bytes32 head, uint64 headStep) = ledger.runHead(runId);
+        (uint32 replicas,) = _shapeOf(runId);
+        return _nextStep(runId, _fullSet(replicas));
+    }
+
+    /// @dev A valid commit of the step after the head of `runId` over the replicas of
+    /// `replicaSet`: replica r's stage s is signed by key r * stages + s (modulo the number
+    /// of nodes), the key it has in a full step.
+    function _nextStep(uint256 runId, uint256 replicaSet) internal view returns (StepCall memory c) {
         c.runId = runId;
-        c.step = headStep + 1;
-        c.parent = head;
+        (c.parent, c.step) = ledger.runHead(runId);
+        c.step += 1;
         c.checkpoint = keccak256(abi.encode("checkpoint", runId, c.step, salt));
         c.metricsDigest = keccak256(abi.encode("metrics", runId, c.step));
+        c.replicaSet = replicaSet;
         (uint32 replicas, uint32 stages) = _shapeOf(runId);
-        c.attestations = new ITrainingLedger.Attestation[](uint256(replicas) * stages);
+        c.attestations = new ITrainingLedger.Attestation[](_popcount(replicaSet) * stages);
+        uint256 slot = 0;
         for (uint32 r = 0; r < replicas; ++r) {
+            if ((replicaSet >> r) & 1 == 0) continue;
             for (uint32 s = 0; s < stages; ++s) {
-                uint256 slot = uint256(r) * stages + s;
-                c.attestations[slot] = _attestation(keys[slot % keys.length], runId, c.step, c.parent, r, s);
+                c.attestations[slot++] =
+                    _attestation(keys[(uint256(r) * stages + s) % keys.length], runId, c.step, c.parent, r, s, replicaSet);
             }
         }
         c.contributionsRoot = _root(c.attestations);
+    }
+
+    /// @dev The replica set of every replica of a `replicas`-replica run.
+    function _fullSet(uint32 replicas) internal pure returns (uint256) {
+        return replicas >= 256 ? type(uint256).max : (uint256(1) << replicas) - 1;
+    }
+
+    function _popcount(uint256 x) internal pure returns (uint256 count) {
+        for (; x != 0; x &= x - 1) {
+            ++count;
+        }
     }
 
     /// @dev Shapes are not exposed by the ledger; tests track them by run id.
@@ -258,13 +303,24 @@ abstract contract LedgerFixture is Test {
     }
 
     function _commit(StepCall memory c) internal {
-        ledger.commitStep(c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.attestations);
+        ledger.commitStep(
+            c.runId, c.step, c.parent, c.checkpoint, c.contributionsRoot, c.metricsDigest, c.replicaSet, c.attestations
+        );
     }
 
     /// @dev Re-signs attestation `i` of `c` with `key` (after a field was changed).
     function _resign(StepCall memory c, uint256 i, uint256 key) internal view {
         (c.attestations[i].r, c.attestations[i].vs) =
             vm.signCompact(key, _digest(c.runId, c.step, c.parent, c.attestations[i]));
+    }
+
+    /// @dev A step record's witness hash: see {ITrainingLedger-StepInfo}.
+    function _witness(address[] memory signers, bytes32 shardsRoot, uint256 replicaSet)
+        internal
+        pure
+        returns (bytes20)
+    {
+        return bytes20(keccak256(abi.encode(keccak256(abi.encodePacked(signers)), shardsRoot, replicaSet)));
     }
 
     function _recover(StepCall memory c, uint256 i) internal view returns (address) {
