@@ -195,12 +195,13 @@ def eager_start(
     outer: OuterOptimizer, stale: list[dict[str, torch.Tensor]] | None, own: dict[str, torch.Tensor],
     replica: int, replicas: int,
 ) -> dict[str, torch.Tensor]:
-    """The eager rule's start weights of round t+1 for replica `replica` (Kale et al. 2025):
-    one outer step from the committed state `outer` (after step t-1) with the mean over
-    replicas in replica order of the decoded contributions, this replica's fresh one
-    (`own`, round t) in place of its stale share, the others' stale ones (`stale`, round
-    t-1; None when round t was the first this run computed: they count as zero). A
-    lookahead: `outer` itself does not move."""
+    """The eager rule's start weights of round t+1 for the replica at position `replica` of
+    the `replicas` present (Kale et al. 2025): one outer step from the committed state
+    `outer` (after step t-1) with the mean over the present replicas in replica order of
+    the decoded contributions, this replica's fresh one (`own`, round t) in place of its
+    stale share, the others' stale ones (`stale`, round t-1; None when round t was the
+    first this run, or this membership epoch, computed: they count as zero). A lookahead:
+    `outer` itself does not move."""
     names = outer.names
     zero = {n: torch.zeros_like(own[n]) for n in names} if stale is None else None
     shares = [own if j == replica else (stale[j] if stale is not None else zero) for j in range(replicas)]
@@ -284,7 +285,11 @@ class DiLoCo:
     published, at outer step t either way.
 
     On failure of any replica the collective inside the transport raises (gloo reports the
-    closed peer); the round is lost and the job resumes from the last committed shard.
+    closed peer). Without elastic training the round is lost and the job resumes from the
+    last committed shard; with it (trainer/engine.py) the rank drops the exchange in flight
+    (`drop_pending`) and a new DiLoCo continues over the replicas that remain, from the
+    last committed shard. The transport is over the present replicas: `transport.R` is
+    their count and `transport.replica` this replica's position among them.
     """
 
     def __init__(
@@ -317,6 +322,12 @@ class DiLoCo:
     def pending_payload(self) -> bytes:
         """This replica's payload in the exchange in flight (b"" when none is)."""
         return b"" if self._pending is None else self._pending[2]
+
+    def drop_pending(self) -> None:
+        """Forget the exchange in flight (its world broke): it is never applied. Its daemon
+        thread may stay blocked in the dead world's collective until the timeout; nothing
+        waits for it."""
+        self._pending = None
 
     def extra_memory_bytes(self) -> int:
         """Bytes DiLoCo holds beyond the model: outer weights, momentum, compressor state

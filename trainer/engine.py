@@ -23,12 +23,48 @@ and the compressor state) and publishes it with its contribution; `inner_round` 
 one inner loop and `trainer.diloco.contribution` the one payload function that training
 and `rerun_round` (replays, exact resumes) both run, so a replay from that state is
 bit-identical on the same machine.
+
+Elastic training (`[parallel] min_replicas`, a launcher's `RankControl.regroup`). A run
+has R replica slots; a membership epoch is a world of the replicas present, `members`
+(ids, ascending, at least min_replicas), x S stages, global rank = position * S + stage
+(`Topology`). A replica's id, never its position, fixes its data shards, its seeds
+(dropout, compressor), its `Contribution.replica` and its ledger slot; the position only
+places it in the world (process groups, the Transport, progress and eval on the first
+member). An outer step averages the present replicas' contributions in replica order
+(`StepArtifacts.replicas`); with all R present every byte is as without elastic training.
+- A loss: when a collective raises or times out because a peer died (`world_failure`:
+  gloo's closed connection or timeout, a torch.distributed error), the rank drops the
+  exchange in flight (its daemon thread may stay blocked on the dead world; nothing waits
+  for it), releases and destroys its process groups and calls `control.regroup(epoch,
+  reason)`, which blocks until the next epoch's `Membership` or raises (fewer than
+  min_replicas remain, the job ended, Cancelled). Any other error (a bug, a divergence,
+  a bad input, Cancelled) fails the rank as before; so does every error without `regroup`.
+- Growth: with `regroup` set, after each round's reports rank 0 asks
+  `control.grow_requested` and every rank learns the answer in one broadcast; on yes they
+  apply and report the exchange in flight and regroup with reason "grow", a boundary
+  where nothing is lost. A joiner's launcher starts it with the new epoch's
+  `control.members` and `epoch` and `control.start` = the committed shard.
+- Continuing in epoch m: join m's world, rebuild the process groups, pipeline, Transport
+  and DiLoCo over the present replicas; outer state := m.shard (the committed shard after
+  m.start_step), local weights := the outer ones, nothing in flight; inner optimizer and
+  compressor restored from this rank's own start state of round start_step + 1 (a rank
+  keeps its last KEEP_STATES round-start states in memory; between rounds its live state
+  is the next round's), else fresh (a joiner, a rank that never ran that round); rounds go
+  on from start_step + 1. That round's published start state therefore holds the
+  committed shard's weights (under the partial rule merge_step -1), as any run's first
+  round does, and a joiner's the fresh state core (`trainer.replay.fresh_state_core`).
+- What a loss costs: the round in flight, never a committed step; under delay 1 also the
+  exchange of the previous round that overlapped it when its step was not yet committed
+  (restart and eager apply step t at the end of round t + 1, partial before inner step
+  tau of round t + 1), whose round is then computed again. A departed replica's
+  error-feedback state leaves with it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import os
 import resource
@@ -59,9 +95,10 @@ from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.data import derive_seed, load_corpus
 from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, contribution, merge_weights
-from trainer.errors import TrainingError
+from trainer.errors import Cancelled, DlxError, TrainingError
 from trainer.hooks import RankHooks
 from trainer.model import build_stage
+from trainer.supervisor import error_line, peer_loss
 from trainer.transport import Transport, all_gather_bytes_sent
 
 __all__ = [
@@ -155,28 +192,38 @@ class RankControl:
     grow_requested: Callable[[], bool] | None = None
 
 
-class Cancelled(Exception):
-    """The launcher asked the ranks to stop; raised on every rank at the same inner step."""
-
 SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
 TAU_AUTO_MAX_FRACTION = 0.25  # tau = auto overlaps at most this share of a round
 LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
 PROGRESS_EVERY = 5  # S > 1: inner steps whose losses reach rank 0 in one broadcast
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+KEEP_STATES = 3  # elastic runs: round-start states a rank keeps, for a regroup to restore
 
 
 class Topology:
-    """Who is who in an R x S world, and the process groups every rank must create."""
+    """Who is who in a world of the present replicas `members` (replica ids, ascending; all
+    R by default) x S stages, and the process groups every rank must create. Global rank =
+    position * S + stage, where position = members.index(replica): a replica's id fixes its
+    data, seeds and ledger slot; its position only where it sits in this world."""
 
-    def __init__(self, rank: int, replicas: int, stages: int):
+    def __init__(self, rank: int, replicas: int, stages: int, members: tuple[int, ...] | None = None):
         self.rank, self.R, self.S = rank, replicas, stages
-        self.replica, self.stage = divmod(rank, stages)
+        self.members = tuple(range(replicas)) if members is None else tuple(members)
+        self.n = len(self.members)  # replicas present
+        self.position, self.stage = divmod(rank, stages)
+        self.replica = self.members[self.position]
         self.is_first = self.stage == 0
         self.is_last = self.stage == stages - 1
+        self.lead = self.position == 0  # the first member: progress, eval and the shards
 
-    def global_rank(self, replica: int, stage: int) -> int:
-        return replica * self.S + stage
+    @property
+    def full(self) -> bool:
+        """Whether every one of the R replicas is present."""
+        return self.members == tuple(range(self.R))
+
+    def global_rank(self, position: int, stage: int) -> int:
+        return position * self.S + stage
 
     def create_groups(self, pipe_backend: str | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """(pipeline group of my replica, data-parallel group of my stage). The pipeline
@@ -187,12 +234,12 @@ class Topology:
         creates every group, in the same order, even the ones it is not in.
         """
         pipe = dp = None
-        for r in range(self.R):
-            g = dist.new_group([self.global_rank(r, s) for s in range(self.S)], backend=pipe_backend)
-            if r == self.replica:
+        for p in range(self.n):
+            g = dist.new_group([self.global_rank(p, s) for s in range(self.S)], backend=pipe_backend)
+            if p == self.position:
                 pipe = g
         for s in range(self.S):
-            g = dist.new_group([self.global_rank(r, s) for r in range(self.R)])
+            g = dist.new_group([self.global_rank(p, s) for p in range(self.n)])
             if s == self.stage:
                 dp = g
         assert pipe is not None and dp is not None
@@ -318,14 +365,14 @@ class Pipeline:
                     h = self.module(x)
                 else:
                     h = torch.empty(x.size(0), x.size(1), cfg.d_model, device=self.device)  # (B, T, C)
-                    dist.recv(h, src=topo.global_rank(topo.replica, topo.stage - 1), group=self.group)
+                    dist.recv(h, src=topo.global_rank(topo.position, topo.stage - 1), group=self.group)
                     h = self.module(h)
             if topo.is_last:
                 total += lm_loss(h.float(), y).item()
             else:
                 dist.send(
                     h.contiguous(),
-                    dst=topo.global_rank(topo.replica, topo.stage + 1),
+                    dst=topo.global_rank(topo.position, topo.stage + 1),
                     group=self.group,
                 )
         self.module.train(was_training)
@@ -403,7 +450,7 @@ def inner_round(
     # The round's loss lives on the last stage; every stage's Contribution carries it.
     round_loss = sum(losses) / H if topo.is_last else None
     if topo.S > 1:
-        round_loss = _broadcast_scalar(round_loss, topo.global_rank(topo.replica, topo.S - 1), pipeline.group)
+        round_loss = _broadcast_scalar(round_loss, topo.global_rank(topo.position, topo.S - 1), pipeline.group)
     assert round_loss is not None
     return round_loss
 
@@ -501,29 +548,64 @@ def run_rank(
     emit: Emit,
     control: RankControl | None = None,
 ) -> None:
-    """Train `job` as global rank `rank`; `emit` is called on rank 0 only (and on every
-    rank for its own contributions when `control.emit_contributions`). Raises `Cancelled`
-    on every rank when rank 0's `control.stop_requested()` says so."""
+    """Train `job` as global rank `rank` of the world of `control.members` (all R replicas
+    by default) x S stages; `emit` is called on rank 0 only (and on every rank for its own
+    contributions and epochs when `control.emit_contributions`). Raises `Cancelled` on
+    every rank when rank 0's `control.stop_requested()` says so."""
     control = control or RankControl()
     R, S = job.parallel.replicas, job.parallel.stages
-    if world_size != R * S:
-        raise ValueError(f"world_size ({world_size}) != replicas x stages ({R} x {S})")
+    members = check_members(tuple(range(R)) if control.members is None else tuple(control.members), job,
+                            control.epoch)
+    if world_size != len(members) * S:
+        raise ValueError(f"world_size ({world_size}) != replicas present x stages ({len(members)} x {S})")
     torch.set_num_threads(1)
     # cuBLAS needs a fixed workspace to be deterministic; it reads this before CUDA starts.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-    topo = Topology(rank, R, S)
+    topo = Topology(rank, R, S, members)
+    init_world(init_method, rank, world_size, control.timeout_s)
+    try:
+        RoundLoop(topo, job, emit, control, agree_device(job, control.gpu)).run()
+    finally:
+        if dist.is_initialized():  # a failed regroup leaves none
+            dist.destroy_process_group()
+
+
+def init_world(init_method: str, rank: int, world_size: int, timeout_s: float | None) -> None:
+    """Join a world over gloo (every membership epoch's, too) with the collective timeout:
+    how soon a lost peer fails a collective."""
     dist.init_process_group(
         "gloo",
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=control.timeout_s) if control.timeout_s else COLLECTIVE_TIMEOUT,
+        timeout=timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT,
     )
-    try:
-        RoundLoop(topo, job, emit, control, agree_device(job, control.gpu)).run()
-    finally:
-        dist.destroy_process_group()
+
+
+def check_members(members: tuple[int, ...], job: JobConfig, epoch: int) -> tuple[int, ...]:
+    """`members` if they are distinct replica ids of the job, ascending, at least
+    `parallel.min_replicas` of them; TrainingError otherwise."""
+    R, least = job.parallel.replicas, job.parallel.min_present
+    if list(members) != sorted(set(members)) or not all(0 <= r < R for r in members):
+        raise TrainingError(f"membership epoch {epoch}: replicas {list(members)} are not distinct ids "
+                            f"in 0..{R - 1}, ascending")
+    if len(members) < least:
+        raise TrainingError(f"membership epoch {epoch}: {len(members)} replica(s) {list(members)} remain, "
+                            f"fewer than parallel.min_replicas ({least}): the job stops (dlx resume "
+                            "continues it from the last committed step)")
+    return members
+
+
+def world_failure(exc: BaseException) -> bool:
+    """Whether `exc` says this rank's world broke (a peer died or stopped answering: a
+    torch.distributed error, or gloo's RuntimeError naming a lost peer or a timeout) rather
+    than a failure of its own (a bug, a divergence, a bad input, a stop)."""
+    if isinstance(exc, Cancelled | DlxError):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and peer_loss(str(exc))
 
 
 def gpu_usable(gpu: int | None) -> bool:
@@ -623,6 +705,14 @@ class Round:
     data: Any
 
 
+class _Regroup(Exception):
+    """Raised on every rank of a world at once (a growth boundary): regroup for `reason`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class RoundLoop:
     """One rank's run as named phases: `__init__` builds the stage (model, pipeline, inner
     optimizer, compressor, DiLoCo); `begin` starts from the seed (genesis) or a committed
@@ -630,66 +720,112 @@ class RoundLoop:
     (`inner_steps`, through `RankHooks.inner_phase`), ends (`end_round`: exchange, outer
     step, tau) and `report`s every outer step it applied; `run` ties them together and
     flushes the last exchange. Only global rank 0 emits; every rank takes part in every
-    collective, in the same order (a deadlock hazard otherwise)."""
+    collective, in the same order (a deadlock hazard otherwise).
+
+    Elastic (`control.regroup` set): `run` catches a broken world (`world_failure`) or a
+    growth boundary (`grow_boundary`), tears the world down (`_leave`), asks the launcher
+    for the next epoch and continues in it (`_enter`); the module's docstring has the rules."""
 
     def __init__(self, topo: Topology, job: JobConfig, emit: Emit, control: RankControl,
                  device: torch.device) -> None:
         self.topo, self.job, self.emit, self.control, self.hooks = topo, job, emit, control, control.hooks
         self.allreduce = job.parallel.sync == "allreduce"
         self.partial = not self.allreduce and job.outer.rule == "partial"
-        self.pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
-        corpus = load_corpus(job.data, job.model.vocab_size)
-        self.eval_batches = corpus.eval_batches(job.data.eval_batches, job.data.batch_size, job.model.seq_len,
-                                                seed=job.seed)
-        self.rank = self._build_stage(corpus, device)
-        self.transport = Transport(dp_group, topo.R, topo.replica, job.transport)
-        self.diloco = DiLoCo(self.rank.module, job.outer, self.transport, self.rank.compressor,
-                             self.hooks.publish(topo))
+        self.device, self.epoch = device, control.epoch
+        self.corpus = load_corpus(job.data, job.model.vocab_size)
+        self.eval_batches = self.corpus.eval_batches(job.data.eval_batches, job.data.batch_size,
+                                                     job.model.seq_len, seed=job.seed)
+        self.module = self._build_module(device)
+        self._wire(topo)
         self.first_round = 1
         self.stop_flag = torch.zeros(1, dtype=torch.int32)
         # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
         # compress_s: compression + decoding of every contribution.
         # report_s: publishing steps mid-round (partial rule), kept out of the other two.
         self.clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0}
+        self.compress_before = 0.0  # compress_s of the epochs before this one
         self.taus: list[int] = []  # the partial rule: the tau each round merged at
         self.lr = job.inner.lr  # the inner learning rate of the latest inner step
         self.unreported: list[float] = []  # replica 0: inner losses not yet reported
         self.started = self.since = time.perf_counter()  # rank 0: run start, last progress report
+        self.paced = (self.started, 1)  # rank 0: (when, round) this epoch's rounds began, for the ETA
+        self.tokens = 0  # cumulative tokens the present replicas trained, through `self.reported`
+        self.tokens_at: dict[int, int] = {}  # outer step -> tokens through it (elastic runs)
+        self.reported = 0  # the last outer step this rank took part in reporting
+        # Elastic runs: round -> this rank's start state of it, the last KEEP_STATES rounds
+        # opened (a regroup restores the inner optimizer and compressor from them), and the
+        # last round opened and the last one whose end completed.
+        self.kept: dict[int, bytes] = {}
+        self.opened = self.completed = 0
+        self.counters = (0, 0.0, 0.0)  # the Transport's counters, carried into the next epoch
 
-    def _build_stage(self, corpus: Any, device: torch.device) -> StageRank:
-        """This rank's stage (seeded, or the imported weights at genesis), its pipeline,
-        inner optimizer and compressor."""
+    def _build_module(self, device: torch.device) -> nn.Module:
+        """This rank's stage, seeded (or the imported weights at genesis), on `device`."""
         job, topo = self.job, self.topo
         module = build_stage(job.model, topo.stage, topo.S, job.seed)
         if job.model.init is not None and self.control.start is None:  # genesis = the imported weights
             from trainer.hf import load_init_weights
 
             load_init_weights(module, job.model.init)
-        module.to(device)
+        return module.to(device)
+
+    def _wire(self, topo: Topology) -> None:
+        """What trains the module in the world of `topo`: its process groups, pipeline, a
+        fresh inner optimizer and compressor (seeded by replica id), the Transport over the
+        present replicas and DiLoCo (whose outer copy starts at the module's weights)."""
+        job, module, device = self.job, self.module, self.device
+        self.topo = topo
+        self.pipe_group, dp_group = topo.create_groups("cpu:gloo,cuda:nccl" if device.type == "cuda" else None)
         pipeline = Pipeline(module, topo, self.pipe_group, job, device)
         inner = build_inner_optimizer(module, job)
         shapes = {n: p.shape for n, p in module.named_parameters()}
         seed = derive_seed("compress", job.seed, topo.replica, topo.stage)
-        return StageRank(job, pipeline, inner, Compressor(job.outer.compression, shapes, seed), corpus)
+        self.rank = StageRank(job, pipeline, inner, Compressor(job.outer.compression, shapes, seed), self.corpus)
+        self.transport = Transport(dp_group, topo.n, topo.position, job.transport)
+        self.diloco = DiLoCo(module, job.outer, self.transport, self.rank.compressor, self.hooks.publish(topo))
 
     def run(self) -> None:
         """Every round from the first this run computes to `outer.steps`, then the last
-        exchange in flight."""
-        self.begin()
-        self.started = self.since = time.perf_counter()
-        for t in range(self.first_round, self.job.outer.steps + 1):
+        exchange in flight; elastic: in as many membership epochs as it takes."""
+        enter: Callable[[], None] = self.begin
+        while True:
+            try:
+                enter()
+                if enter == self.begin:
+                    self.started = self.since = time.perf_counter()
+                self._rounds()
+                return
+            except Exception as exc:  # a broken world regroups; anything else fails the rank
+                reason = self._regroup_reason(exc)
+                if reason is None:
+                    raise
+            # Out of the except block: the traceback's frames no longer hold the old world.
+            enter = functools.partial(self._enter, self._regroup(reason))
+
+    def _rounds(self) -> None:
+        """This epoch's rounds, then the last exchange in flight."""
+        T = self.job.outer.steps
+        self.paced = (time.perf_counter(), self.first_round)
+        for t in range(self.first_round, T + 1):
             self.round(t)
+            if t < T:
+                self.grow_boundary()
         applied = self.diloco.flush()
         if applied is not None:
             self.report(applied)
 
     def begin(self) -> None:
         """Start from `control.start` (resume: the committed outer state, re-running its
-        round where that is exact) or from the seed (rank 0 emits the genesis shards)."""
+        round where that is exact; a joiner: the committed outer state, fresh inner state)
+        or from the seed (rank 0 emits the genesis shards)."""
         start = self.control.start
+        self._announce()
+        step = 0 if start is None else start.step
+        self.tokens = self._tokens_through(step) if self.epoch else self._full_tokens(step)
+        self.reported = self.opened = self.completed = step
         if start is None:
             shards = self._gather(StageShard(self.topo.stage, self.diloco.outer.to_bytes())
-                                  if self.topo.replica == 0 else None)
+                                  if self.topo.lead else None)
             if self.topo.rank == 0:
                 assert shards is not None
                 self.emit("genesis", GenesisArtifacts(stages=[shards[s] for s in range(self.topo.S)]))
@@ -700,6 +836,129 @@ class RoundLoop:
         with torch.no_grad():
             self.diloco._reset_local()
         self.first_round = start.step + 1
+
+    # -- elastic training: membership epochs ----------------------------------------------
+
+    def grow_boundary(self) -> None:
+        """Elastic runs, after each round's reports: rank 0 asks `control.grow_requested` and
+        every rank learns the answer in one broadcast; yes: apply and report the exchange in
+        flight (nothing is lost) and regroup (reason "grow") so that joiners come in."""
+        if self.control.regroup is None:
+            return
+        flag = torch.zeros(1, dtype=torch.int32)
+        if self.topo.rank == 0:
+            grow = self.control.grow_requested
+            flag[0] = int(bool(grow and grow()))
+        dist.broadcast(flag, src=0)
+        if flag[0]:
+            applied = self.diloco.flush()
+            if applied is not None:
+                self.report(applied)
+            raise _Regroup("grow")
+
+    def _regroup_reason(self, exc: Exception) -> str | None:
+        """Why this rank regroups after `exc` (one line), or None: it fails as without elastic
+        training (no `control.regroup`, or not a broken world)."""
+        if isinstance(exc, _Regroup):
+            return exc.reason
+        if self.control.regroup is None or not world_failure(exc):
+            return None
+        return error_line(exc)
+
+    def _regroup(self, reason: str) -> Membership:
+        """Leave the broken (or growing) world and get the next epoch from the launcher:
+        TrainingError when it has fewer than min_replicas, or does not hold this rank."""
+        assert self.control.regroup is not None
+        failed = self.epoch
+        self._keep_live_state()
+        self._leave()
+        m = self.control.regroup(failed, reason)
+        members = check_members(tuple(m.members), self.job, m.epoch)
+        position, stage = divmod(m.rank, self.topo.S)
+        if m.epoch <= failed or stage != self.topo.stage or position >= len(members) \
+                or members[position] != self.topo.replica:
+            raise TrainingError(f"regroup: epoch {m.epoch} (after {failed}) puts rank {m.rank} at replica "
+                                f"{members[position] if position < len(members) else None} stage {stage}, "
+                                f"but this is replica {self.topo.replica} stage {self.topo.stage}")
+        return m
+
+    def _keep_live_state(self) -> None:
+        """Between rounds (the last one opened has ended), this rank's live inner and
+        compressor state is the start state of the next round: keep it, as if opened."""
+        nxt = self.completed + 1
+        if self.opened == self.completed and nxt not in self.kept and not self.allreduce:
+            rank = self.rank
+            self.kept[nxt] = round_state(rank.module, rank.inner, rank.compressor, nxt,
+                                         (nxt - 1) * self.job.outer.inner_steps)
+
+    def _leave(self) -> None:
+        """Tear this rank's world down: drop the exchange in flight (its daemon thread may
+        stay blocked on the dead world until the collective timeout; nobody waits for it),
+        every reference to a process group (a live one keeps its sockets open, and peers
+        blocked on this rank would wait for the timeout rather than fail at once), then the
+        process groups themselves, tolerating errors: the world is broken."""
+        self.diloco.drop_pending()
+        self.compress_before += self.rank.compressor.total_s + self.diloco.decode_s
+        self.counters = (self.transport.bytes_sent, self.transport.modelled_s, self.transport.wait_s)
+        del self.rank, self.diloco, self.transport, self.pipe_group
+        gc.collect()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+    def _enter(self, m: Membership) -> None:
+        """Continue in epoch `m`: join its world, rebuild what trains the module there, load
+        the committed outer state after `m.start_step` (local weights := outer, nothing in
+        flight), restore the inner optimizer and compressor from this rank's kept start
+        state of round start_step + 1 (else fresh), and go on from that round.
+
+        Deadlock hazard: a joiner's `run_rank` + `begin` run the same collectives in the same
+        order (init, agree_device, create_groups, the tokens' all-reduce)."""
+        job, S = self.job, self.topo.S
+        self.epoch = m.epoch
+        init_world(m.init_method, m.rank, len(m.members) * S, self.control.timeout_s)
+        device = agree_device(job, self.control.gpu)
+        if device != self.device:
+            self.module.to(device)
+            self.device = device
+        self._wire(Topology(m.rank, job.parallel.replicas, S, tuple(m.members)))
+        self.transport.bytes_sent, self.transport.modelled_s, self.transport.wait_s = self.counters
+        nxt = m.start_step + 1
+        state = self.kept.get(nxt)
+        if state is not None:
+            rank = self.rank
+            try:
+                load_round_state(state, rank.module, rank.inner, rank.compressor)
+            except ValueError as exc:
+                raise TrainingError(f"regroup: this rank's kept start state of round {nxt}: {exc}") from None
+        self.kept = {t: v for t, v in self.kept.items() if t <= nxt}
+        self.diloco.outer = OuterOptimizer.from_bytes(m.shard, job.outer)
+        with torch.no_grad():
+            self.diloco._reset_local()
+        self.first_round = nxt
+        self.reported = self.opened = self.completed = m.start_step
+        self.unreported.clear()
+        self._announce()
+        self.tokens = self._tokens_through(m.start_step)
+
+    def _announce(self) -> None:
+        if self.control.emit_contributions:  # every rank: the epoch it trains in, and where
+            self.emit("epoch", {"epoch": self.epoch, "rank": self.topo.rank, "members": self.topo.members})
+
+    def _round_tokens(self) -> int:
+        """Tokens one replica trains in a round."""
+        job = self.job
+        return job.outer.inner_steps * job.data.batch_size * job.model.seq_len
+
+    def _full_tokens(self, step: int) -> int:
+        """Tokens through outer step `step` had every replica trained every round."""
+        return step * self.job.parallel.replicas * self._round_tokens()
+
+    def _tokens_through(self, step: int) -> int:
+        """A new epoch's start: the tokens through `step` that any rank of the world counted
+        (a joiner knows none), else `_full_tokens` (a collective: every rank calls it)."""
+        known = torch.tensor([self.tokens_at.get(step, -1)], dtype=torch.int64)
+        dist.all_reduce(known, op=dist.ReduceOp.MAX)
+        return int(known.item()) if known.item() >= 0 else self._full_tokens(step)
 
     def _catch_up(self, start: ResumePoint) -> None:
         """Re-run round `start.step` from its published start state (as `trainer.replay`
@@ -735,8 +994,9 @@ class RoundLoop:
         compute = time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
         self.clock["compute_s"] += compute
         applied = self.end_round(rnd, round_loss, compute)
+        self.completed = t
         self.clock["rounds_wall_s"] += time.perf_counter() - began - (self.clock["report_s"] - report_before)
-        self.clock["compress_s"] = self.rank.compressor.total_s + self.diloco.decode_s
+        self.clock["compress_s"] = self.compress_before + self.rank.compressor.total_s + self.diloco.decode_s
         if applied is not None:
             self.report(applied)
 
@@ -749,6 +1009,10 @@ class RoundLoop:
         start_state = b"" if self.allreduce else round_state(
             rank.module, rank.inner, rank.compressor, t, first_step,
             merge_step=(-1 if merge_at is None else merge_at) if self.partial else None)
+        self.opened = t
+        if self.control.regroup is not None and start_state:  # what a regroup restores
+            self.kept[t] = start_state
+            self.kept = {k: v for k, v in self.kept.items() if k > t - KEEP_STATES}
         return Round(t, first_step, merge_at, start_state, data=None)
 
     def inner_steps(self, rnd: Round) -> float:
@@ -798,7 +1062,7 @@ class RoundLoop:
             return AppliedStep(rnd.t, tensors_to_bytes({}), tag)
         # The exchange must fit the overlap window: the link moves this many bytes in
         # the round's compute time, and ring all-gather sends (R-1) payloads per rank.
-        budget = self.transport.link.bandwidth * compute / max(1, self.topo.R - 1)
+        budget = self.transport.link.bandwidth * compute / max(1, self.topo.n - 1)
         applied = self.diloco.end_round(rnd.t, tag, round_loss, budget)
         if self.partial and rnd.t < self.job.outer.steps:
             self.diloco.merge_step = self._next_tau(compute, len(self.diloco.pending_payload))
@@ -816,16 +1080,16 @@ class RoundLoop:
         return int(tau.item())
 
     def _gather(self, payload: Any) -> list[Any] | None:
-        out = [None] * (self.topo.R * self.topo.S) if self.topo.rank == 0 else None
+        out = [None] * (self.topo.n * self.topo.S) if self.topo.rank == 0 else None
         dist.gather_object(payload, out, dst=0)
         return out
 
     def _progress(self, rnd: Round, h: int, loss: float | None) -> None:
-        """Replica 0 reports every inner step's loss. With S > 1 the loss lives on the last
-        stage; it sends the losses of the last PROGRESS_EVERY steps to rank 0 in one
+        """The first member reports every inner step's loss. With S > 1 the loss lives on the
+        last stage; it sends the losses of the last PROGRESS_EVERY steps to rank 0 in one
         broadcast (the one sync progress costs), so rank 0 reports them in a batch."""
         topo, H = self.topo, self.job.outer.inner_steps
-        if topo.replica != 0:
+        if not topo.lead:
             return
         self.unreported.append(0.0 if loss is None else loss)
         if topo.S > 1 and not (h % PROGRESS_EVERY == PROGRESS_EVERY - 1 or h == H - 1):
@@ -842,10 +1106,11 @@ class RoundLoop:
         job, t = self.job, rnd.t
         H, T, B, L = job.outer.inner_steps, job.outer.steps, job.data.batch_size, job.model.seq_len
         now = time.perf_counter()
-        rate = len(values) * self.topo.R * B * L / max(now - self.since, 1e-9)
+        rate = len(values) * self.topo.n * B * L / max(now - self.since, 1e-9)
         self.since = now
-        done = (t - self.first_round) * H + h + 1  # inner steps this process has run
-        eta = (now - self.started) / done * ((T - t) * H + H - h - 1)
+        began, first_round = self.paced
+        done = (t - first_round) * H + h + 1  # inner steps this epoch has run
+        eta = (now - began) / done * ((T - t) * H + H - h - 1)
         first = h + 1 - len(values)
         for k, value in enumerate(values):
             lr = warmup_lr(job.inner.lr, job.inner.warmup, (t - 1) * H + first + k)
@@ -872,10 +1137,12 @@ class RoundLoop:
         if self.control.emit_contributions:  # so this rank's node can check what it attests
             self.emit("contribution", (applied.round, contribution))
         eval_loss = None
-        if topo.replica == 0:  # the committed weights, whatever the local ones are now
+        if topo.lead:  # the committed weights, whatever the local ones are now
             with contextlib.nullcontext() if self.allreduce else self.diloco.outer_weights():
                 eval_loss = self.rank.pipeline.eval_loss(self.eval_batches)
-        shard = StageShard(topo.stage, own_shard) if topo.replica == 0 else None
+        shard = StageShard(topo.stage, own_shard) if topo.lead else None
+        self.tokens += topo.n * self._round_tokens()  # what the present replicas trained
+        self.tokens_at[applied.round], self.reported = self.tokens, applied.round
         gathered = self._gather((contribution, shard, eval_loss, self._rank_stats()))
         if topo.rank == 0:
             assert gathered is not None
@@ -915,21 +1182,22 @@ class RoundLoop:
         stages = [gathered[s][1] for s in range(S)]
         (eval_value,) = [e for _, _, e, _ in gathered if e is not None]
         metrics = self._metrics(t, contributions, eval_value, [st for _, _, _, st in gathered])
-        return StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics)
+        return StepArtifacts(step=t, stages=stages, contributions=contributions, metrics=metrics,
+                             replicas=() if self.topo.full else self.topo.members, epoch=self.epoch)
 
     def _metrics(self, t: int, contributions: list[Contribution], eval_value: float,
                  rank_stats: list[dict[str, float]]) -> dict[str, float]:
-        """Outer step `t`'s metrics: losses, tokens, the learning rate, bytes and times."""
-        job, R, S = self.job, self.topo.R, self.topo.S
-        H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
+        """Outer step `t`'s metrics: losses (over the present replicas), tokens, the learning
+        rate, bytes and times."""
+        n, S, H = self.topo.n, self.topo.S, self.job.outer.inner_steps
         metrics = {
             "eval_loss": eval_value,
-            "train_loss": sum(contributions[r * S].loss for r in range(R)) / R,
-            "tokens": float(t * H * R * B * L),
+            "train_loss": sum(contributions[p * S].loss for p in range(n)) / n,
+            "tokens": float(self.tokens),
             "inner_steps": float(t * H),
             "wall_s": time.perf_counter() - self.started,
             "lr": self.lr,
-            # Summed over every rank, cumulative: bytes that crossed replicas.
+            # Summed over the world's ranks, cumulative: bytes that crossed replicas.
             "bytes_sent": sum(st["bytes_sent"] for st in rank_stats),
             "payload_bytes": float(sum(len(c.data) for c in contributions)),
         }

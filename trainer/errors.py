@@ -9,7 +9,7 @@ exit code 3 (a bug); README, "Exit codes".
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "DlxError", "TrainingDiverged", "TrainingError"]
+__all__ = ["Cancelled", "ConfigError", "DlxError", "TrainingDiverged", "TrainingError"]
 
 
 class DlxError(Exception):
@@ -28,3 +28,8 @@ class TrainingDiverged(TrainingError):
     """The loss became NaN or infinite: raised before anything of that step is stored or
     committed, so the run keeps exactly the steps before it (a job failure, as every
     TrainingError)."""
+
+
+class Cancelled(Exception):
+    """The launcher asked the ranks to stop; raised on every rank at the same inner step
+    (`trainer.engine`). Not a DlxError: a stop is an outcome, not a failure."""

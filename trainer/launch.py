@@ -25,7 +25,7 @@ from typing import Any, Literal
 from trainer.artifacts import StepSink
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, TrainingError
-from trainer.supervisor import SILENT, ChildOptions, Supervisor, exit_note
+from trainer.supervisor import SILENT, ChildOptions, Supervisor, exit_note, peer_loss
 
 __all__ = ["StopFlag", "check_local", "free_port", "stop_event", "train_local", "train_rank"]
 
@@ -38,16 +38,6 @@ RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's 
 BYTES_PER_PARAM = 4 * 44
 NETNS_PORT = 29500  # the store's port inside replica 0's fresh namespace
 GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
-# Errors that are usually the echo of another rank's death, not the cause.
-_ECHO_MARKERS = (
-    "Connection closed by peer",
-    "Connection reset",
-    "Broken pipe",
-    "timed out",
-    "Socket closed",
-    "Gloo connectFullMesh",
-    "Connection refused",
-)
 
 
 def free_port() -> int:
@@ -135,7 +125,7 @@ def _pick_cause(errors: dict[int, str]) -> tuple[int, str]:
         text = item[1]
         if text.startswith(SILENT):
             return 1
-        return 2 if any(marker in text for marker in _ECHO_MARKERS) else 0
+        return 2 if peer_loss(text) else 0  # usually the echo of another rank's death
 
     return min(errors.items(), key=rank_of)  # min is stable: earliest report wins ties
 

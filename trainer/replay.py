@@ -2,6 +2,10 @@
 
     payloads = replay_round(job, step=2, replica=1, start_states=[s0, s1])   # one per stage
 
+Replicas are named by id everywhere (their data shards and seeds follow the id), so a
+round of any replica replays alike whether or not every replica took part in its step
+(elastic training, trainer/engine.py).
+
 A round's start state (`trainer.engine.round_state`, stored with every contribution) holds
 a rank's local weights, inner optimizer state and compressor state at the start of the
 round. Replaying starts S local processes (spawn, gloo; stage s = rank s), loads those
@@ -272,11 +276,14 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
 
 
 def eager_start_matches(job: JobConfig, replica: int, start_state: bytes, shard_before: bytes,
-                        own_claimed: bytes, stale_claimed: list[bytes] | None) -> bool:
+                        own_claimed: bytes, stale_claimed: list[bytes] | None,
+                        members: tuple[int, ...] | None = None) -> bool:
     """The eager rule: whether a round's start weights are `trainer.diloco.eager_start` of
     the committed state two steps back (`shard_before`), this replica's contribution of the
-    previous round and every replica's of the round before it (None when the previous
-    round was the first its run computed)."""
+    previous round and every present replica's of the round before it, in replica order
+    (None when the previous round was the first its run, or its membership epoch,
+    computed). `members`: the replica ids present in the round's step (None: all R); a
+    membership epoch's rounds share one set, so the round before has the same."""
     from trainer.artifacts import param_tensors, same_tensors
     from trainer.compress import decode_contribution
     from trainer.diloco import OuterOptimizer, eager_start
@@ -285,7 +292,10 @@ def eager_start_matches(job: JobConfig, replica: int, start_state: bytes, shard_
     shapes = {n: p.shape for n, p in outer.params.items()}
     own = decode_contribution(own_claimed, shapes)
     stale = None if stale_claimed is None else [decode_contribution(c, shapes) for c in stale_claimed]
-    expected = eager_start(outer, stale, own, replica, job.parallel.replicas)
+    present = tuple(range(job.parallel.replicas)) if members is None else tuple(members)
+    if replica not in present or (stale is not None and len(stale) != len(present)):
+        return False
+    expected = eager_start(outer, stale, own, present.index(replica), len(present))
     return same_tensors(param_tensors(start_state), expected)
 
 

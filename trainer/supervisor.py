@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "PEER_LOSS_MARKERS",
     "POLL_S",
     "SILENT",
     "ChildOptions",
@@ -37,6 +38,7 @@ __all__ = [
     "Supervisor",
     "child_main",
     "exit_note",
+    "peer_loss",
 ]
 
 POLL_S = 0.2
@@ -44,6 +46,23 @@ STOP_GRACE_S = 5.0  # after terminate(), how long a child may take before it is 
 SILENT = "process exited with code"  # how a child that died without a word is described
 
 Event = tuple[str, int, Any]  # (kind, rank, payload)
+# How gloo and the c10d store describe a lost or unreachable peer (matched case-blind): in
+# a rank's own error, the echo of another's death rather than a cause of its own.
+PEER_LOSS_MARKERS = (
+    "connection closed by peer",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "socket closed",
+    "gloo connectfullmesh",
+    "connection refused",
+)
+
+
+def peer_loss(text: str) -> bool:
+    """Whether an error's text says a peer was lost (`PEER_LOSS_MARKERS`)."""
+    low = text.lower()
+    return any(marker in low for marker in PEER_LOSS_MARKERS)
 
 
 class Emitter:
@@ -74,7 +93,7 @@ def child_main(events: Any, rank: int, work: Callable[..., None], args: tuple[An
                options: ChildOptions = ChildOptions()) -> None:
     """The body of every supervised child: `work(emit, *args)`, every outcome reported on
     `events` (see the module docstring); never returns."""
-    from trainer.engine import Cancelled
+    from trainer.errors import Cancelled
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if options.ignore_sigint:

@@ -107,9 +107,10 @@ class Transport:
     """Cross-replica exchange for one stage's data-parallel group.
 
     Args:
-        group: the group of stage s of every replica (None = default group).
-        replicas: R, the group's size.
-        replica: this rank's index in the group (its replica r).
+        group: the group of stage s of every replica present (None = default group).
+        replicas: the group's size: R, or in an elastic run the replicas present.
+        replica: this rank's index in the group (its replica's position among those
+            present; its replica id r when all R are).
         cfg: `[transport]`: link shaping and its model.
 
     Counters (cumulative, this rank): `bytes_sent`, `modelled_s` (the link model's time for
