@@ -353,8 +353,9 @@ def test_two_by_two_loses_a_stage_of_replica_1_and_replica_0_goes_on_alone() -> 
 
 
 @pytest.mark.slow
-def test_a_replica_joins_at_a_growth_boundary_with_fresh_state() -> None:
-    job = tiny_job(3, 1, 4, min_replicas=2)
+@pytest.mark.parametrize("rule", ["sync", "eager"])
+def test_a_replica_joins_at_a_growth_boundary_with_fresh_state(rule: str) -> None:
+    job = tiny_job(3, 1, 4, {"delay": 1, "overlap": "eager"} if rule == "eager" else {}, min_replicas=2)
     res = Coordinator(job, members=(0, 1), grow_after=2, joiner=2).run()
     assert not res.errors and res.done == {0, 1, 2}
     check_steps(job, res)
@@ -366,6 +367,15 @@ def test_a_replica_joins_at_a_growth_boundary_with_fresh_state() -> None:
     assert state_core(joined) == fresh_state_core(job, 2, 0, 3)
     assert state_core(start_state(res.steps[3], 0)) != fresh_state_core(job, 0, 0, 3)
     assert replay_round(job, 3, 2, [joined]) == [contribution(res.steps[3], 2).data]
+    if rule == "eager":  # round 4 starts from the lookahead over the 3 present, none stale
+        from trainer.replay import eager_start_matches
+
+        for r in range(3):
+            assert eager_start_matches(job, r, start_state(res.steps[4], r), shard2,
+                                       contribution(res.steps[3], r).data, None, members=(0, 1, 2))
+        for r in range(2):  # and round 2 from the lookahead over the first world's (0, 1)
+            assert eager_start_matches(job, r, start_state(res.steps[2], r), res.genesis.stages[0].data,
+                                       contribution(res.steps[1], r).data, None, members=(0, 1))
     assert res.steps[4].metrics["tokens"] == (2 * 2 + 3 * 2) * 4 * 2 * 16
 
 
