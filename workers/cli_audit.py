@@ -132,8 +132,9 @@ def show(
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
     stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
-    """The commits of a run (status pending/finalized/rejected, signers, contributions,
-    metrics, transaction) or the ancestors of one checkpoint, with the run's configuration."""
+    """The commits of a run (status pending/finalized/rejected, the replicas that took part,
+    signers, contributions, metrics, transaction) or the ancestors of one checkpoint, with
+    the run's configuration."""
     result = _lineage(target, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api)
     doc = result.as_json()
     if html is not None:
@@ -150,7 +151,7 @@ def show(
 
     what = f"checkpoint {result.target} of run" if result.target else "run"
     table = Table(title=f"{what} {result.run_id} ({result.name}) on chain {result.chain_id}, ledger {result.ledger}")
-    for col in ("step", "status", "checkpoint", "parent", "eval loss", "nodes", "tx"):
+    for col in ("step", "status", "replicas", "checkpoint", "parent", "eval loss", "nodes", "tx"):
         if col in ("checkpoint", "parent", "nodes", "tx"):
             cid_column(table, col)
         else:
@@ -160,8 +161,8 @@ def show(
         status = s.status + (f" (challenge {s.rejected_by})" if s.rejected_by is not None else "")
         if s.status in colors:
             status = f"[{colors[s.status]}]{status}[/]"
-        table.add_row(str(s.step), status, s.checkpoint, s.parent, "-" if s.loss is None else f"{s.loss:.4f}",
-                      "\n".join(s.nodes), s.tx)
+        table.add_row(str(s.step), status, ",".join(map(str, s.replicas)), s.checkpoint, s.parent,
+                      "-" if s.loss is None else f"{s.loss:.4f}", "\n".join(s.nodes), s.tx)
     out = console()
     out.print(table)
     if html is not None:

@@ -6,7 +6,10 @@ states (what replay verification starts from) as UnixFS files (the CIDs
 above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each
 (replica, stage) slot's node key sign an EIP-712 `Contribution` (with the digest of the new
 stage shard that slot's rank computed itself: the replicas co-sign the aggregate), and
-commits the step on the ledger.
+commits the step on the ledger. An elastic run's step may have only some replicas
+(`StepArtifacts.replicas`, at least `[parallel] min_replicas`; empty: all R): its manifest
+then lists them (`replicas`), its rows and claims are theirs in ascending id order, and
+every claim and the commit carry the step's replica set.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 Every inner step's progress and every committed step's metrics also go to
@@ -25,7 +28,13 @@ from pathlib import Path
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
 
-from lineage.chain.attest import ContributionClaim, Domain, loss_micros, shard_digest
+from lineage.chain.attest import (
+    ContributionClaim,
+    Domain,
+    loss_micros,
+    replica_bitmap,
+    shard_digest,
+)
 from lineage.chain.ledger import Attestation, Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -66,12 +75,16 @@ class CommitHooks:
 HONEST = CommitHooks()
 
 
-def local_signer(keys: list[LocalAccount], domain: Domain, hooks: CommitHooks = HONEST) -> Signer:
+def local_signer(keys: list[LocalAccount], domain: Domain, hooks: CommitHooks = HONEST,
+                 stages: int | None = None) -> Signer:
     """Sign every slot's claim with that slot's key, held in this process (`dlx train`), or
-    with the key `hooks.signing_slot` names (a test's shared_key cheat)."""
+    with the key `hooks.signing_slot` names (a test's shared_key cheat). `keys[r * S + s]`
+    is slot (r, s)'s key: with `stages` (S) each claim is signed by its own (replica, stage)
+    slot's key, as a partial step needs; without, claim i by key i (a full step's claims)."""
 
     def sign(step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        return [c.sign(domain, keys[hooks.signing_slot(step, i)].key) for i, c in enumerate(claims)]
+        slots = [i if stages is None else c.replica * stages + c.stage for i, c in enumerate(claims)]
+        return [c.sign(domain, keys[hooks.signing_slot(step, slot)].key) for slot, c in zip(slots, claims, strict=True)]
 
     return sign
 
@@ -117,7 +130,7 @@ class LedgerSink:
         `hooks`: what is stored, committed on and signed (`CommitHooks`; a test injects cheats)."""
         if slot_keys is not None:
             slot_nodes = [k.address for k in slot_keys]
-            signer = local_signer(slot_keys, ledger.domain, hooks)
+            signer = local_signer(slot_keys, ledger.domain, hooks, job.parallel.stages)
         if slot_nodes is None or signer is None:
             raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
         if len(slot_nodes) != job.world_size:
@@ -167,6 +180,7 @@ class LedgerSink:
             nodes=nodes,
             replicas=self.job.parallel.replicas,
             stages=self.job.parallel.stages,
+            min_replicas=self.job.parallel.min_present,
             challenge_window=self.challenge_window,
             min_stake=self.min_stake,
             arbiters=self.arbiters,
@@ -184,68 +198,34 @@ class LedgerSink:
     def on_step(self, step: StepArtifacts) -> None:
         if self._head is None or self._config_cid is None:
             raise TrainingError("outer step reported before genesis")
-        S = self.job.parallel.stages
-        R = self.job.parallel.replicas
-        if len(step.contributions) != R * S:
-            raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for {R * S} slots")
+        present = self._present(step)
         self._refuse_divergence(step)
         stages = [self._put_file(self.hooks.stored_shard(step.step, s.stage, s.data)) for s in step.stages]
         parent_cid = self._head
         if self.hooks.stale_parent(step.step):
             parent_cid = get_manifest(self.store, self._head).parent or self._head
         contribs = [self._put_file(c.data) for c in step.contributions]
-        # Each rank's round-start state, for replay verification (none for the baseline).
-        starts = [self._put_file(c.start_state) for c in step.contributions] if all(
-            c.start_state for c in step.contributions) else []
-        # Timings differ between two runs of the same job; they go to a local log, not into
-        # the manifest, so the same job and seed give the same checkpoint CIDs.
-        metrics = {k: v for k, v in step.metrics.items() if k not in TIMING_METRICS}
-        timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
-        manifest = Manifest(
-            step=step.step,
-            parent=parent_cid,
-            config=self._config_cid,
-            stages=stages,
-            code=self.code,
-            run=self.record.run_id,
-            contributions=[contribs[r * S:(r + 1) * S] for r in range(R)],
-            data=[step.contributions[r * S].data_shard for r in range(R)],
-            metrics=metrics,
-            replay=[starts[r * S:(r + 1) * S] for r in range(R)] if starts else [],
-        )
-        checkpoint = put_manifest(self.store, manifest)
-        parent = digest_of(parent_cid)
-        claims = []
-        for slot, (contrib, cid) in enumerate(zip(step.contributions, contribs, strict=True)):
-            if (contrib.replica, contrib.stage) != divmod(slot, S):
-                raise TrainingError(f"step {step.step}: contribution {slot} is for slot "
-                                    f"({contrib.replica}, {contrib.stage})")
-            if len(contrib.new_shard) != 32:
-                raise TrainingError(f"step {step.step}: slot {slot} computed no new shard digest "
-                                    "(the ranks need RankControl.shard_digest)")
-            claims.append(ContributionClaim(
-                run_id=self.record.run_id, step=step.step, replica=contrib.replica,
-                stage=contrib.stage, parent=parent, contribution=digest_of(cid),
-                data_shard=contrib.data_shard, code_hash=self.code,
-                loss_micros=loss_micros(contrib.loss), new_shard=contrib.new_shard,
-            ))
+        checkpoint, manifest = self._put_manifest(step, present, stages, parent_cid, contribs)
+        claims = self._claims(step, present, digest_of(parent_cid), contribs)
         if not self._already_committed(step.step, checkpoint):  # redelivery: nothing to do
             signatures = self.signer(step.step, claims)
             attestations = [
                 Attestation(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, sig,
-                            c.new_shard)
+                            c.new_shard, c.replica_set)
                 for c, sig in zip(claims, signatures, strict=True)
             ]
             self.ledger.commit_step(
                 self.submitter,
                 run_id=self.record.run_id,
                 step=step.step,
-                parent=parent,
+                parent=digest_of(parent_cid),
                 checkpoint=digest_of(checkpoint),
                 metrics_digest=manifest.metrics_digest(),
                 attestations=attestations,
+                replica_set=replica_bitmap(present),
             )
         self._head = checkpoint
+        timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         with open(self.run_dir / TIMINGS_FILE, "a") as fh:
             fh.write(json.dumps({"step": step.step, "checkpoint": str(checkpoint), **timings}) + "\n")
         self.record.head, self.record.steps = str(checkpoint), step.step
@@ -257,6 +237,68 @@ class LedgerSink:
                 tracker.finish(True)
         if self._committed:
             self._committed(step.step, checkpoint, step)
+
+    def _present(self, step: StepArtifacts) -> tuple[int, ...]:
+        """The replica ids `step` averages (all R when it names none), checked against the
+        run's shape, `min_replicas` and the contributions' slot order."""
+        R, S = self.job.parallel.replicas, self.job.parallel.stages
+        present = tuple(step.replicas) or tuple(range(R))
+        if list(present) != sorted(set(present)) or not 0 <= present[0] <= present[-1] < R:
+            raise TrainingError(f"step {step.step}: replicas {list(present)} are not distinct ids below {R}, ascending")
+        if len(present) < self.job.parallel.min_present:
+            raise TrainingError(f"step {step.step}: {len(present)} replicas, fewer than min_replicas "
+                                f"({self.job.parallel.min_present})")
+        if len(step.contributions) != len(present) * S:
+            raise TrainingError(f"step {step.step}: {len(step.contributions)} contributions for "
+                                f"{len(present) * S} slots")
+        for slot, c in enumerate(step.contributions):
+            if (c.replica, c.stage) != (present[slot // S], slot % S):
+                raise TrainingError(f"step {step.step}: contribution {slot} is for slot ({c.replica}, {c.stage}), "
+                                    f"not ({present[slot // S]}, {slot % S})")
+        return present
+
+    def _put_manifest(self, step: StepArtifacts, present: tuple[int, ...], stages: list[CID], parent: CID,
+                      contribs: list[CID]) -> tuple[CID, Manifest]:
+        """Store the step's round-start states (for replay; none for the baseline) and its
+        manifest, one row per present replica; returns (its CID, the manifest)."""
+        assert self._config_cid is not None
+        S, n = self.job.parallel.stages, len(present)
+        starts = [self._put_file(c.start_state) for c in step.contributions] if all(
+            c.start_state for c in step.contributions) else []
+        # Timings differ between two runs of the same job; they go to a local log, not into
+        # the manifest, so the same job and seed give the same checkpoint CIDs.
+        manifest = Manifest(
+            step=step.step,
+            parent=parent,
+            config=self._config_cid,
+            stages=stages,
+            code=self.code,
+            run=self.record.run_id,
+            contributions=[contribs[p * S:(p + 1) * S] for p in range(n)],
+            data=[step.contributions[p * S].data_shard for p in range(n)],
+            metrics={k: v for k, v in step.metrics.items() if k not in TIMING_METRICS},
+            replay=[starts[p * S:(p + 1) * S] for p in range(n)] if starts else [],
+            replicas=list(present) if n != self.job.parallel.replicas else [],
+        )
+        return put_manifest(self.store, manifest), manifest
+
+    def _claims(self, step: StepArtifacts, present: tuple[int, ...], parent: bytes,
+                contribs: list[CID]) -> list[ContributionClaim]:
+        """One claim per present slot, in slot order, each over the step's replica set."""
+        replica_set = replica_bitmap(present)
+        claims = []
+        for slot, (contrib, cid) in enumerate(zip(step.contributions, contribs, strict=True)):
+            if len(contrib.new_shard) != 32:
+                raise TrainingError(f"step {step.step}: slot {slot} computed no new shard digest "
+                                    "(the ranks need RankControl.shard_digest)")
+            claims.append(ContributionClaim(
+                run_id=self.record.run_id, step=step.step, replica=contrib.replica,
+                stage=contrib.stage, parent=parent, contribution=digest_of(cid),
+                data_shard=contrib.data_shard, code_hash=self.code,
+                loss_micros=loss_micros(contrib.loss), new_shard=contrib.new_shard,
+                replica_set=replica_set,
+            ))
+        return claims
 
     def _refuse_divergence(self, step: StepArtifacts) -> None:
         """Raise `TrainingDiverged` (trackers ended as failed) if any loss or metric of the

@@ -112,7 +112,7 @@ def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, 
         bond = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
     evidence = store_evidence(
         store, run_id=run_id, step=step, node=node, replica=replica, stage=st.stage, checkpoint=checkpoint,
-        claimed=manifest.contributions[replica][st.stage], stage_replay=st, tolerance=tolerance,
+        claimed=manifest.contributions[manifest.row(replica)][st.stage], stage_replay=st, tolerance=tolerance,
         chain_id=lg.chain.chain_id, ledger=lg.ledger.address)
     challenge_id, tx = lg.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica,
                                             stage=st.stage, bond=bond, evidence=digest_of(evidence))
@@ -214,8 +214,10 @@ def check_vote_by_replay(lg: Any, store: Any, challenge: dict[str, Any], upheld:
 
 def check_equivocation(a: Any, b: Any) -> tuple[str, bool]:
     """The node that signed both claims, if they prove an equivocation, and whether it is one
-    on the result (two co-signed shards for one stage, any replicas; ledger version 2) rather
-    than on a slot's contribution; else a clear error."""
+    on the result (two co-signed shards for one stage, any replicas; ledger version 2 on)
+    rather than on a slot's contribution; else a clear error. From ledger version 3 on both
+    must be over one replica set: after a membership change an honest node signs the step
+    again for the new set."""
     if a.domain != b.domain:
         raise AuditError(f"the claims are for different ledgers: chain {a.domain.chain_id} "
                          f"{a.domain.verifying_contract} and chain {b.domain.chain_id} {b.domain.verifying_contract}")
@@ -226,6 +228,9 @@ def check_equivocation(a: Any, b: Any) -> tuple[str, bool]:
             raise AuditError(f"the claims are for different slots: {name} {getattr(ca, name)} and {getattr(cb, name)}")
     if ca.parent != cb.parent:
         raise AuditError("the claims build on different parents: re-attesting after a rollback is no equivocation")
+    if ca.replica_set != cb.replica_set:
+        raise AuditError(f"the claims are over different replica sets ({ca.replica_set:#x} and {cb.replica_set:#x}): "
+                         "re-attesting after a membership change is no equivocation")
     result = cosigned and (ca.contribution == cb.contribution or ca.replica != cb.replica)
     if ca.contribution == cb.contribution and not result:
         raise AuditError(f"both claims carry contribution 0x{ca.contribution.hex()}: no equivocation")
@@ -242,7 +247,8 @@ def report_equivocation(lg: Any, reporter: Any, a: Any, b: Any, result: bool) ->
     from lineage.chain.ledger import Attestation
 
     atts = [Attestation(x.claim.replica, x.claim.stage, x.claim.contribution, x.claim.data_shard,
-                        x.claim.code_hash, x.claim.loss_micros, x.signature, x.claim.new_shard) for x in (a, b)]
+                        x.claim.code_hash, x.claim.loss_micros, x.signature, x.claim.new_shard, x.claim.replica_set)
+            for x in (a, b)]
     c = a.claim
     report = lg.report_result_equivocation if result else lg.report_equivocation_tx
     return report(reporter, run_id=c.run_id, step=c.step, parent=c.parent, a=atts[0], b=atts[1])

@@ -8,7 +8,9 @@ the content-addressed store.
 The chain is the source of truth for order, signatures and status (pending, finalized,
 rejected); every checkpoint it names is fetched from the blockstore (which re-hashes it
 against its CID) for its metrics. A checkpoint's ancestry is walked through the manifests'
-parent links in the store and each ancestor matched to its on-chain commit.
+parent links in the store and each ancestor matched to its on-chain commit. Each step names
+the replicas that took part (`replicas`: the chain's replica set, every replica on ledgers
+before version 3; an uncommitted checkpoint's own list).
 """
 
 from __future__ import annotations
@@ -74,10 +76,11 @@ class LineageStep:
     contributions: list[dict[str, Any]] = field(default_factory=list)
     status: str = "pending"
     rejected_by: int | None = None  # the upheld challenge that rejected the step
+    replicas: list[int] = field(default_factory=list)  # the replica ids that took part, ascending
 
     def as_json(self) -> dict[str, Any]:
         return {"step": self.step, "checkpoint": self.checkpoint, "parent": self.parent,
-                "status": self.status, "rejected_by": self.rejected_by,
+                "status": self.status, "rejected_by": self.rejected_by, "replicas": self.replicas,
                 "loss": self.loss, "nodes": self.nodes, "tx": self.tx, "block": self.block,
                 "metrics": self.metrics, "contributions": self.contributions}
 
@@ -135,18 +138,18 @@ def ledger_lineage(ledger: Ledger, store: Any, run_id: int, *, name: str | None 
     """Every commit of run `run_id` on `ledger`, in chain order, with its status; blocks
     come from `store`."""
     commits = ledger.commits(run_id)
-    base = _run_base(ledger, store, run_id, name)
+    base, R = _run_base(ledger, store, run_id, name)
     steps = []
     for c in commits:
         checkpoint = cid_from_digest(c.record.checkpoint, DAG_CBOR)
         try:
-            steps.append(_step(store, c.record.step, checkpoint, c))
+            steps.append(_step(store, c.record.step, checkpoint, c, R))
         except BlockNotFoundError:
             if c.status != "rejected":
                 raise
             # A rejected commit's blocks may be gone (never published, or collected):
             # the chain still says what was signed.
-            steps.append(_step(store, c.record.step, checkpoint, c, manifest=False))
+            steps.append(_step(store, c.record.step, checkpoint, c, R, manifest=False))
     return Lineage(**base, steps=steps)
 
 
@@ -170,11 +173,11 @@ def checkpoint_lineage(ledger: Ledger, store: Any, checkpoint: str | CID) -> Lin
     if run_id is None:
         run_id = _run_of_genesis(ledger, genesis_cid)
     by_key = {(c.record.step, c.record.checkpoint): c for c in ledger.commits(run_id)}
-    base = _run_base(ledger, store, run_id, None)
+    base, R = _run_base(ledger, store, run_id, None)
     if base["genesis"] != str(genesis_cid):
         raise ChainError(f"checkpoint {target} descends from genesis {genesis_cid}, not run {run_id}'s "
                          f"{base['genesis']}")
-    steps = [_step(store, m.step, c, by_key.get((m.step, digest_of(c))), manifest=m) for c, m in chain[1:]]
+    steps = [_step(store, m.step, c, by_key.get((m.step, digest_of(c))), R, manifest=m) for c, m in chain[1:]]
     return Lineage(**base, steps=steps, target=str(target))
 
 
@@ -187,8 +190,9 @@ def _run_of_genesis(ledger: Ledger, genesis: CID) -> int:
     return runs[0]
 
 
-def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> dict[str, Any]:
-    """The run-level fields of a `Lineage`, from the chain and the configuration block."""
+def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> tuple[dict[str, Any], int]:
+    """The run-level fields of a `Lineage`, from the chain and the configuration block, and
+    the run's replica count R."""
     created = ledger.run_created(run_id)
     stakes = {node: ledger.stake_of(node) for node in created["nodes"]}
     head, _ = ledger.head(run_id)
@@ -201,30 +205,34 @@ def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> dict
             "ledger": ledger.ledger.address, "registry": ledger.registry.address,
             "genesis": str(cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)),
             "config_cid": str(config_cid), "config": config, "stakes": stakes,
-            "head": str(cid_from_digest(head, DAG_CBOR)), "finalized_step": ledger.finalized_step(run_id)}
+            "head": str(cid_from_digest(head, DAG_CBOR)),
+            "finalized_step": ledger.finalized_step(run_id)}, int(created["replicas"])
 
 
-def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None,
+def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None, R: int,
           manifest: Manifest | Literal[False] | None = None) -> LineageStep:
     """One step: its manifest (re-hashed against the checkpoint CID; `False`: not in the
-    store, so no metrics or contribution CIDs) and, if it was committed, the chain's record."""
+    store, so no metrics or contribution CIDs) and, if it was committed, the chain's record
+    (a run of `R` replicas)."""
     if manifest is None:
         manifest = get_manifest(store, checkpoint)
     if commit is None:
         assert isinstance(manifest, Manifest), "an uncommitted step is a checkpoint in the store"
-        contributions = [{"replica": r, "stage": s, "node": None, "cid": str(cid), "loss": None,
-                          "data_shard": "0x" + manifest.data[r].hex() if r < len(manifest.data) else None}
-                         for r, row in enumerate(manifest.contributions) for s, cid in enumerate(row)]
+        ids = manifest.replica_ids(R)
+        contributions = [{"replica": ids[p] if p < len(ids) else p, "stage": s, "node": None, "cid": str(cid),
+                          "loss": None, "data_shard": "0x" + manifest.data[p].hex() if p < len(manifest.data) else None}
+                         for p, row in enumerate(manifest.contributions) for s, cid in enumerate(row)]
         return LineageStep(step=step, checkpoint=str(checkpoint),
                            parent=str(manifest.parent) if manifest.parent else "",
                            loss=manifest.metrics.get("eval_loss"), nodes=[], tx="", block=0,
-                           metrics=dict(manifest.metrics), contributions=contributions, status="uncommitted")
+                           metrics=dict(manifest.metrics), contributions=contributions, status="uncommitted",
+                           replicas=list(ids))
     rec = commit.record
     ordered = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
     metrics = dict(manifest.metrics) if manifest else {}
     contributions = [
         {"replica": a["replica"], "stage": a["stage"], "node": a["node"],
-         "cid": str(manifest.contributions[a["replica"]][a["stage"]]) if manifest else None,
+         "cid": _contribution_cid(manifest, R, a["replica"], a["stage"]) if manifest else None,
          "loss": a["lossMicros"] / 1e6, "data_shard": "0x" + bytes(a["dataShard"]).hex()}
         for a in ordered
     ]
@@ -240,4 +248,15 @@ def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None,
         contributions=contributions,
         status=commit.status,
         rejected_by=commit.rejected_by,
+        replicas=list(rec.replicas(R)),
     )
+
+
+def _contribution_cid(manifest: Manifest, R: int, replica: int, stage: int) -> str | None:
+    """The CID the manifest links for slot (replica, stage), by the replica's row; None
+    when the manifest has no such slot (`dlx verify` says how it disagrees with the chain)."""
+    ids = manifest.replica_ids(R)
+    if replica not in ids or ids.index(replica) >= len(manifest.contributions):
+        return None
+    row = manifest.contributions[ids.index(replica)]
+    return str(row[stage]) if stage < len(row) else None

@@ -7,8 +7,10 @@ claimed.
     all(r.ok for r in results)
 
 For step t, replica r, stage s the manifest links the claimed contribution
-(`contributions[r][s]`) and the round's start state (`replay[r][s]`, written by the
-trainer: local weights, inner optimizer state, compressor state). Before replaying, the
+(`contributions[row][s]`) and the round's start state (`replay[row][s]`, written by the
+trainer: local weights, inner optimizer state, compressor state), where `row` is replica
+r's row (`Manifest.row`: replica ids are not positions once a step of an elastic run has
+only some replicas; only the replicas a step had can be replayed for it). Before replaying, the
 start state's weights must be what the run's exchange rule derives from committed data:
 the shard of step t-1 (synchronous, and any run's first round or first after a resume),
 of step t-2 (the restart rule), the eager lookahead from step t-2 and the published
@@ -24,6 +26,9 @@ tensors is what a `tolerance` judges.
 `check_continuity` closes the chain between rounds: the state a replayed round leaves
 (inner optimizer, compressor) must be the next round's published start state, or a fresh
 one (a resumed overlapped run, delay 1, restarts both; a synchronous one resumes exactly).
+Across a step whose replica set changed: a replica absent from step t-1 has no previous
+state, so its round t must start from the parent shard (with whatever inner state, fresh
+for a joiner); a replica absent from step t+1 has no next state to compare with.
 """
 
 from __future__ import annotations
@@ -124,10 +129,10 @@ def job_of(store: Any, config: CID | str, *, with_data: bool = True) -> Any:
 
 def replay_checkpoint(store: Any, checkpoint: CID | str, replicas: list[int] | None = None,
                       tolerance: float = 0.0) -> list[ReplicaReplay]:
-    """Replay every replica (or `replicas`) of one committed step."""
+    """Replay every replica the step had (or `replicas`) of one committed step."""
     m = get_manifest(store, checkpoint)
-    R = len(m.contributions)
-    return replay_many(store, [(checkpoint, r) for r in (range(R) if replicas is None else replicas)], tolerance)
+    return replay_many(store, [(checkpoint, r) for r in (m.replica_ids() if replicas is None else replicas)],
+                       tolerance)
 
 
 @dataclass
@@ -139,6 +144,7 @@ class _Prepared:
     starts: list[bytes] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     outer: list[bytes] | None = None  # the partial rule: the parent's stage shards
+    row: int = 0  # the replica's row in the manifest's tables
 
 
 def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float = 0.0) -> list[ReplicaReplay]:
@@ -179,12 +185,16 @@ def _prepare(store: Any, checkpoint: str, replica: int, tolerance: float, manife
         R, S = job.parallel.replicas, job.parallel.stages
         if not 0 <= replica < R:
             raise _Skip(f"no replica {replica} (the run has {R})")
+        ids = m.replica_ids(R)
+        if replica not in ids:
+            raise _Skip(f"replica {replica} was not in step {m.step} (its replicas: {', '.join(map(str, ids))})")
         if not m.replay:
             raise _Skip("the manifest links no start states (an AllReduce baseline or an older run)")
-        if len(m.replay) != R or any(len(row) != S for row in m.replay):
-            raise _Skip("the start-state table is not replicas x stages")
-        p.claimed = [read_bytes(store, m.contributions[replica][s]) for s in range(S)]
-        p.starts = [read_bytes(store, m.replay[replica][s]) for s in range(S)]
+        if len(m.replay) != len(ids) or any(len(row) != S for row in m.replay):
+            raise _Skip("the start-state table is not the step's replicas x stages")
+        p.row = row = ids.index(replica)
+        p.claimed = [read_bytes(store, m.contributions[row][s]) for s in range(S)]
+        p.starts = [read_bytes(store, m.replay[row][s]) for s in range(S)]
         p.manifest = m
         p.reasons = _check_start_weights(store, m, p.starts, job, replica, manifests)
         if job.outer.rule == "partial":  # the round merged, and measured from, step t-1's shard
@@ -209,7 +219,8 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
                          cache: dict[str, Manifest]) -> list[str]:
     """Per stage, "" when the start state's weights are what the run's exchange rule
     derives from committed data, else why not. Every rule may start a run's first round
-    (and the first after a resume) from the parent shard; then
+    (and the first after a resume, or after the replica set changed) from the parent
+    shard, and a replica that was not in step t-1 has nothing else to start from; then
     - sync: only that;
     - restart: or the shard of step t-2;
     - eager: or `trainer.diloco.eager_start` of step t-2's shard with the published
@@ -223,6 +234,8 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
     rule = job.outer.rule
     parent = _manifest(store, m.parent, cache)
     grand = _manifest(store, parent.parent, cache) if parent.parent is not None else None
+    R = job.parallel.replicas
+    before = parent.row(replica) if parent.step > 0 and replica in parent.replica_ids(R) else None
     reasons = []
     for s, start in enumerate(starts):
         try:
@@ -237,23 +250,29 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
         if grand is None or rule == "sync":
             reasons.append(f"start weights are not the outer weights of step {parent.step}")
             continue
+        if before is None and rule != "restart":  # no round t-1 of this replica to derive from
+            reasons.append(f"start weights are not the outer weights of step {parent.step} (replica {replica} "
+                           f"was not in step {parent.step}, so its round starts from them)")
+            continue
         grand_shard = read_bytes(store, grand.stages[s])
         try:
             if rule == "restart":
                 ok = same_tensors(weights, param_tensors(grand_shard))
                 reason = "" if ok else f"start weights are not the outer weights of step {parent.step} or {grand.step}"
             elif rule == "eager":
-                own = read_bytes(store, parent.contributions[replica][s])
-                parent_start = read_bytes(store, parent.replay[replica][s])
+                assert before is not None
+                own = read_bytes(store, parent.contributions[before][s])
+                parent_start = read_bytes(store, parent.replay[before][s])
                 first = grand.step == 0 or same_tensors(param_tensors(parent_start), param_tensors(grand_shard))
                 stale = None if first else [read_bytes(store, row[s]) for row in grand.contributions]
                 ok = eager_start_matches(job, replica, start, grand_shard, own, stale)
                 reason = "" if ok else (f"start weights are neither step {parent.step}'s outer weights nor the eager "
                                         f"step derived from steps {grand.step} and {parent.step}")
             else:  # partial
+                assert before is not None
                 reason = partial_start_reason(
-                    job, replica, s, start, read_bytes(store, parent.replay[replica][s]),
-                    read_bytes(store, parent.contributions[replica][s]), grand_shard)
+                    job, replica, s, start, read_bytes(store, parent.replay[before][s]),
+                    read_bytes(store, parent.contributions[before][s]), grand_shard)
         except (DlxError, ValueError, KeyError, IndexError) as exc:
             reason = f"start weights cannot be derived: {' '.join(str(exc).split())}"
         reasons.append(reason)
@@ -286,13 +305,13 @@ def _judge(p: _Prepared, out: Any) -> None:
         r.error = out.error
         return
     r.end_states = list(out.end_states)
-    shard_reason = "" if out.data_shard == m.data[r.replica] else "replayed data shard differs from the attested one"
+    shard_reason = "" if out.data_shard == m.data[p.row] else "replayed data shard differs from the attested one"
     for s, (payload, claimed) in enumerate(zip(out.payloads, p.claimed, strict=True)):
         shapes = {k.removeprefix("param/"): v.shape for k, v in bytes_to_tensors(p.starts[s]).items()
                   if k.startswith("param/")}
         exact = payload == claimed
         r.stages.append(StageReplay(
-            stage=s, claimed=str(m.contributions[r.replica][s]), replayed=str(file_cid(payload)), exact=exact,
+            stage=s, claimed=str(m.contributions[p.row][s]), replayed=str(file_cid(payload)), exact=exact,
             rel_l2=0.0 if exact else _rel_l2(payload, claimed, shapes), replayed_bytes=payload,
             reason=p.reasons[s] or shard_reason))
 
@@ -300,8 +319,9 @@ def _judge(p: _Prepared, out: Any) -> None:
 def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | str) -> None:
     """Compare the state `result`'s round left (inner optimizer, compressor) with the start
     states the next step published for the same replica; a mismatch becomes the stage's
-    `reason`. A fresh state (a resumed overlapped run, delay 1, restarts both) also passes. With a tolerance the
-    float tensors may differ by that relative L2."""
+    `reason`. A fresh state (a resumed overlapped run, delay 1, restarts both; a replica
+    back in an elastic run's set) also passes, and a replica the next step did not have has
+    nothing to compare. With a tolerance the float tensors may differ by that relative L2."""
     from trainer.replay import fresh_state_core, state_core
 
     if not result.end_states or not result.stages:
@@ -310,15 +330,18 @@ def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | s
     if not nxt.replay:
         return
     job = job_of(store, nxt.config, with_data=False)
+    if result.replica not in nxt.replica_ids(job.parallel.replicas):
+        return  # the replica left the set: no next round of its to continue
+    row = nxt.row(result.replica)
     for s, stage in enumerate(result.stages):
         if stage.reason:
             continue
-        published = state_core(read_bytes(store, nxt.replay[result.replica][s]))
+        published = state_core(read_bytes(store, nxt.replay[row][s]))
         if _same_state(published, result.end_states[s], result.tolerance):
             continue
         if published == fresh_state_core(job, result.replica, s, nxt.step):
             continue
-        stage.reason = (f"the start state step {nxt.step} published ({nxt.replay[result.replica][s]}) is not "
+        stage.reason = (f"the start state step {nxt.step} published ({nxt.replay[row][s]}) is not "
                         f"the state this round leaves")
 
 

@@ -48,13 +48,19 @@ def _lanes(steps: list[dict[str, Any]]) -> list[int]:
     return lanes
 
 
+def _replicas(step: dict[str, Any]) -> str:
+    """A step's replica set as the report prints it: `0,2` (empty for older lineages)."""
+    return ",".join(map(str, step.get("replicas", [])))
+
+
 def _chain_svg(genesis: str, steps: list[dict[str, Any]]) -> str:
     """Checkpoints as boxes, one column per step, an arrow from each parent to its child;
-    branches rejected by a challenge run below the current chain, in red."""
-    w, h, gx, gy = 140, 62, 34, 26
+    branches rejected by a challenge run below the current chain, in red. Each box names
+    the replicas that took part in its step."""
+    w, h, gx, gy = 140, 76, 34, 26
     lanes = _lanes(steps)
-    nodes = [("genesis", genesis, None, "genesis", 0, 0)] + [
-        (f"step {s['step']}", s["checkpoint"], s["loss"], s.get("status", "pending"), s["step"], lane)
+    nodes = [("genesis", genesis, None, "genesis", 0, 0, "")] + [
+        (f"step {s['step']}", s["checkpoint"], s["loss"], s.get("status", "pending"), s["step"], lane, _replicas(s))
         for s, lane in zip(steps, lanes, strict=True)]
     cols = max(n[4] for n in nodes) + 1
     width, height = cols * (w + gx) + 8, (max(lanes, default=0) + 1) * (h + gy) + 12
@@ -66,7 +72,7 @@ def _chain_svg(genesis: str, steps: list[dict[str, Any]]) -> str:
              '<path d="M0,0 L8,4 L0,8 z" fill="#7a86a8"/></marker></defs>']
     pos: dict[str, tuple[float, float]] = {}
     boxes = []
-    for label, cid, loss, status, col, lane in nodes:
+    for label, cid, loss, status, col, lane, replicas in nodes:
         x, y = col * (w + gx) + 4, lane * (h + gy) + 6
         fill, stroke = fills.get(status, fills["pending"])
         dash = ' stroke-dasharray="5 3"' if status in ("rejected", "uncommitted") else ""
@@ -76,6 +82,7 @@ def _chain_svg(genesis: str, steps: list[dict[str, Any]]) -> str:
                      + (f' <tspan fill="{stroke}">{_e(status)}</tspan>' if status != "genesis" else "") + "</text>"
                      f'<text x="{x + 8}" y="{y + 33}">{_e(_short(cid, 8))}</text>'
                      + (f'<text x="{x + 8}" y="{y + 50}" class="muted">eval loss {loss:.4f}</text>' if loss is not None else "")
+                     + (f'<text x="{x + 8}" y="{y + 67}" class="replicas">replicas {_e(replicas)}</text>' if replicas else "")
                      + "</g>")
         pos[cid] = (x, y)
     for s in steps:
@@ -229,7 +236,7 @@ def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = No
         out.append(f"<tr><td><code>{_e(addr)}</code></td><td>{stake / ETHER:g}</td>"
                    f"<td>{_e(', '.join(f'({r}, {s})' for r, s in sorted(n['slots'])))}</td><td>{n['count']}</td>"
                    f"<td>{'' if mean is None else f'{mean:.4f}'}</td></tr>")
-    out.append("</table><h2>Steps</h2><table><tr><th>step</th><th>status</th><th>checkpoint / parent</th><th>eval loss</th>"
+    out.append("</table><h2>Steps</h2><table><tr><th>step</th><th>status</th><th>replicas</th><th>checkpoint / parent</th><th>eval loss</th>"
                "<th>contributions (replica, stage): node, CID, attested loss</th><th>transaction</th></tr>")
     for s in steps:
         contribs = "<br>".join(
@@ -242,7 +249,7 @@ def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = No
         status = s.get("status", "pending")
         why = f" by challenge {s['rejected_by']}" if s.get("rejected_by") is not None else ""
         out.append(f"<tr class='{_e(status)}'><td>{s['step']}</td><td class='st {_e(status)}'>{_e(status)}{_e(why)}</td>"
-                   f"<td><code>{_e(s['checkpoint'])}</code><br>"
+                   f"<td class=replicas>{_e(_replicas(s))}</td><td><code>{_e(s['checkpoint'])}</code><br>"
                    f"<span class=muted>parent <code>{_e(s['parent'])}</code></span></td><td>{loss}</td>"
                    f"<td class=c>{contribs}</td><td><code title='{_e(s['tx'])}'>{_e(_short(s['tx'], 12))}</code><br><span class=muted>block {s['block']}</span></td></tr>")
     out.append("</table><h2>Configuration</h2><table class=kv>")

@@ -5,23 +5,27 @@
 Levels, per committed step (DESIGN.md section 7):
 
 1. chain: steps are contiguous and each step's parent is the previous checkpoint (the
-   genesis for step 1); every attestation's signature, taken from the `commitStep`
-   transaction itself, recovers to the node the ledger recorded, a member of the run
-   with stake at that block; the contributions root matches the attested digests; from
-   ledger version 2 on, the replicas of each stage co-signed one new shard digest, the
-   step's shards root hashes them, and the manifest's stage links are exactly those
-   (version 1 runs, committed before co-signed shards, are checked under their own typed data).
+   genesis for step 1); the attestations cover exactly the step's replica set (from
+   `StepCommitted`; every replica on ledgers before version 3) x its stages, each signed
+   over that set, and the manifest names the same set (`replicas`; absent: all R); every
+   attestation's signature, taken from the `commitStep` transaction itself, recovers to
+   the node the ledger recorded, a member of the run with stake at that block; the
+   contributions root matches the attested digests; from ledger version 2 on, the present
+   replicas of each stage co-signed one new shard digest, the step's shards root hashes
+   them, and the manifest's stage links are exactly those (version 1 runs, committed before
+   co-signed shards, are checked under their own typed data).
 2. content: the manifest, its stage shards, every contribution and every round-start
    state are present and hash to their CIDs; the manifest agrees with the chain (step,
    parent, run, config, metrics digest, each slot's contribution digest and data-shard hash).
 3. aggregate: applying the outer step to the parent shards with the published
-   contributions reproduces every new shard bit for bit.
+   contributions of exactly the step's replicas (ascending id) reproduces every new shard
+   bit for bit.
    data: the dataset, tokenizer and token file the run's config names are in the store
-   and hash to their CIDs, and each (step, replica) shard re-derived from the token file
+   and hash to their CIDs, and each (step, replica id) shard re-derived from the token file
    has the attested `dataShard` digest (lineage/datasets.py); with `data_full`, the stored
    dataset re-tokenized with the recorded tokenizer gives the token file's CID again.
-4. replay (`replay` > 0, a fraction of the (step, replica) pairs, sampled deterministically
-   from the head's CID, at least one): re-running the replica's inner steps from its
+4. replay (`replay` > 0, a fraction of the (step, present replica) pairs, sampled
+   deterministically from the head's CID, at least one): re-running the replica's inner steps from its
    published start state reproduces its contributions (lineage/replay.py: exact on the
    machine class that trained, else within `tolerance` relative L2), its start weights are
    a committed checkpoint's, and the state its round leaves is the next round's start state.
@@ -160,10 +164,12 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
         chain: list[str | None] = []
         for i, rec in enumerate(steps if "chain" in levels else []):
             try:
-                _verify_chain(rec, i + 1, work.checkpoints[i], calldata[rec.step], domain,
-                              record.run_id, members, stakes, work.R, work.S)
+                _verify_chain(rec, i + 1, work.checkpoints[i], calldata[rec.step], domain, record.run_id,
+                              members, stakes, work.R, work.S, min_replicas=int(created["minReplicas"]))
+                manifest = _manifest_or_none(store, checkpoints[i])
+                _verify_manifest_set(rec, manifest, work.R)
                 if domain.version != "1":  # co-signed shards exist from ledger version 2 on
-                    _verify_cosigned(store, rec, checkpoints[i], calldata[rec.step]["attestations"], work.S)
+                    _verify_cosigned(rec, manifest, calldata[rec.step]["attestations"], work.S)
                 chain.append(None)
             except (_Fail, DlxError) as exc:
                 chain.append(str(exc))
@@ -194,6 +200,15 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if replay > 0 and steps:
         _verify_replay(store, report, steps, work.R, replay, tolerance, replayer, pruned.starts_gone)
     return report
+
+
+def _manifest_or_none(store: Blockstore, checkpoint: Any) -> Manifest | None:
+    """The step's manifest for level 1's comparisons; None when it cannot be read (the
+    content level names the block)."""
+    try:
+        return get_manifest(store, checkpoint)
+    except DlxError:
+        return None
 
 
 @dataclass
@@ -361,8 +376,8 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
                         outer_cfg = _outer_config(work.store, work.config)
                     if prev_shards is None:
                         prev_shards = _shards_of(work, i, outer_cfg)
-                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, work.R, work.S, read,
-                                               work.pruned)
+                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, rec.replicas(work.R),
+                                               work.R, work.S, read, work.pruned)
                 result[level] = None
             except (_Fail, DlxError) as exc:
                 result[level] = str(exc)
@@ -392,11 +407,14 @@ def _shards_of(work: _Work, i: int, outer_cfg: Any) -> list[bytes]:
     return shards
 
 
-def sample_pairs(steps: list[int], replicas: int, fraction: float, seed: bytes) -> list[tuple[int, int]]:
+def sample_pairs(steps: list[int], replicas: int | dict[int, tuple[int, ...]], fraction: float,
+                 seed: bytes) -> list[tuple[int, int]]:
     """A fraction of the (step, replica) pairs, at least one, chosen by a generator seeded
     with `seed` (the head's digest): anyone re-running the audit draws the same pairs, and
-    nobody knows them before the head exists."""
-    pairs = [(t, r) for t in steps for r in range(replicas)]
+    nobody knows them before the head exists. `replicas`: the run's R (every step had every
+    replica), or each step's present replica ids (an elastic run's partial steps)."""
+    present = replicas if isinstance(replicas, dict) else {t: tuple(range(replicas)) for t in steps}
+    pairs = [(t, r) for t in steps for r in present[t]]
     n = min(len(pairs), max(1, math.ceil(fraction * len(pairs) - 1e-9)))
     rng = random.Random(int.from_bytes(hashlib.sha256(b"dlx-replay:" + seed).digest()[:8], "big"))
     return sorted(rng.sample(pairs, n))
@@ -413,7 +431,7 @@ def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord]
     possible = sorted(set(checkpoints) - blocked)
     if not possible:
         return
-    chosen = sample_pairs(possible, R, fraction, steps[-1].checkpoint)
+    chosen = sample_pairs(possible, {rec.step: rec.replicas(R) for rec in steps}, fraction, steps[-1].checkpoint)
     started = time.perf_counter()
     results = (replayer or replay_many)(store, [(checkpoints[t], r) for t, r in chosen], tolerance)
     for result in results:
@@ -438,18 +456,23 @@ def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord]
 
 
 def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str, Any], domain: Domain,
-                  run_id: int, members: set[str], stakes: dict, R: int, S: int) -> None:
+                  run_id: int, members: set[str], stakes: dict, R: int, S: int, *, min_replicas: int = 1) -> None:
     _check(rec.step == expected_step, f"step {rec.step} follows step {expected_step - 1}")
     _check(rec.parent == digest_of(prev), lambda: f"parent is not the previous checkpoint {prev}")
-    atts = args["attestations"]
-    _check(len(atts) == R * S, f"{len(atts)} attestations for {R * S} slots")
-    _check(len(rec.attestations) == R * S, f"{len(rec.attestations)} attestation events for {R * S} slots")
-    for slot, (att, event) in enumerate(zip(atts, sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"])), strict=True)):
+    replicas = _chain_set(rec, args, R, min_replicas)
+    atts, slots = args["attestations"], len(replicas) * S
+    _check(len(atts) == slots, f"{len(atts)} attestations for {slots} slots ({_ids(replicas)} x {S} stages)")
+    _check(len(rec.attestations) == slots, f"{len(rec.attestations)} attestation events for {slots} slots")
+    events = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
+    for slot, (att, event) in enumerate(zip(atts, events, strict=True)):
         replica, stage = att["replica"], att["stage"]
-        _check((replica, stage) == divmod(slot, S), f"attestation {slot} is for slot ({replica}, {stage})")
+        _check((replica, stage) == (replicas[slot // S], slot % S), f"attestation {slot} is for slot ({replica}, {stage})")
+        if rec.replica_set is not None:
+            _check(int(att["replicaSet"]) == rec.replica_set, f"slot ({replica}, {stage}): signed over replica set "
+                                                              f"{int(att['replicaSet']):#x}, not the step's")
         claim = ContributionClaim(run_id, rec.step, replica, stage, rec.parent, bytes(att["contribution"]),
                                   bytes(att["dataShard"]), bytes(att["codeHash"]), int(att["lossMicros"]),
-                                  bytes(att.get("newShard", bytes(32))))
+                                  bytes(att.get("newShard", bytes(32))), rec.replica_set or 0)
         try:
             # Version 1 took 65-byte signatures; version 2 takes EIP-2098's (r, vs).
             signature = bytes(att["signature"]) if "signature" in att else expand_signature(att["r"], att["vs"])
@@ -464,23 +487,50 @@ def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
 
 
-def _verify_cosigned(store: Blockstore, rec: StepRecord, checkpoint: Any, atts: list[dict[str, Any]],
-                     S: int) -> None:
-    """Level 1 from ledger version 2 on: every replica of a stage co-signed one new shard
-    digest, the step's shards root hashes them, and the manifest links exactly those shards
-    (a coordinator can commit nothing but what the replicas computed). A manifest that cannot
-    be read fails the content level, which names the block, not this one."""
-    shards = [bytes(atts[s]["newShard"]) for s in range(S)]
-    for slot, att in enumerate(atts):
-        r, s = divmod(slot, S)
+def _ids(replicas: tuple[int, ...] | list[int]) -> str:
+    """Replica ids as a set reads in a report: `{0, 2}`."""
+    return "{" + ", ".join(map(str, replicas)) + "}"
+
+
+def _chain_set(rec: StepRecord, args: dict[str, Any], R: int, min_replicas: int) -> tuple[int, ...]:
+    """The step's replica set as the chain records it (its event, and the commit's own
+    argument from ledger version 3 on), checked against the run: ids below R, at least
+    `min_replicas` of them. Ledgers before version 3 had every replica in every step."""
+    if rec.replica_set is None:
+        return rec.replicas(R)
+    _check(int(args.get("replicaSet", -1)) == rec.replica_set, "the commit's replica set is not its event's")
+    _check(rec.replica_set >> R == 0, f"replica set {rec.replica_set:#x} names a replica the run ({R}) lacks")
+    replicas = rec.replicas(R)
+    _check(len(replicas) >= min_replicas,
+           f"replica set {_ids(replicas)} has fewer than the run's min_replicas ({min_replicas})")
+    return replicas
+
+
+def _verify_manifest_set(rec: StepRecord, manifest: Manifest | None, R: int) -> None:
+    """Level 1: the manifest names the step's replica set as the chain records it (a
+    manifest that cannot be read fails the content level, which names the block)."""
+    if manifest is None:
+        return
+    chain, listed = rec.replicas(R), manifest.replica_ids(R)
+    _check(listed == chain, f"the manifest's replicas {_ids(listed)} are not the chain's replica set {_ids(chain)}")
+
+
+def _verify_cosigned(rec: StepRecord, manifest: Manifest | None, atts: list[dict[str, Any]], S: int) -> None:
+    """Level 1 from ledger version 2 on: every present replica of a stage co-signed one new
+    shard digest, the step's shards root hashes them, and the manifest links exactly those
+    shards (a coordinator can commit nothing but what the replicas computed). A manifest
+    that cannot be read fails the content level, which names the block, not this one."""
+    shards = [bytes(atts[s]["newShard"]) for s in range(S)]  # the first present replica's
+    first = atts[0]["replica"] if atts else 0
+    for att in atts:
+        r, s = att["replica"], att["stage"]
         _check(bytes(att["newShard"]) == shards[s], lambda r=r, s=s, att=att: (
             f"stage {s}: replica {r} co-signed shard 0x{bytes(att['newShard']).hex()[:16]}.., "
-            f"replica 0 0x{shards[s].hex()[:16]}.."))
+            f"replica {first} 0x{shards[s].hex()[:16]}.."))
     _check(rec.shards_root == shards_root(shards), "shards root does not match the co-signed shards")
-    try:
-        links = get_manifest(store, checkpoint).stages
-    except DlxError:  # missing or corrupt: the content level names the block
+    if manifest is None:  # missing or corrupt: the content level names the block
         return
+    links = manifest.stages
     _check(len(links) == S, f"{len(links)} stage shards for {S} stages")
     for s, cid in enumerate(links):
         _check(digest_of(cid) == shards[s], lambda s=s, cid=cid: (
@@ -509,22 +559,27 @@ def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int
     _check(m.config == config, lambda: f"manifest config {m.config} is not the run's {config}")
     _check(m.metrics_digest() == rec.metrics_digest, "metrics do not match the on-chain metrics digest")
     _check(len(m.stages) == S, f"{len(m.stages)} stage shards for {S} stages")
-    _check(len(m.contributions) == R and all(len(row) == S for row in m.contributions),
-           "contributions table is not replicas x stages")
+    replicas = rec.replicas(R)
+    _check(m.replica_ids(R) == replicas, lambda: f"the manifest's replicas {_ids(m.replica_ids(R))} are not "
+                                                 f"the chain's replica set {_ids(replicas)}")
+    _check(len(m.contributions) == len(replicas) and all(len(row) == S for row in m.contributions)
+           and len(m.data) == len(replicas), "contributions table is not the step's replicas x stages")
     by_slot = {(a["replica"], a["stage"]): a for a in rec.attestations}
-    for r in range(R):
+    for row, r in enumerate(replicas):
         for s in range(S):
-            cid = m.contributions[r][s]
-            att = by_slot[(r, s)]
+            cid = m.contributions[row][s]
+            att = by_slot.get((r, s))
+            _check(att is not None, f"slot ({r}, {s}): no attestation on the chain")
+            assert att is not None
             _check(digest_of(cid) == bytes(att["contribution"]),
                    lambda cid=cid, r=r, s=s: f"slot ({r}, {s}): manifest contribution {cid} is not the attested one")
-            _check(m.data[r] == bytes(att["dataShard"]), f"slot ({r}, {s}): data shard differs from the attested one")
+            _check(m.data[row] == bytes(att["dataShard"]), f"slot ({r}, {s}): data shard differs from the attested one")
             check(cid)  # every block present and hashing to its CID
     if m.replay:  # the round-start states replay verification starts from
-        _check(len(m.replay) == R and all(len(row) == S for row in m.replay),
-               "start-state table is not replicas x stages")
-        for row in m.replay:
-            for cid in row:
+        _check(len(m.replay) == len(replicas) and all(len(row) == S for row in m.replay),
+               "start-state table is not the step's replicas x stages")
+        for starts in m.replay:
+            for cid in starts:
                 if block_name(cid)[0] not in pruned:
                     check_file(store, cid, workers=0)
     for cid in m.stages:
@@ -557,8 +612,10 @@ def _import_outer_math() -> None:
 
 
 def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
-                      R: int, S: int, read: dict[str, bytes], pruned: frozenset[str] = frozenset()) -> list[bytes]:
-    """Recompute each stage's new shard; returns the stored (equal) shards, the next
+                      replicas: tuple[int, ...], R: int, S: int, read: dict[str, bytes],
+                      pruned: frozenset[str] = frozenset()) -> list[bytes]:
+    """Recompute each stage's new shard over exactly the step's `replicas` (the chain's
+    set; the manifest's rows, ascending id); returns the stored (equal) shards, the next
     step's parents. `read`: files level 2 has read already, by block name. A shard in
     `pruned` (removed by retention) is checked by its CID instead: the recomputed bytes
     must import to the file the manifest names."""
@@ -569,11 +626,13 @@ def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes]
         return data if data is not None else read_bytes(store, cid, workers=0)
 
     _check(len(m.stages) == S and len(parent_shards) == S, f"{len(m.stages)} stage shards for {S} stages")
-    _check(len(m.contributions) == R and all(len(row) == S for row in m.contributions),
-           "contributions table is not replicas x stages")
+    _check(m.replica_ids(R) == replicas,
+           lambda: f"the manifest's replicas {_ids(m.replica_ids(R))} are not the chain's replica set {_ids(replicas)}")
+    _check(len(m.contributions) == len(replicas) and all(len(row) == S for row in m.contributions),
+           "contributions table is not the step's replicas x stages")
     shards = []
     for s in range(S):
-        contributions = [get(m.contributions[r][s]) for r in range(R)]
+        contributions = [get(m.contributions[row][s]) for row in range(len(replicas))]
         expected = apply_outer_step(parent_shards[s], contributions, outer_cfg)
         if pruned and block_name(m.stages[s])[0] in pruned:
             _check(file_cid(expected) == m.stages[s],

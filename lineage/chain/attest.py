@@ -1,17 +1,22 @@
 """EIP-712 attestations: a node's signed statement of what it contributed to a step.
 
-Typed data (DESIGN.md section 4), domain `{name: "DiLoCoXLedger", version: "2", chainId,
+Typed data (DESIGN.md section 4), domain `{name: "DiLoCoXLedger", version: "3", chainId,
 verifyingContract}`, primary type
 
-    Contribution(uint256 runId, uint64 step, uint32 replica, uint32 stage, bytes32 parent,
-                 bytes32 contribution, bytes32 dataShard, bytes32 codeHash, int64 lossMicros,
-                 bytes32 newShard)
+    Contribution(uint256 runId, uint64 step, uint32 replica, uint32 stage, uint256 replicaSet,
+                 bytes32 parent, bytes32 contribution, bytes32 dataShard, bytes32 codeHash,
+                 int64 lossMicros, bytes32 newShard)
 
-`newShard` is the digest of the new outer shard of the slot's stage that the node computed
-itself after the outer step (`shard_digest`: its UnixFS file CID's sha-256, the digest the
-manifest links the shard by); the replicas of a stage co-sign it. Ledgers of version 1
-(deployed before co-signed shards) signed the same message without `newShard`: a `Domain`
-carries the version of the ledger it names, and claims under version 1 keep verifying.
+`replicaSet` is the bitmap of the replicas that took part in the step (bit r: replica r;
+`replica_bitmap`), the set whose contributions the outer step averages: a node signs over
+it, so after a membership change it may sign the same step again for another set, and the
+ledger accepts a step only when every attestation names the step's set. `newShard` is the
+digest of the new outer shard of the slot's stage that the node computed itself after the
+outer step (`shard_digest`: its UnixFS file CID's sha-256, the digest the manifest links the
+shard by); the present replicas of a stage co-sign it. Ledgers of version 2 (before
+replica sets: every step had every replica) signed the message without `replicaSet`, and
+version 1 (before co-signed shards) also without `newShard`: a `Domain` carries the version
+of the ledger it names, and claims under versions 1 and 2 keep verifying.
 
 The ledger checks the same digest on chain (`TrainingLedger.commitStep`), so a signature
 is bound to one chain, one ledger deployment, one run and one step.
@@ -46,9 +51,9 @@ from trainer.errors import DlxError
 
 DOMAIN_NAME = "DiLoCoXLedger"
 #: The ledger version this code deploys and signs for.
-DOMAIN_VERSION = "2"
+DOMAIN_VERSION = "3"
 #: Every ledger version a claim or a committed step may have been signed under.
-DOMAIN_VERSIONS = ("1", "2")
+DOMAIN_VERSIONS = ("1", "2", "3")
 
 _DOMAIN_TYPE = [
     {"name": "name", "type": "string"},
@@ -68,6 +73,7 @@ _CONTRIBUTION_V1 = [
     {"name": "lossMicros", "type": "int64"},
 ]
 _CONTRIBUTION_V2 = [*_CONTRIBUTION_V1, {"name": "newShard", "type": "bytes32"}]
+_CONTRIBUTION_V3 = [*_CONTRIBUTION_V2[:4], {"name": "replicaSet", "type": "uint256"}, *_CONTRIBUTION_V2[4:]]
 _VERDICT = [{"name": "challengeId", "type": "uint256"}, {"name": "upheld", "type": "bool"}]
 
 
@@ -92,9 +98,25 @@ def shard_digest(data: bytes) -> bytes:
     return digest_of(file_cid(data))
 
 
+def replica_bitmap(replicas: Iterable[int]) -> int:
+    """A step's `replicaSet`: bit r set for each replica id r that took part."""
+    bits = 0
+    for r in replicas:
+        if not 0 <= r < 256:
+            raise ClaimError(f"replica {r} is outside a replica set's 256 bits")
+        bits |= 1 << r
+    return bits
+
+
+def replicas_in(replica_set: int) -> tuple[int, ...]:
+    """The replica ids a `replicaSet` bitmap names, ascending."""
+    return tuple(r for r in range(replica_set.bit_length()) if replica_set >> r & 1)
+
+
 def contributions_root(contributions: Iterable[bytes]) -> bytes:
     """A step's `contributionsRoot`: keccak256 of its slots' contribution digests, slot order
-    (replica-major), concatenated. The ledger stores it with the step."""
+    (replica-major over the step's present replicas, ascending id), concatenated. The
+    ledger stores it with the step."""
     return keccak(b"".join(bytes(c) for c in contributions))
 
 
@@ -143,7 +165,8 @@ class TypedMessage:
 
 @dataclass(frozen=True)
 class ContributionClaim(TypedMessage):
-    """What one (replica, stage) slot claims for one outer step."""
+    """What one (replica, stage) slot claims for one outer step (`replica_set`: the step's
+    `replicaSet` bitmap, signed from ledger version 3 on)."""
 
     PRIMARY_TYPE = "Contribution"
 
@@ -157,6 +180,7 @@ class ContributionClaim(TypedMessage):
     code_hash: bytes
     loss_micros: int
     new_shard: bytes = bytes(32)  # the co-signed stage shard digest (not signed under version 1)
+    replica_set: int = 0  # the step's replica bitmap (signed from version 3 on, where 0 is refused)
 
     def struct(self, version: str) -> tuple[list[dict[str, str]], dict[str, Any]]:
         message = {
@@ -174,7 +198,12 @@ class ContributionClaim(TypedMessage):
             return _CONTRIBUTION_V1, message
         if len(self.new_shard) != 32:
             raise ClaimError(f"a version {version} claim needs a 32-byte newShard")
-        return _CONTRIBUTION_V2, {**message, "newShard": self.new_shard}
+        if version == "2":
+            return _CONTRIBUTION_V2, {**message, "newShard": self.new_shard}
+        if not 0 < self.replica_set < 1 << 256 or not self.replica_set >> self.replica & 1:
+            raise ClaimError(f"a version {version} claim needs its step's replicaSet, naming its own replica "
+                             f"{self.replica} (got {self.replica_set:#x})")
+        return _CONTRIBUTION_V3, {**message, "replicaSet": self.replica_set, "newShard": self.new_shard}
 
     def as_doc(self, version: str = DOMAIN_VERSION) -> dict[str, Any]:
         """The claim as JSON (the `claim` of a `SignedClaim`): camelCase, bytes32 0x-hex."""
@@ -257,13 +286,14 @@ class SignedClaim:
     (`dlx slash-equivocation A.json B.json`) without a chain at hand:
 
         {"domain": {"name", "version", "chainId", "verifyingContract"},
-         "claim": {"runId", "step", "replica", "stage", "parent", "contribution",
+         "claim": {"runId", "step", "replica", "stage", "replicaSet", "parent", "contribution",
                    "dataShard", "codeHash", "lossMicros", "newShard"},
          "signature": "0x..."}
 
-    bytes32 fields and the signature (65 bytes, r s v) are 0x-hex; the domain's name must be
-    the ledger's and its version one the ledger has had (`newShard` exists from version 2
-    on), since a signature under any other domain proves nothing to it.
+    bytes32 fields and the signature (65 bytes, r s v) are 0x-hex, `replicaSet` an integer;
+    the domain's name must be the ledger's and its version one the ledger has had
+    (`newShard` exists from version 2 on, `replicaSet` from version 3 on), since a signature
+    under any other domain proves nothing to it.
     """
 
     domain: Domain
@@ -332,8 +362,15 @@ class SignedClaim:
 
 
 def _claim_fields(version: str) -> dict[str, tuple[str, type]]:
-    """The claim's JSON fields under ledger version `version`."""
-    return _CLAIM_FIELDS if version == "1" else {**_CLAIM_FIELDS, "newShard": ("new_shard", bytes)}
+    """The claim's JSON fields under ledger version `version`, in typed-data order."""
+    if version == "1":
+        return _CLAIM_FIELDS
+    fields = {**_CLAIM_FIELDS, "newShard": ("new_shard", bytes)}
+    if version == "2":
+        return fields
+    keys = list(fields)
+    keys.insert(keys.index("parent"), "replicaSet")
+    return {k: ("replica_set", int) if k == "replicaSet" else fields[k] for k in keys}
 
 
 def _field(claim: dict[str, Any], key: str, kind: type) -> Any:

@@ -1,9 +1,11 @@
 """Typed access to the ledger contracts (NodeRegistry, TrainingLedger) over web3.
 
 A `Ledger` reads its deployment's version (ERC-5267 `eip712Domain()`) and speaks it:
-version 2 (this code's contracts) co-signs stage shards and takes EIP-2098 signatures;
-version 1 deployments (contracts/legacy/) are read with their own ABI, so runs committed
-before the change still verify.
+version 3 (this code's contracts) commits partial steps, each over its replica set (a
+bitmap of the replicas present, signed in every attestation and carried by `StepCommitted`),
+co-signs stage shards and takes EIP-2098 signatures; version 2 and version 1 deployments
+(contracts/legacy/) are read with their own ABIs, every step of theirs having all R
+replicas, so runs committed before the changes still verify.
 
 Transactions go through `lineage.chain.client.Chain` (signed locally, waited on, a revert
 decoded into the contract's custom error by name).
@@ -32,6 +34,8 @@ from .attest import (
     Verdict,
     compact_signature,
     contributions_root,
+    replica_bitmap,
+    replicas_in,
     sign_verdict,
     verdict_signable_digest,
 )
@@ -66,12 +70,14 @@ class Attestation:
     code_hash: bytes
     loss_micros: int
     signature: bytes
-    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (ledger version 2)
+    new_shard: bytes = bytes(32)  # the co-signed stage shard digest (ledger version 2 on)
+    replica_set: int = 0  # the step's replica bitmap the slot signed over (ledger version 3)
 
     def as_tuple(self) -> tuple:
-        """The ledger's `Attestation` struct (version 2: the signature as EIP-2098 r, vs)."""
+        """The ledger's `Attestation` struct (version 3: with the replica set, and the
+        signature as EIP-2098 r, vs)."""
         r, vs = compact_signature(self.signature)
-        return (self.replica, self.stage, self.contribution, self.data_shard,
+        return (self.replica, self.stage, self.replica_set, self.contribution, self.data_shard,
                 self.code_hash, self.loss_micros, self.new_shard, r, vs)
 
 
@@ -88,12 +94,20 @@ class StepRecord:
     tx: str
     block: int
     attestations: list[dict[str, Any]]
-    shards_root: bytes | None = None  # keccak256 of the co-signed shard digests (version 2)
+    shards_root: bytes | None = None  # keccak256 of the co-signed shard digests (version 2 on)
+    replica_set: int | None = None  # the replicas present, a bitmap (version 3; before: all)
+
+    def replicas(self, replicas: int) -> tuple[int, ...]:
+        """The replica ids that took part in the step, ascending: its `replicaSet`, or all
+        `replicas` of the run for a version 1 or 2 ledger (whose steps had every replica)."""
+        return tuple(range(replicas)) if self.replica_set is None else replicas_in(self.replica_set)
 
     def shards(self, stages: int) -> list[bytes]:
-        """The stage shard digests replica 0 co-signed, in stage order (version 2 events)."""
+        """The stage shard digests the step's first present replica co-signed, in stage
+        order (version 2 and 3 events)."""
+        first = min(int(a["replica"]) for a in self.attestations)
         by_slot = {(int(a["replica"]), int(a["stage"])): a for a in self.attestations}
-        return [bytes(by_slot[(0, s)]["newShard"]) for s in range(stages)]
+        return [bytes(by_slot[(first, s)]["newShard"]) for s in range(stages)]
 
 
 @dataclass(frozen=True)
@@ -258,13 +272,16 @@ class Ledger:
         arbiters: list[str] | None = None,
         quorum: int = 0,
         independence: str = "keys",
+        min_replicas: int | None = None,
     ) -> int:
         """Create a run; `independence` ("keys" or "operators", `INDEPENDENCE`) is what may
-        not sign slots of two replicas of one step."""
+        not sign slots of two replicas of one step; `min_replicas` (default `replicas`: every
+        step has every replica) the fewest replicas a step may have."""
         self._require_current("createRun")
         fn = self.ledger.functions.createRun(
             config_digest, genesis_digest, [to_checksum_address(n) for n in nodes],
-            replicas, stages, challenge_window, min_stake, arbiters or [], quorum, INDEPENDENCE[independence],
+            replicas, stages, replicas if min_replicas is None else min_replicas,
+            challenge_window, min_stake, arbiters or [], quorum, INDEPENDENCE[independence],
         )
         receipt = self.chain.transact(fn, sender, context="createRun")
         (event,) = self.ledger.events.RunCreated().process_receipt(receipt)
@@ -280,11 +297,17 @@ class Ledger:
         checkpoint: bytes,
         metrics_digest: bytes,
         attestations: list[Attestation],
+        replica_set: int | None = None,
     ) -> str:
+        """Commit `step` with one attestation per (replica in `replica_set`, stage), in slot
+        order; `replica_set` (a bitmap, `attest.replica_bitmap`) defaults to the
+        attestations' replicas. Returns the transaction hash."""
         self._require_current("commitStep")
         root = contributions_root(a.contribution for a in attestations)
+        if replica_set is None:
+            replica_set = replica_bitmap(a.replica for a in attestations)
         fn = self.ledger.functions.commitStep(
-            run_id, step, parent, checkpoint, root, metrics_digest,
+            run_id, step, parent, checkpoint, root, metrics_digest, replica_set,
             [a.as_tuple() for a in attestations],
         )
         receipt = self.chain.transact(fn, sender, context=f"commitStep(run {run_id}, step {step})")
@@ -300,7 +323,9 @@ class Ledger:
         )
         if not logs:
             raise ChainError(f"run {run_id} not found on ledger {self.ledger.address}")
-        return dict(logs[0]["args"])
+        args = dict(logs[0]["args"])
+        args.setdefault("minReplicas", args["replicas"])  # version 1 and 2 steps have every replica
+        return args
 
     def steps(self, run_id: int) -> list[StepRecord]:
         """The committed steps of `run_id` on its current chain, in order, read from the
@@ -353,6 +378,7 @@ class Ledger:
                 metrics_digest=bytes(a["metricsDigest"]), submitter=a["submitter"],
                 tx=tx, block=int(log["blockNumber"]), attestations=by_tx.get(tx, []),
                 shards_root=bytes(a["shardsRoot"]) if "shardsRoot" in a else None,
+                replica_set=int(a["replicaSet"]) if "replicaSet" in a else None,
             ))
         return sorted(records, key=lambda r: r.block)
 
@@ -461,7 +487,8 @@ class Ledger:
         self._require_current("openChallenge")
         record = self._record(run_id, step)
         fn = self.ledger.functions.openChallenge(
-            run_id, step, replica, stage, [a["node"] for a in record.attestations], record.shards_root, evidence
+            run_id, step, replica, stage, record.replica_set, [a["node"] for a in record.attestations],
+            record.shards_root, evidence,
         )
         receipt = self.chain.transact(fn, challenger, value=bond,
                                       context=f"openChallenge(run {run_id}, step {step})")
@@ -479,7 +506,8 @@ class Ledger:
         record = self._record(run_id, step)
         stages = int(self.run_created(run_id)["stages"])
         fn = self.ledger.functions.openAggregateChallenge(
-            run_id, step, stage, [a["node"] for a in record.attestations], record.shards(stages), evidence
+            run_id, step, stage, record.replica_set, [a["node"] for a in record.attestations],
+            record.shards(stages), evidence,
         )
         receipt = self.chain.transact(fn, challenger, value=bond,
                                       context=f"openAggregateChallenge(run {run_id}, step {step}, stage {stage})")
@@ -488,7 +516,7 @@ class Ledger:
 
     def co_signers_of(self, challenge_id: int) -> list[str]:
         """The co-signers an aggregate challenge holds (empty for a replay challenge)."""
-        if self.version != DOMAIN_VERSION:
+        if self.version == "1":  # no aggregate challenges before co-signed shards
             return []
         return [str(a) for a in call_view(self.ledger.functions.coSignersOf(challenge_id),
                                       f"coSignersOf({challenge_id})")]
@@ -498,7 +526,7 @@ class Ledger:
         c = call_view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
         keys: tuple[str, ...] = ("runId", "step", "epoch", "replica", "stage", "resolved", "aggregate", "openedAt", "node",
                 "challenger", "bond")
-        if self.version != DOMAIN_VERSION:
+        if self.version == "1":
             keys = tuple(k for k in keys if k != "aggregate")
         out = dict(zip(keys, c, strict=True))
         out.setdefault("aggregate", False)
@@ -623,7 +651,7 @@ class Ledger:
         committedAt, epoch, openChallenges, rejected."""
         (checkpoint, witness_hash, committed_at, epoch, open_challenges, rejected) = call_view(
             self.ledger.functions.stepInfo(run_id, step), f"stepInfo({run_id}, {step})")
-        key = "witnessHash" if self.version == DOMAIN_VERSION else "signersHash"
+        key = "signersHash" if self.version == "1" else "witnessHash"
         return {"checkpoint": bytes(checkpoint), key: bytes(witness_hash),
                 "committedAt": int(committed_at), "epoch": int(epoch),
                 "openChallenges": int(open_challenges), "rejected": bool(rejected)}

@@ -5,13 +5,18 @@ A manifest's CID is the checkpoint's identity. Because `parent` is a CID link,
 `ipfs dag get CID/parent/parent` walks history on any IPFS node holding the blocks.
 
     genesis: {version, step: 0, parent: null, config, stages, code}
-    step t:  {version, run, step, parent, config, stages, contributions, data, metrics, code}
+    step t:  {version, run, step, parent, config, stages, contributions, data, metrics, code,
+              [replicas], [replay]}
 
-`contributions[r][s]` links replica r's stage-s contribution; `data[r]` is the sha-256
-of the tokens replica r trained on in this round. `replay[r][s]` (present when the ranks
-published them; absent for the AllReduce baseline and older runs) links the start state
-of the round that produced `contributions[r][s]` (`trainer.engine.round_state`), the
-input of replay verification (lineage/replay.py).
+The rows of `contributions`, `data` and `replay` are the step's present replicas in
+ascending id order: all R (`replicas` absent) or, for a partial step of an elastic run, the
+replica ids `replicas` lists (present only when it is not every replica, so a full run's
+manifests and CIDs are what they were before elastic training). `row(r)` maps replica id r
+to its row. `contributions[row][s]` links that replica's stage-s contribution; `data[row]`
+is the sha-256 of the tokens it trained on in this round. `replay[row][s]` (present when the
+ranks published them; absent for the AllReduce baseline and older runs) links the start
+state of the round that produced `contributions[row][s]` (`trainer.engine.round_state`),
+the input of replay verification (lineage/audit/replay.py).
 """
 
 from __future__ import annotations
@@ -46,6 +51,28 @@ class Manifest:
     data: list[bytes] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     replay: list[list[CID]] = field(default_factory=list)
+    # the present replica ids, ascending, when the step did not have all R (else empty)
+    replicas: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.replicas and (list(self.replicas) != sorted(set(self.replicas)) or self.replicas[0] < 0):
+            raise ValueError(f"a manifest's replicas are distinct ids in ascending order, not {self.replicas}")
+
+    def replica_ids(self, replicas: int | None = None) -> tuple[int, ...]:
+        """The replica ids of the rows, ascending: `replicas` when listed, else every
+        replica (0..`replicas`-1; without a count, one per contributions row)."""
+        if self.replicas:
+            return tuple(self.replicas)
+        return tuple(range(len(self.contributions) if replicas is None else replicas))
+
+    def row(self, replica: int) -> int:
+        """The row of replica id `replica` in contributions, data and replay; KeyError if
+        the step did not have it."""
+        ids = self.replica_ids()
+        if replica not in ids:
+            raise KeyError(f"replica {replica} is not in step {self.step} (its replicas: "
+                           f"{', '.join(map(str, ids)) or 'none'})")
+        return ids.index(replica)
 
     def to_node(self) -> dict[str, Any]:
         node: dict[str, Any] = {
@@ -63,6 +90,8 @@ class Manifest:
             node["metrics"] = {k: _finite(k, v) for k, v in sorted(self.metrics.items())}
             if self.replay:  # absent rather than empty: older manifests keep their bytes
                 node["replay"] = [list(row) for row in self.replay]
+            if self.replicas:  # absent for a full step: its bytes are as before elastic runs
+                node["replicas"] = list(self.replicas)
         return node
 
     def encode(self) -> bytes:
@@ -90,9 +119,16 @@ class Manifest:
                 data=[bytes(d) for d in node.get("data", [])],
                 metrics=dict(node.get("metrics", {})),
                 replay=[[parse_cid(c) for c in row] for row in node.get("replay", [])],
+                replicas=[_replica_id(r) for r in node.get("replicas", [])],
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StorageError(f"malformed checkpoint manifest: {exc}") from None
+
+
+def _replica_id(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"replica id {value!r} is not an integer")
+    return value
 
 
 def _finite(key: str, value: float) -> float | int:
