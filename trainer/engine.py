@@ -886,8 +886,8 @@ class RoundLoop:
         """Between rounds (the last one opened has ended), this rank's live inner and
         compressor state is the start state of the next round: keep it, as if opened."""
         nxt = self.completed + 1
-        if self.opened == self.completed and nxt not in self.kept and not self.allreduce:
-            rank = self.rank
+        rank = vars(self).get("rank")  # None: a regroup broke off before the world was wired
+        if rank is not None and self.opened == self.completed and nxt not in self.kept and not self.allreduce:
             self.kept[nxt] = round_state(rank.module, rank.inner, rank.compressor, nxt,
                                          (nxt - 1) * self.job.outer.inner_steps)
 
@@ -896,11 +896,19 @@ class RoundLoop:
         stay blocked on the dead world until the collective timeout; nobody waits for it),
         every reference to a process group (a live one keeps its sockets open, and peers
         blocked on this rank would wait for the timeout rather than fail at once), then the
-        process groups themselves, tolerating errors: the world is broken."""
-        self.diloco.drop_pending()
-        self.compress_before += self.rank.compressor.total_s + self.diloco.decode_s
-        self.counters = (self.transport.bytes_sent, self.transport.modelled_s, self.transport.wait_s)
-        del self.rank, self.diloco, self.transport, self.pipe_group
+        process groups themselves, tolerating errors: the world is broken. Whatever `_wire`
+        built goes, all or part (a world may break while an epoch is being entered)."""
+        held = vars(self)
+        diloco, rank, transport = held.pop("diloco", None), held.pop("rank", None), held.pop("transport", None)
+        held.pop("pipe_group", None)
+        if diloco is not None:
+            diloco.drop_pending()
+            self.compress_before += diloco.decode_s
+        if rank is not None:
+            self.compress_before += rank.compressor.total_s
+        if transport is not None:
+            self.counters = (transport.bytes_sent, transport.modelled_s, transport.wait_s)
+        del diloco, rank, transport
         gc.collect()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
