@@ -6,12 +6,14 @@ project's code; the cross-checks at the end then hold the live code to the same 
 
 The examples are the document's fenced blocks whose info string is ``json example:NAME``,
 so the document cannot drift from what is checked. The fixtures (tests/data/formats/) are
-the real output of ``dlx train tests/data/formats/job.toml`` (2 replicas x 2 stages, 2 outer
-steps, low-rank 4-bit compression) on the dataset directory of five small text files beside
-it, copied to /tmp/fmt/dataset (the job's ``[data] dir``, recorded in the config block): some
-of its blocks, laid out as the blockstore lays them out, and what its chain recorded
+the real output of ``tests/data/formats/regenerate.py``: the job ``tests/data/formats/job.toml``
+(2 replicas x 2 stages, ``min_replicas = 1``, 2 outer steps, low-rank 4-bit compression)
+trained on the dataset directory of five small text files beside it, copied to
+/tmp/fmt/dataset (the job's ``[data] dir``, recorded in the config block), and committed by
+``dlx train``'s sink, its second step over replica 1 alone (an elastic run's partial step):
+some of its blocks, laid out as the blockstore lays them out, and what its chain recorded
 (chain.json: the events, the `commitStep` call, the step record). A change of any format
-fails here on purpose: regenerate the run and the examples together, and say why.
+fails here on purpose: regenerate the run and the examples together (that script), and say why.
 
     .venv/bin/pytest tests/test_formats.py -q
 """
@@ -293,8 +295,9 @@ def code_hash(files: dict[str, bytes]) -> bytes:
 # -- EIP-712 -------------------------------------------------------------------------------
 
 DOMAIN_TYPE = b"EIP712Domain(string name,string version,uint256 chainId,address verifyingContract)"
-CONTRIBUTION_TYPE = (b"Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,bytes32 parent,"
-                     b"bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,bytes32 newShard)")
+CONTRIBUTION_TYPE = (b"Contribution(uint256 runId,uint64 step,uint32 replica,uint32 stage,uint256 replicaSet,"
+                     b"bytes32 parent,bytes32 contribution,bytes32 dataShard,bytes32 codeHash,int64 lossMicros,"
+                     b"bytes32 newShard)")
 
 
 def word(value: int) -> bytes:
@@ -308,7 +311,7 @@ def domain_separator(name: str, version: str, chain_id: int, contract: str) -> b
 
 
 def struct_hash(msg: dict[str, Any]) -> bytes:
-    ints = ("runId", "step", "replica", "stage")
+    ints = ("runId", "step", "replica", "stage", "replicaSet")
     words = [word(msg[k]) for k in ints]
     words += [unhex(msg[k]) for k in ("parent", "contribution", "dataShard", "codeHash")]
     words += [word(msg["lossMicros"]), unhex(msg["newShard"])]
@@ -349,6 +352,12 @@ def test_pin_file(doc):
     run = json.loads((DATA / "run.json").read_text())
     assert ex["name"] == re.sub(r"[^A-Za-z0-9_.-]", "_", f"{run['name']}-{run['run_id']}")[:128]
     assert ex["lines"] == [run["head"]] == (BLOCKS / ".pins" / ex["name"]).read_text().split()
+
+
+def row_of(manifest: dict[str, Any], replica: int) -> int:
+    """Replica `replica`'s row in a manifest's contributions, data and replay: its place in
+    `replicas` when the manifest lists them (a partial step), else its id."""
+    return manifest["replicas"].index(replica) if "replicas" in manifest else replica
 
 
 def test_manifests_decode_and_reencode(doc):
@@ -407,8 +416,9 @@ def test_data_shard(doc):
     assert windows[0, 0, :8].tolist() == ex["first_tokens"]
     shard = "0x" + hashlib.sha256(windows.numpy().astype("<u2").tobytes()).hexdigest()
     manifest = dag_cbor.decode(block(doc["manifest"]["cid"]))
-    assert shard == ex["dataShard"] == "0x" + manifest["data"][ex["replica"]].hex()
-    slot = ex["replica"] * job["parallel"]["stages"]
+    row = row_of(manifest, ex["replica"])
+    assert shard == ex["dataShard"] == "0x" + manifest["data"][row].hex()
+    slot = row * job["parallel"]["stages"]
     assert chain()["commitStepCall"]["attestations"][slot]["dataShard"] == shard
 
 
@@ -442,7 +452,8 @@ def test_contribution_payload(doc):
     _, tensors = safetensors(data)
     assert {k: tensors[k].tolist() for k in ex["meta"]} == ex["meta"]
     assert "0x" + hashlib.sha256(data).hexdigest() == ex["digest"]
-    slot = ex["replica"] * 2 + ex["stage"]
+    manifest = dag_cbor.decode(block(doc["manifest"]["cid"]))
+    slot = row_of(manifest, ex["replica"]) * 2 + ex["stage"]
     assert chain()["commitStepCall"]["attestations"][slot]["contribution"] == ex["digest"]
     assert {k: list(tensors[k].shape) for k in ex["shapes"]} == ex["shapes"]
 
@@ -455,6 +466,20 @@ def test_aggregate_recomputes_the_new_shard(doc):
     assert sorted(new) == sorted(stored)
     for k, t in new.items():
         assert np.array_equal(t.numpy().view(np.uint32), stored[k].view(np.uint32)), f"{k} differs"
+
+
+def test_replica_set(doc):
+    """The step's replicaSet: bit r for each replica r the manifest lists (all R when it
+    lists none), its attestations exactly those replicas x every stage, in slot order."""
+    ex, call, rec = doc["roots"], chain()["commitStepCall"], chain()["stepCommitted"]
+    manifest = dag_cbor.decode(block(doc["manifest"]["cid"]))
+    R, S = (doc["config"]["node"]["job"]["parallel"][k] for k in ("replicas", "stages"))
+    present = manifest.get("replicas", list(range(R)))
+    assert sum(1 << r for r in present) == ex["replicaSet"] == call["replicaSet"] == rec["replica_set"]
+    assert [(a["replica"], a["stage"]) for a in call["attestations"]] == [(r, s) for r in present for s in range(S)]
+    assert {a["replicaSet"] for a in call["attestations"]} == {ex["replicaSet"]}
+    assert len(manifest["contributions"]) == len(manifest["data"]) == len(manifest["replay"]) == len(present)
+    assert len(present) >= doc["config"]["node"]["job"]["parallel"]["min_replicas"] == chain()["runCreated"]["minReplicas"]
 
 
 def test_roots_and_witness_hash(doc):
@@ -470,7 +495,7 @@ def test_roots_and_witness_hash(doc):
     assert "0x" + shards_root.hex() == ex["shardsRoot"] == rec["shards_root"]
     signers = keccak(b"".join(word(int(a, 16)) for a in ex["signers"]))
     assert "0x" + signers.hex() == ex["signersHash"]
-    witness = "0x" + keccak(signers + shards_root)[:20].hex()
+    witness = "0x" + keccak(signers + shards_root + word(ex["replicaSet"]))[:20].hex()
     assert witness == ex["witnessHash"] == chain()["stepInfo"]["witnessHash"]
 
 
@@ -486,7 +511,9 @@ def test_eip712_digest_and_signature(doc):
     digest32 = keccak(b"\x19\x01" + sep + sh)
     assert "0x" + digest32.hex() == ex["digest"]
     signer = recover(digest32, unhex(ex["r"]), unhex(ex["vs"]))
-    assert signer == ex["signer"] == chain()["runCreated"]["nodes"][ex["slot"]]
+    # the node of slot (replica, stage): node r * S + s of the run, whatever the step's set
+    node = ex["message"]["replica"] * chain()["runCreated"]["stages"] + ex["message"]["stage"]
+    assert signer == ex["signer"] == chain()["runCreated"]["nodes"][node]
     w = int.from_bytes(unhex(ex["vs"]), "big")
     assert (hex(w & ((1 << 255) - 1)), 27 + (w >> 255)) == (ex["s"], ex["v"])
     att = chain()["commitStepCall"]["attestations"][ex["slot"]]
@@ -509,8 +536,9 @@ def test_events_decode(doc):
         assert log["topics"][1:] == e["topics"] and words == e["data"]
     rec = chain()["stepCommitted"]
     committed = ex["StepCommitted"]["data"]
-    assert [committed[0], committed[1], committed[2], committed[4]] == [
-        rec["parent"], rec["contributions_root"], rec["metrics_digest"], rec["shards_root"]]
+    assert [committed[0], committed[1], committed[2], committed[4], committed[5]] == [
+        rec["parent"], rec["contributions_root"], rec["metrics_digest"], rec["shards_root"],
+        "0x" + word(rec["replica_set"]).hex()]
 
 
 def test_code_hash(doc):
@@ -546,12 +574,15 @@ def test_live_code_matches_the_document(doc):
     from trainer.diloco import apply_outer_step
 
     m = doc["manifest"]
-    assert Manifest.decode(block(m["cid"])).encode() == block(m["cid"])
+    live = Manifest.decode(block(m["cid"]))
+    assert live.encode() == block(m["cid"])
+    present = m["node"].get("replicas", [])
+    assert [live.row(r) for r in present] == list(range(len(present)))
     ex = doc["eip712"]
     d, msg = ex["domain"], ex["message"]
     claim = ContributionClaim(msg["runId"], msg["step"], msg["replica"], msg["stage"], unhex(msg["parent"]),
                               unhex(msg["contribution"]), unhex(msg["dataShard"]), unhex(msg["codeHash"]),
-                              msg["lossMicros"], unhex(msg["newShard"]))
+                              msg["lossMicros"], unhex(msg["newShard"]), msg["replicaSet"])
     domain = Domain(d["chainId"], d["verifyingContract"], d["version"])
     assert "0x" + claim.digest(domain).hex() == ex["digest"]
     assert live_seed("shard", 7, doc["data-shard"]["replica"], doc["data-shard"]["step"]) == \

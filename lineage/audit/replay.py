@@ -265,7 +265,7 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
                 parent_start = read_bytes(store, parent.replay[before][s])
                 first = grand.step == 0 or same_tensors(param_tensors(parent_start), param_tensors(grand_shard))
                 stale = None if first else [read_bytes(store, row[s]) for row in grand.contributions]
-                ok = eager_start_matches(job, replica, start, grand_shard, own, stale)
+                ok = eager_start_matches(job, replica, start, grand_shard, own, stale, m.replica_ids(R))
                 reason = "" if ok else (f"start weights are neither step {parent.step}'s outer weights nor the eager "
                                         f"step derived from steps {grand.step} and {parent.step}")
             else:  # partial
