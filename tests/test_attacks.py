@@ -175,12 +175,13 @@ def commit_args(ledger: Ledger, tx: str) -> dict[str, Any]:
 def as_attestation(a: dict[str, Any]) -> Attestation:
     return Attestation(a["replica"], a["stage"], bytes(a["contribution"]), bytes(a["dataShard"]),
                        bytes(a["codeHash"]), int(a["lossMicros"]), expand_signature(a["r"], a["vs"]),
-                       bytes(a["newShard"]))
+                       bytes(a["newShard"]), int(a["replicaSet"]))
 
 
 def signed(claim: ContributionClaim, domain: Domain, account: Any) -> Attestation:
     return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
-                       claim.code_hash, claim.loss_micros, claim.sign(domain, account.key), claim.new_shard)
+                       claim.code_hash, claim.loss_micros, claim.sign(domain, account.key), claim.new_shard,
+                       claim.replica_set)
 
 
 # -- the runs ---------------------------------------------------------------------------
@@ -245,7 +246,8 @@ def next_step(ledger: Ledger, run_id: int) -> tuple[int, bytes, list[Contributio
     last = ledger.steps(run_id)[-1]
     claims = [
         ContributionClaim(run_id, n + 1, a["replica"], a["stage"], head, bytes(a["contribution"]),
-                          bytes(a["dataShard"]), bytes(a["codeHash"]), int(a["lossMicros"]), bytes(a["newShard"]))
+                          bytes(a["dataShard"]), bytes(a["codeHash"]), int(a["lossMicros"]), bytes(a["newShard"]),
+                          int(a["replicaSet"]))
         for a in commit_args(ledger, last.tx)["attestations"]
     ]
     return n + 1, head, claims

@@ -90,9 +90,9 @@ def arbitrated(trained_run, anvil, accounts, tmp_path_factory) -> dict[str, Any]
         for slot, key in enumerate(slot_keys):
             r, s = divmod(slot, S)
             claim = ContributionClaim(run_id, step, r, s, digest_of(parent), digest_of(contributions[r][s]),
-                                      m.data[r], m.code, loss_micros(m.metrics["train_loss"]))
+                                      m.data[r], m.code, loss_micros(m.metrics["train_loss"]), replica_set=2**R - 1)
             atts.append(Attestation(r, s, claim.contribution, claim.data_shard, claim.code_hash,
-                                    claim.loss_micros, claim.sign(domain, key.key)))
+                                    claim.loss_micros, claim.sign(domain, key.key), claim.new_shard, claim.replica_set))
         ledger.commit_step(deployer, run_id=run_id, step=step, parent=digest_of(parent),
                            checkpoint=digest_of(checkpoint), metrics_digest=h("metrics"), attestations=atts)
         parent = checkpoint
@@ -243,7 +243,8 @@ def equivocation(ledger, accounts, tmp_path) -> dict[str, Any]:
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
 
     def claim_file(name: str, key: Any, contribution: str, **changes: Any) -> Path:
-        claim = ContributionClaim(run_id, 1, 0, 1, h("genesis"), h(contribution), h("shard"), h("code"), 1_234_567)
+        claim = ContributionClaim(run_id, 1, 0, 1, h("genesis"), h(contribution), h("shard"), h("code"), 1_234_567,
+                                  replica_set=2**R - 1)
         path = tmp_path / f"{name}.json"
         SignedClaim.sign(dataclasses.replace(claim, **changes), domain, key.key).save(path)
         return path
@@ -287,10 +288,11 @@ def test_slash_equivocation_from_two_signed_claims(ledger, accounts, anvil, equi
 
 def test_signed_claims_round_trip_and_refuse_malformed_documents(accounts):
     domain = Domain(31337, "0x5FbDB2315678afecb367f032d93F642f64180aa3")
-    claim = ContributionClaim(7, 3, 1, 0, h("p"), h("c"), h("d"), h("code"), -42)
+    claim = ContributionClaim(7, 3, 1, 0, h("p"), h("c"), h("d"), h("code"), -42, replica_set=0b110)
     signed = SignedClaim.sign(claim, domain, accounts[3].key)
     doc = json.loads(signed.to_json())
-    assert doc["domain"] == {"name": "DiLoCoXLedger", "version": "2", "chainId": 31337,
+    assert doc["claim"]["replicaSet"] == 0b110
+    assert doc["domain"] == {"name": "DiLoCoXLedger", "version": "3", "chainId": 31337,
                              "verifyingContract": domain.verifying_contract}
     assert doc["claim"]["parent"] == "0x" + h("p").hex() and doc["claim"]["lossMicros"] == -42
     back = SignedClaim.from_json(signed.to_json())
@@ -331,8 +333,9 @@ def _committed_run(ledger: Ledger, accounts: list) -> tuple[int, list, Any, list
     atts = []
     for slot, n in enumerate(nodes):
         r, s = divmod(slot, S)
-        c = ContributionClaim(run_id, 1, r, s, h("g"), h(f"c{slot}"), h("d"), h("code"), 0)
-        atts.append(Attestation(r, s, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(domain, n.key)))
+        c = ContributionClaim(run_id, 1, r, s, h("g"), h(f"c{slot}"), h("d"), h("code"), 0, replica_set=2**R - 1)
+        atts.append(Attestation(r, s, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.sign(domain, n.key),
+                                c.new_shard, c.replica_set))
     ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("g"), checkpoint=h("k1"),
                        metrics_digest=h("m"), attestations=atts)
     return run_id, nodes, verifier, arbiters

@@ -19,9 +19,11 @@ def h(label: str) -> bytes:
 
 def _signed(ledger, run_id, step, parent, slot, node, tag):
     r, s = divmod(slot, S)
-    claim = ContributionClaim(run_id, step, r, s, parent, h(f"{tag}{step}{slot}"), h(f"d{r}"), h("code"), 7)
+    claim = ContributionClaim(run_id, step, r, s, parent, h(f"{tag}{step}{slot}"), h(f"d{r}"), h("code"), 7,
+                              replica_set=2**R - 1)
     sig = claim.sign(Domain(ledger.chain.chain_id, ledger.ledger.address), node.key)
-    return Attestation(r, s, claim.contribution, claim.data_shard, claim.code_hash, claim.loss_micros, sig)
+    return Attestation(r, s, claim.contribution, claim.data_shard, claim.code_hash, claim.loss_micros, sig,
+                       claim.new_shard, claim.replica_set)
 
 
 def _story(ledger, accounts):

@@ -80,9 +80,9 @@ def test_open_challenge_windows_come_from_the_chain(ledger, accounts):
                                    arbiters=arbiters, quorum=len(arbiters))
         parent = h("g")
         for step in (1, 2, 3):
-            claim = ContributionClaim(run_id, step, 0, 0, parent, h(f"c{step}"), h("d"), h("code"), 0)
+            claim = ContributionClaim(run_id, step, 0, 0, parent, h(f"c{step}"), h("d"), h("code"), 0, replica_set=1)
             att = Attestation(0, 0, claim.contribution, claim.data_shard, claim.code_hash, claim.loss_micros,
-                              claim.sign(domain, node.key))
+                              claim.sign(domain, node.key), claim.new_shard, claim.replica_set)
             ledger.commit_step(accounts[0], run_id=run_id, step=step, parent=parent, checkpoint=h(f"{run_id}/{step}"),
                                metrics_digest=h("m"), attestations=[att])
             parent = h(f"{run_id}/{step}")

@@ -33,12 +33,13 @@ def _claim(run_id: int, step: int, slot: int, parent: bytes, contribution: bytes
            new_shard: bytes | None = None) -> ContributionClaim:
     r, s = divmod(slot, S)
     return ContributionClaim(run_id, step, r, s, parent, contribution, h(f"shard{step}{r}"), h("code"), -7 + slot,
-                             new_shard or h(f"new{step}{s}{parent.hex()}"))
+                             new_shard or h(f"new{step}{s}{parent.hex()}"), 2**R - 1)
 
 
 def _signed(ledger: Ledger, claim: ContributionClaim, key) -> Attestation:
     return Attestation(claim.replica, claim.stage, claim.contribution, claim.data_shard,
-                       claim.code_hash, claim.loss_micros, claim.sign(ledger.domain, key), claim.new_shard)
+                       claim.code_hash, claim.loss_micros, claim.sign(ledger.domain, key), claim.new_shard,
+                       claim.replica_set)
 
 
 def _commit(ledger: Ledger, sender, run_id: int, step: int, parent: bytes, signers, tag: str) -> bytes:
@@ -192,7 +193,8 @@ def test_witness_hash_matches_the_events(story):
     (record,) = ledger.steps(run_id)
     packed = b"".join(bytes(12) + bytes.fromhex(a[2:]) for a in ledger.signers(run_id, 1))
     assert record.shards_root == keccak(b"".join(record.shards(S)))
-    assert ledger.step_info(run_id, 1)["witnessHash"] == keccak(keccak(packed) + record.shards_root)[:20]
+    replica_set = record.replica_set.to_bytes(32, "big")
+    assert ledger.step_info(run_id, 1)["witnessHash"] == keccak(keccak(packed) + record.shards_root + replica_set)[:20]
 
 
 def test_a_result_equivocation_and_an_aggregate_challenge_slash(story):
