@@ -4,8 +4,8 @@ played here by `Coordinator`: a TCPStore in the test process that ranks ask for 
 next epoch, and a small decision rule (every rank of the epoch has asked or died; the
 replicas whose every stage asked are in; a growth regroup adds the waiting replica).
 
-    .venv/bin/pytest tests/test_elastic_trainer.py -m "not slow"   # config and units, ~2 s
-    .venv/bin/pytest tests/test_elastic_trainer.py                  # + the process runs
+    .venv/bin/pytest tests/test_elastic_trainer.py -m "not slow"   # config and units, a few s
+    .venv/bin/pytest tests/test_elastic_trainer.py                  # + the process runs, ~2 min
 """
 
 from __future__ import annotations
@@ -377,6 +377,41 @@ def test_a_replica_joins_at_a_growth_boundary_with_fresh_state(rule: str) -> Non
             assert eager_start_matches(job, r, start_state(res.steps[2], r), res.genesis.stages[0].data,
                                        contribution(res.steps[1], r).data, None, members=(0, 1))
     assert res.steps[4].metrics["tokens"] == (2 * 2 + 3 * 2) * 4 * 2 * 16
+
+
+def _leave_while_exchanging(emit: Any, rank: int, init: str, again: str) -> None:
+    """Rank 0 starts an exchange that rank 1 never joins, then leaves the world and forms
+    a new one alone; it emits how long leaving and re-forming took."""
+    from trainer.engine import RoundLoop, agree_device, init_world
+
+    job = tiny_job(2, 1, 2, min_replicas=1)
+    init_world(init, rank, 2, 30)
+    control = RankControl(regroup=StoreRegroup(0, rank, 0))  # never called here
+    loop = RoundLoop(Topology(rank, 2, 1), job, emit, control, agree_device(job, None))
+    if rank == 1:
+        time.sleep(10)  # alive, never exchanging: rank 0's exchange thread stays blocked
+        return
+    loop.diloco._pending = (loop.transport.start_all_gather(b"x" * 1000), 1, b"", None)
+    time.sleep(0.5)
+    began = time.perf_counter()
+    loop._leave()
+    init_world(again, 0, 1, 30)
+    dist.barrier()
+    emit("left", time.perf_counter() - began)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_an_exchange_blocked_on_a_live_peer_does_not_hold_up_leaving_the_world() -> None:
+    init, again = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    with Supervisor() as sup:
+        for rank in range(2):
+            sup.start(rank, _leave_while_exchanging, (rank, init, again), name=f"leave-{rank}")
+        deadline = time.monotonic() + 60
+        while (event := sup.next_event()) is None or event[0] != "left":
+            assert event is None or event[0] != "error", event
+            assert time.monotonic() < deadline
+    assert event[1] == 0 and event[2] < 5  # not the 30 s collective timeout, nor rank 1's 10 s
 
 
 @pytest.mark.slow

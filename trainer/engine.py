@@ -1,14 +1,18 @@
 """The rank function: one process = one pipeline stage of one DiLoCo replica.
 
-World = R replicas x S stages, rank = r*S + s. Each replica's S ranks run a
+World = R replicas x S stages, rank = r*S + s (an elastic run's world holds the replicas
+present, placed by position: below). Each replica's S ranks run a
 torch.distributed.pipelining schedule (1F1B or GPipe) over M microbatches; stage s of
 every replica forms the data-parallel group that exchanges stage s's (compressed)
 pseudo-gradients at each outer step through a `Transport`, synchronously or overlapped
-with computation (`outer.delay`, `outer.overlap`: trainer/diloco.py). `parallel.sync = "allreduce"` runs the AllReduce-DDP baseline
-instead: the same model, pipeline, data order and inner optimizer, with gradients
-all-reduced through the same Transport every inner step. Only global rank 0 reports,
-through `emit(kind, payload)`: ("genesis", GenesisArtifacts), then per outer step one
-("progress", Progress) per inner step and one ("step", StepArtifacts).
+with computation (`outer.delay`, `outer.overlap`: trainer/diloco.py).
+`parallel.sync = "allreduce"` runs the AllReduce-DDP baseline instead: the same model,
+pipeline, data order and inner optimizer, with gradients all-reduced through the same
+Transport every inner step. Only global rank 0 reports, through `emit(kind, payload)`:
+("genesis", GenesisArtifacts), then per outer step one ("progress", Progress) per inner
+step and one ("step", StepArtifacts); with `RankControl.emit_contributions` every rank
+also emits its own ("contribution", (step, Contribution)) and, at each membership
+epoch's start, ("epoch", {"epoch", "rank", "members"}).
 
 A rank's run is a `RoundLoop` whose methods are its phases (begin, open_round,
 inner_steps, end_round, report). Test-only misbehaviour is injected through
@@ -112,12 +116,14 @@ __all__ = [
     "RoundLoop",
     "StageRank",
     "Topology",
+    "check_members",
     "inner_round",
     "load_round_state",
     "merge_step_of",
     "rerun_round",
     "round_state",
     "run_rank",
+    "world_failure",
 ]
 
 Emit = Callable[[str, Any], None]
@@ -749,9 +755,8 @@ class RoundLoop:
         self.unreported: list[float] = []  # replica 0: inner losses not yet reported
         self.started = self.since = time.perf_counter()  # rank 0: run start, last progress report
         self.paced = (self.started, 1)  # rank 0: (when, round) this epoch's rounds began, for the ETA
-        self.tokens = 0  # cumulative tokens the present replicas trained, through `self.reported`
+        self.tokens = 0  # cumulative tokens the present replicas trained, through the last step reported
         self.tokens_at: dict[int, int] = {}  # outer step -> tokens through it (elastic runs)
-        self.reported = 0  # the last outer step this rank took part in reporting
         # Elastic runs: round -> this rank's start state of it, the last KEEP_STATES rounds
         # opened (a regroup restores the inner optimizer and compressor from them), and the
         # last round opened and the last one whose end completed.
@@ -822,7 +827,7 @@ class RoundLoop:
         self._announce()
         step = 0 if start is None else start.step
         self.tokens = self._tokens_through(step) if self.epoch else self._full_tokens(step)
-        self.reported = self.opened = self.completed = step
+        self.opened = self.completed = step
         if start is None:
             shards = self._gather(StageShard(self.topo.stage, self.diloco.outer.to_bytes())
                                   if self.topo.lead else None)
@@ -943,7 +948,7 @@ class RoundLoop:
         with torch.no_grad():
             self.diloco._reset_local()
         self.first_round = nxt
-        self.reported = self.opened = self.completed = m.start_step
+        self.opened = self.completed = m.start_step
         self.unreported.clear()
         self._announce()
         self.tokens = self._tokens_through(m.start_step)
@@ -1150,7 +1155,7 @@ class RoundLoop:
                 eval_loss = self.rank.pipeline.eval_loss(self.eval_batches)
         shard = StageShard(topo.stage, own_shard) if topo.lead else None
         self.tokens += topo.n * self._round_tokens()  # what the present replicas trained
-        self.tokens_at[applied.round], self.reported = self.tokens, applied.round
+        self.tokens_at[applied.round] = self.tokens
         gathered = self._gather((contribution, shard, eval_loss, self._rank_stats()))
         if topo.rank == 0:
             assert gathered is not None
