@@ -119,7 +119,8 @@ def status(
     rec = store.reconcile(job_id)
     if as_json:
         keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
-                "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir")
+                "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir",
+                "epoch", "members", "member_nodes", "min_replicas", "replicas")
         sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
         return
     from workers.console import Ticker, console, is_tty
@@ -145,6 +146,8 @@ def status(
                 bar.update(*job_progress(rec, T, H))
     out.print(f"job {job_id}: {rec['state']}" + (f", run {rec['run_id']}" if rec.get("run_id") else "")
               + (f", head {rec['head']}" if rec.get("head") else ""), markup=False)
+    if rec.get("members") is not None:
+        out.print(members_line(rec), markup=False)
     if rec.get("error"):
         out.print(f"error: {rec['error']}", markup=False)
 
@@ -323,6 +326,7 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
         "stack": str(Path(stack.dir).resolve()),  # run.json finds the chain through it after down and up
         "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
+        "min_replicas": job.parallel.min_replicas or job.parallel.replicas,
         "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
         "rendezvous_s": rendezvous_s, "collective_timeout_s": collective_timeout_s,
         "data": data.to_json(),
@@ -429,6 +433,14 @@ def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
     if rec.get("eta_s") is not None and rec["state"] == "running":
         text += f" left {human_seconds(rec['eta_s'])}"
     return done, text
+
+
+def members_line(rec: dict[str, Any]) -> str:
+    """An elastic job's current replica set and each replica's nodes (`dlx status`)."""
+    nodes = rec.get("member_nodes") or {}
+    each = [f"replica {r} ({', '.join(nodes.get(str(r), []))})" for r in rec["members"]]
+    return (f"members: {len(rec['members'])} of {rec.get('replicas')} replicas (min {rec.get('min_replicas')}, "
+            f"epoch {rec.get('epoch', 0)}): " + "; ".join(each))
 
 
 def step_line(job_id: str, rec: dict[str, Any], T: int) -> str:

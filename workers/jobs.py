@@ -7,8 +7,9 @@ Keys (all under `dlx:job:<id>`):
     dlx:job:<id>:a<k>:joined      hash rank -> node address, for attempt k
     dlx:job:<id>:a<k>:rdzv        rank 0's TCPStore address "host:port" for attempt k
     dlx:job:<id>:a<k>:hb:<rank>   the rank's owner token, kept alive by its heartbeat
-    dlx:job:<id>:a<k>:claims:<t>  hash slot -> claim JSON published by rank 0 for step t
-    dlx:job:<id>:a<k>:sigs:<t>    hash slot -> signature hex, written by each slot's node
+    dlx:job:<id>:a<k>:claims:e<n>:<t>  hash "replica,stage" -> claim JSON published by rank 0
+                                  for step t in membership epoch n (workers/membership.py)
+    dlx:job:<id>:a<k>:sigs:e<n>:<t>    hash "replica,stage" -> signature hex, by each slot's node
     dlx:worker:<name>             a live worker's node, rank slots and queues (WorkerBeat)
 
 An attempt is one try at running the job (the first, then one per `dlx resume`); rank
@@ -42,6 +43,8 @@ WORKER_PATIENCE_S = 30.0
 #: A running job whose ranks all lost their leases and whose record has been still this
 #: long has no task left to finish it (they died, or gave up on Redis): it is failed.
 STALL_S = 2 * WORKER_PATIENCE_S
+HEARTBEAT_S = 1.0      # every rank task refreshes its heartbeat this often ...
+HEARTBEAT_TTL_S = 6.0  # ... and is declared lost when it has not for this long
 _BACKOFF_CAP_S = 0.5
 
 
@@ -236,23 +239,29 @@ class JobStore:
 
     # -- attestations ----------------------------------------------------------------------
 
-    def publish_claims(self, job_id: str, attempt: int, step: int, claims: dict[int, dict[str, Any]]) -> None:
-        key = self.key(job_id, f"a{attempt}", "claims", step)
-        self.r.hset(key, mapping={str(k): json.dumps(v) for k, v in claims.items()})
+    def publish_claims(self, job_id: str, attempt: int, epoch: int, step: int,
+                       claims: dict[tuple[int, int], dict[str, Any]]) -> None:
+        key = self.key(job_id, f"a{attempt}", "claims", f"e{epoch}", step)
+        self.r.hset(key, mapping={f"{r},{s}": json.dumps(v) for (r, s), v in claims.items()})
         self.r.expire(key, KEY_TTL_S)
 
-    def claim(self, job_id: str, attempt: int, step: int, slot: int) -> dict[str, Any] | None:
-        raw = self.r.hget(self.key(job_id, f"a{attempt}", "claims", step), str(slot))
+    def claim(self, job_id: str, attempt: int, epoch: int, step: int, slot: tuple[int, int]) -> dict[str, Any] | None:
+        raw = self.r.hget(self.key(job_id, f"a{attempt}", "claims", f"e{epoch}", step), f"{slot[0]},{slot[1]}")
         return json.loads(raw) if raw else None
 
-    def put_signature(self, job_id: str, attempt: int, step: int, slot: int, signature: bytes) -> None:
-        key = self.key(job_id, f"a{attempt}", "sigs", step)
-        self.r.hset(key, str(slot), signature.hex())
+    def put_signature(self, job_id: str, attempt: int, epoch: int, step: int, slot: tuple[int, int],
+                      signature: bytes) -> None:
+        key = self.key(job_id, f"a{attempt}", "sigs", f"e{epoch}", step)
+        self.r.hset(key, f"{slot[0]},{slot[1]}", signature.hex())
         self.r.expire(key, KEY_TTL_S)
 
-    def signatures(self, job_id: str, attempt: int, step: int) -> dict[int, bytes]:
-        raw = self.r.hgetall(self.key(job_id, f"a{attempt}", "sigs", step))
-        return {int(k): bytes.fromhex(v.decode()) for k, v in raw.items()}
+    def signatures(self, job_id: str, attempt: int, epoch: int, step: int) -> dict[tuple[int, int], bytes]:
+        raw = self.r.hgetall(self.key(job_id, f"a{attempt}", "sigs", f"e{epoch}", step))
+        out = {}
+        for k, v in raw.items():
+            r, s = k.decode().split(",")
+            out[(int(r), int(s))] = bytes.fromhex(v.decode())
+        return out
 
 
 #: A worker renews its record this often; one that stops for WORKER_TTL_S is gone.

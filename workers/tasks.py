@@ -19,12 +19,13 @@ rank on one worker node:
 Tasks are idempotent: a task of a finished job or of an older attempt exits at once, and
 the sink never commits a step the ledger already holds. A rank whose peer dies fails
 within the collective timeout, naming the lost rank; `dlx resume` starts a new attempt
-from the last checkpoint committed on chain.
+from the last checkpoint committed on chain. An elastic job (`[parallel] min_replicas`
+below `replicas`) instead re-forms its world around the lost replica and goes on, and
+queues new tickets a returning or new worker takes to grow it back (workers/membership.py).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import tomllib
@@ -34,18 +35,24 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from lineage.chain.anvil import free_port
 from lineage.chain.attest import ContributionClaim, Domain, loss_micros, shard_digest
 
 from .celery_app import app, redis_url
-from .jobs import TERMINAL, WORKER_PATIENCE_S, JobError, JobStore, connect
+from .jobs import (
+    HEARTBEAT_S,
+    HEARTBEAT_TTL_S,
+    TERMINAL,
+    WORKER_PATIENCE_S,
+    JobError,
+    JobStore,
+    connect,
+)
+from .membership import EpochRecord, GrowFlag, Members, Regroup, join_epoch, run_blocks, store_port
 from .node import NodeIdentity
 
 log = get_task_logger(__name__)
 POLL_S = 0.1
 SIGNATURE_TIMEOUT_S = 300.0
-HEARTBEAT_S = 1.0      # every rank task refreshes its heartbeat this often ...
-HEARTBEAT_TTL_S = 6.0  # ... and is declared lost when it has not for this long
 
 
 def _store() -> JobStore:
@@ -71,23 +78,33 @@ class StopFlag:
 
 
 class RedisSigner:
-    """Rank 0's side of attestation: publish claims, sign its own slot, collect the rest."""
+    """Rank 0's side of attestation: publish claims, sign its own slot, collect the rest.
+    Claims and signatures are keyed by (epoch, step, replica, stage); an elastic job's
+    world re-forming (`members.wanted()` past `epoch`) abandons the step (`StepAbandoned`)."""
 
-    def __init__(self, store: JobStore, job_id: str, attempt: int, me: NodeIdentity, domain: Domain) -> None:
+    def __init__(self, store: JobStore, job_id: str, attempt: int, me: NodeIdentity, domain: Domain,
+                 members: Members | None = None) -> None:
         self.store, self.job_id, self.attempt, self.me, self.domain = store, job_id, attempt, me, domain
+        self.members = members
+        self.epoch = 0
 
     def __call__(self, step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        self.store.publish_claims(self.job_id, self.attempt, step, {i: c.as_doc() for i, c in enumerate(claims)})
-        self.store.put_signature(self.job_id, self.attempt, step, 0, claims[0].sign(self.domain, self.me.account.key))
+        slots = [(c.replica, c.stage) for c in claims]
+        e = self.epoch
+        self.store.publish_claims(self.job_id, self.attempt, e, step, {slot: c.as_doc() for slot, c in zip(slots, claims, strict=True)})
+        self.store.put_signature(self.job_id, self.attempt, e, step, slots[0],
+                                 claims[0].sign(self.domain, self.me.account.key))
         deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
         while True:
-            sigs = self.store.signatures(self.job_id, self.attempt, step)
-            if len(sigs) == len(claims):
-                return [sigs[i] for i in range(len(claims))]
+            sigs = self.store.signatures(self.job_id, self.attempt, e, step)
+            if all(slot in sigs for slot in slots):
+                return [sigs[slot] for slot in slots]
             if self.store.state(self.job_id) in TERMINAL:
                 raise JobError(f"job ended while step {step} waited for attestations")
+            if self.members is not None and self.members.wanted() > e:
+                raise StepAbandoned(f"step {step} of epoch {e} dropped: the world re-forms without a lost replica")
             if time.monotonic() > deadline:
-                missing = sorted(set(range(len(claims))) - set(sigs))
+                missing = [f"{r},{st}" for r, st in slots if (r, st) not in sigs]
                 raise JobError(f"step {step}: no attestation from slots {missing} within {SIGNATURE_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
 
@@ -128,13 +145,14 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
         return {"rank": rank, "skipped": True}
     # Idempotence under redelivery (acks_late): the first task to take the rank's lease runs
     # it; a duplicate finds a live owner, or a world formed without it, and leaves.
-    if rec["state"] != "queued":  # the world formed before this delivery
+    joiner = rank >= int(rec["world"])  # an elastic job's ticket for a lost replica joins a running world
+    if rec["state"] != "queued" and not joiner:  # the world formed before this delivery
         return {"rank": rank, "skipped": True, "duplicate": True}
     token = f"{self.request.hostname}/{uuid.uuid4().hex[:8]}"
     if not store.take_rank(job_id, attempt, rank, token, HEARTBEAT_TTL_S, HEARTBEAT_S):
         log.info("job %s rank %s already runs in another task: duplicate delivery skipped", job_id, rank)
         return {"rank": rank, "skipped": True, "duplicate": True}
-    if store.state(job_id) != "queued":
+    if store.state(job_id) != "queued" and not joiner:
         store.release_rank(job_id, attempt, rank, token)
         return {"rank": rank, "skipped": True, "duplicate": True}
     me = NodeIdentity.from_env()
@@ -197,7 +215,7 @@ def _rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict
     job ended meanwhile. Rank 0 publishes the address of the TCPStore it will host."""
     store.join(job_id, attempt, rank, me.address)
     if rank == 0:
-        store.publish_store_address(job_id, attempt, f"{me.host}:{_store_port(me.host)}")
+        store.publish_store_address(job_id, attempt, f"{me.host}:{store_port(me.host)}")
     deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
     while True:
         joined = store.joined(job_id, attempt)
@@ -221,6 +239,9 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), JobFile)
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
+    task = RankTask(store, job_id, attempt, rank, rec, me, beat, job)
+    if rank >= world:  # a ticket queued for a lost replica: wait to be seated, then join
+        return task.join()
     met = _rendezvous(store, job_id, rank, attempt, rec, me, world)
     if met is None:
         return {"rank": rank, "skipped": True}
@@ -231,84 +252,224 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     nodes = [joined[t] for t in order]
     if rank == 0:
         store.update(job_id, state="running", nodes=nodes, world=world)
-
-    training = _training_config(rec, job)  # the token file fetched by CID from the run's store
-    sink = _rank0_sink(store, job_id, attempt, rec, job, training, me, nodes) if rank == 0 else None
+    task.seat = divmod(slot, job.parallel.stages)
+    if task.elastic and rank == 0:
+        resume = rec.get("resume_from") or {}
+        S = job.parallel.stages
+        task.members.publish(EpochRecord(0, tuple(range(job.parallel.replicas)), {t: order.index(t) for t in order},
+                                         {t: divmod(order.index(t), S) for t in order},
+                                         int(resume.get("step", 0)), str(resume.get("checkpoint", ""))))
     start = _resume_point(rec, job, slot) if rec.get("resume_from") else None
-    from trainer import cheat
-    from trainer.engine import RankControl, RankHooks
-    from trainer.launch import train_rank
-    from trainer.supervisor import ChildOptions, Supervisor
+    return task.run(slot, world, f"tcp://{address}", start, order=order, by_ticket=by_ticket)
 
-    gpu = _GPUS.take()
-    control = RankControl(stop_requested=StopFlag(redis_url(), job_id) if rank == 0 else None,
-                          cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
-                          timeout_s=float(rec.get("collective_timeout_s", 60)), gpu=gpu,
-                          hooks=cheat.hooks(job.cheat, job) or RankHooks())  # a test's cheats, injected
-    sup = Supervisor()
-    try:
-        proc = sup.start(slot, train_rank, (slot, world, f"tcp://{address}", training, control),
-                         name=f"dlx-rank-{slot}", daemon=False,
-                         options=ChildOptions(log=str(rank_log(rec["run_dir"], slot, attempt)), ignore_sigint=True))
-    except BaseException:
-        _GPUS.give(gpu)
-        sup.close(kill=True)
-        raise
-    pending: dict[int, Any] = {}  # step -> my Contribution, awaiting rank 0's claim
-    last_check = last_state = 0.0
-    try:
+
+class RankTask:
+    """One rank task's training process and the loop that relays its events: attestations
+    of its own slot, and, while its process is global rank 0 of the world, the step sink.
+
+    An elastic job's world may re-form around a lost replica (workers/membership.py): the
+    process then reports ("epoch", ...) with its new rank, rank 0's role (and the sink)
+    moves to whichever task holds the first present replica's first stage, and a ticket
+    whose replica lost a stage leaves quietly (its replica's new tickets are queued)."""
+
+    def __init__(self, store: JobStore, job_id: str, attempt: int, ticket: int, rec: dict[str, Any],
+                 me: NodeIdentity, beat: Heartbeat, job: Any) -> None:
+        self.store, self.job_id, self.attempt, self.ticket = store, job_id, attempt, ticket
+        self.rec, self.me, self.beat, self.job = rec, me, beat, job
+        R = job.parallel.replicas
+        self.elastic = (job.parallel.min_replicas or R) < R and job.parallel.sync == "diloco"
+        self.members = Members(store, job_id, attempt)
+        self.seat = (0, 0)
+        self.rank = -1  # the process's global rank in the current epoch
+        self.epoch = 0
+        self.sink: Any = None
+        self.pending: dict[tuple[int, int], Any] = {}  # (epoch, step) -> my Contribution
+
+    def brief(self) -> dict[str, Any]:
+        """What a rank process needs to regroup (picklable)."""
+        keys = ("attempt", "replicas", "stages", "world", "min_replicas", "rpc", "chain_id", "registry", "ledger",
+                "blocks", "run_dir", "collective_timeout_s")
+        rec = {**self.rec, "min_replicas": self.job.parallel.min_replicas or self.job.parallel.replicas,
+               "world": self.job.world_size}
+        return {"job_id": self.job_id, **{k: rec.get(k) for k in keys}}
+
+    def control(self, start: Any, members: tuple[int, ...] | None = None, epoch: int = 0) -> Any:
+        from trainer import cheat
+        from trainer.engine import RankControl, RankHooks
+
+        elastic = {}
+        if self.elastic:
+            elastic = {"members": members, "epoch": epoch,
+                       "regroup": Regroup(redis_url(), self.brief(), self.ticket, self.seat, self.me.host),
+                       "grow_requested": GrowFlag(redis_url(), self.brief())}
+        first = self.ticket == 0 or self.elastic  # who may be rank 0 polls the cancel flag
+        return RankControl(stop_requested=StopFlag(redis_url(), self.job_id) if first else None,
+                           cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
+                           timeout_s=float(self.rec.get("collective_timeout_s", 60)),
+                           hooks=cheat.hooks(self.job.cheat, self.job) or RankHooks(),  # a test's cheats, injected
+                           **elastic)
+
+    def join(self) -> dict[str, Any]:
+        """A joiner ticket: wait for a growth epoch that seats it, then train from its head."""
+        from trainer.engine import ResumePoint
+
+        if not self.elastic or self.ticket in self.members.retired():
+            return {"rank": self.ticket, "skipped": True}
+        self.members.wait_as_joiner(self.ticket, self.me.address)
+        while True:
+            if self.store.state(self.job_id) in TERMINAL:
+                return {"rank": self.ticket, "skipped": True}
+            ep = self.members.record(self.members.current())
+            if ep is not None and self.ticket in ep.ranks:
+                break
+            time.sleep(POLL_S)
+        self.seat = ep.seats[self.ticket]
+        m = join_epoch(self.members, self.brief(), ep.epoch, self.ticket, self.me.host)
+        start = ResumePoint(step=m.start_step, shard=m.shard)
+        world = len(m.members) * self.job.parallel.stages
+        return self.run(m.rank, world, m.init_method, start, members=m.members, epoch=m.epoch)
+
+    def run(self, rank: int, world: int, init_method: str, start: Any, *, members: tuple[int, ...] | None = None,
+            epoch: int = 0, order: list[int] | None = None, by_ticket: list[str] | None = None) -> dict[str, Any]:
+        """Start the training process as global rank `rank` and relay its events until it ends."""
+        from trainer.launch import train_rank
+        from trainer.supervisor import ChildOptions, Supervisor
+
+        self.rank, self.epoch = rank, epoch
+        control = self.control(start, members, epoch)
+        control.gpu = gpu = _GPUS.take()
+        sup = Supervisor()
+        try:
+            proc = sup.start(rank, train_rank, (rank, world, init_method, self.training(), control),
+                             name=f"dlx-rank-{rank}", daemon=False,
+                             options=ChildOptions(log=str(rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank,
+                                                                           self.attempt)),
+                                                  ignore_sigint=True))
+        except BaseException:
+            _GPUS.give(gpu)
+            sup.close(kill=True)
+            raise
+        try:
+            return self._relay(sup, proc, world, order or [], by_ticket or [])
+        finally:
+            sup.close(kill=True)
+            _GPUS.give(gpu)
+
+    def training(self) -> Any:
+        return _training_config(self.rec, self.job)  # the token file fetched by CID from the run's store
+
+    def _relay(self, sup: Any, proc: Any, world: int, order: list[int], by_ticket: list[str]) -> dict[str, Any]:
+        last_check = last_state = 0.0
         while True:
             if time.monotonic() - last_check > HEARTBEAT_S:
                 last_check = time.monotonic()
-                _check_peers(store, job_id, attempt, rank, me, beat, order, by_ticket)
+                self._check_peers(order, by_ticket)
             event = sup.next_event(POLL_S)
             if event is None:
-                _attest_pending(store, job_id, attempt, slot, me, pending, rec)
+                self._attest()
                 if proc.is_alive():
                     if time.monotonic() - last_state > HEARTBEAT_S:
                         last_state = time.monotonic()
-                        state = store.state(job_id)
+                        state = self.store.state(self.job_id)
                         if state in TERMINAL:
-                            return {"rank": rank, "state": state}
+                            return {"rank": self.ticket, "state": state}
                     continue
                 # Its last events ("done" among them) may have landed after the wait gave up.
                 event = sup.next_event(POLL_S)
                 if event is None:
-                    raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me,
-                                          f"training process exited with code {proc.exitcode}"))
-            kind, _, payload = event
-            if kind == "contribution":
-                step, contribution = payload
-                pending[step] = contribution
-                _attest_pending(store, job_id, attempt, slot, me, pending, rec)
-            elif kind in ("genesis", "step", "progress") and sink is not None:
-                _report(store, job_id, sink, kind, payload)
-            elif kind == "error":
-                raise JobError(_blame(store, job_id, attempt, world, by_ticket, rank, me, str(payload)))
-            elif kind in ("cancelled", "done"):
-                return _finish(store, job_id, attempt, rank, slot, me, pending, rec, beat,
-                               "cancelled" if kind == "cancelled" else "completed")
-    finally:
-        sup.close(kill=True)
-        _GPUS.give(gpu)
+                    raise JobError(self._blame(world, by_ticket, f"training process exited with code {proc.exitcode}"))
+            done = self._on_event(event, world, by_ticket)
+            if done is not None:
+                return done
+
+    def _on_event(self, event: Any, world: int, by_ticket: list[str]) -> dict[str, Any] | None:
+        kind, _, payload = event
+        if kind == "epoch":
+            self.epoch, self.rank = int(payload["epoch"]), int(payload["rank"])
+            self.pending = {k: v for k, v in self.pending.items() if k[0] >= self.epoch}
+        elif kind == "contribution":
+            step, contribution = payload
+            self.pending[(self.epoch, step)] = contribution
+            self._attest()
+        elif kind in ("genesis", "step", "progress"):
+            self._report(kind, payload)
+        elif kind == "error":
+            if self.elastic and self.store.state(self.job_id) in TERMINAL:  # the decider failed the job
+                return {"rank": self.ticket, "state": self.store.state(self.job_id)}
+            if self.elastic and "is not in epoch" in str(payload):  # my replica lost a stage
+                return {"rank": self.ticket, "state": "left"}
+            raise JobError(self._blame(world, by_ticket, str(payload)))
+        elif kind in ("cancelled", "done"):
+            return self._finish("cancelled" if kind == "cancelled" else "completed")
+        return None
+
+    def _check_peers(self, order: list[int], by_ticket: list[str]) -> None:
+        """Fail the round when another task took this rank's lease or (a job that cannot
+        re-form its world) a peer rank stopped answering, once Redis has been reachable long
+        enough to trust a missing lease."""
+        if self.beat.usurped:
+            raise JobError(f"rank {self.ticket} ({self.me.address}): another task took over this rank's lease")
+        if self.elastic or not by_ticket:  # the world re-forms without the lost peer
+            return
+        lost = [r for r in self.store.lost_ranks(self.job_id, self.attempt, len(by_ticket)) if r != self.ticket]
+        if lost and self.beat.trusted:  # asked after the read: it may have waited out an outage
+            who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
+            raise JobError(f"lost {who}: its worker stopped answering; the round failed")
+
+    def _blame(self, world: int, by_ticket: list[str], error: str) -> str:
+        if not by_ticket:
+            return f"rank {self.ticket} ({self.me.address}) failed: {error}"
+        return _blame(self.store, self.job_id, self.attempt, world, by_ticket, self.ticket, self.me, error)
+
+    def _report(self, kind: str, payload: Any) -> None:
+        """Rank 0 of the world: a genesis, step or progress event to the sink (made here the
+        first time this task's process is rank 0), and the job's record."""
+        if self.sink is None:
+            head = None
+            if self.epoch > 0:
+                ep = self.members.record(self.epoch)
+                head = ep.head if ep is not None else None
+            self.sink = _rank0_sink(self, self.store.get(self.job_id).get("nodes") or [], head)
+        if kind != "step":
+            _report(self.store, self.job_id, self.sink, kind, payload)
+            return
+        self.sink.signer.epoch = getattr(payload, "epoch", self.epoch)
+        self.members.sink_busy(self.ticket, payload.step)
+        try:
+            _report(self.store, self.job_id, self.sink, kind, payload)
+        except StepAbandoned as exc:
+            log.warning("job %s: %s", self.job_id, exc)
+        finally:
+            self.members.sink_busy(self.ticket, None)
+
+    def _attest(self, wait: bool = False) -> None:
+        if self.rank == 0:
+            self.pending.clear()  # rank 0 signs its own slot inside the sink
+            return
+        _attest_pending(self.store, self.job_id, self.attempt, self.seat, self.me, self.pending, self.rec, wait)
+
+    def _finish(self, state: str) -> dict[str, Any]:
+        """The training process ended (`completed`) or stopped on a cancel (`cancelled`):
+        stop beating, leaving one long beat (ended, not lost: peers may still be finishing
+        the step), attest the steps gathered before the end so they still get committed, and
+        let rank 0 record the job's end."""
+        self.beat.stop(final_ttl_s=3600)
+        while self.pending:
+            self._attest(wait=True)
+        if self.rank == 0:
+            self.store.finish(self.job_id, state)
+        return {"rank": self.ticket, "state": state}
 
 
-def _check_peers(store: JobStore, job_id: str, attempt: int, rank: int, me: NodeIdentity, beat: Heartbeat,
-                 order: list[int], by_ticket: list[str]) -> None:
-    """Fail the round when another task took this rank's lease or a peer rank stopped
-    answering (once Redis has been reachable long enough to trust a missing lease)."""
-    if beat.usurped:
-        raise JobError(f"rank {rank} ({me.address}): another task took over this rank's lease")
-    lost = [r for r in store.lost_ranks(job_id, attempt, len(by_ticket)) if r != rank]
-    if lost and beat.trusted:  # asked after the read: it may have waited out an outage
-        who = ", ".join(f"rank {order.index(r)} ({by_ticket[r]})" for r in lost)
-        raise JobError(f"lost {who}: its worker stopped answering; the round failed")
+class StepAbandoned(JobError):
+    """The world re-formed while a step waited for attestations its lost ranks never give."""
 
 
 def _report(store: JobStore, job_id: str, sink: Any, kind: str, payload: Any) -> None:
     """Rank 0: hand a genesis, step or progress event to the sink, and the job's record."""
     if kind == "genesis":
         sink.on_genesis(payload)
+        store.update(job_id, run_id=sink.record.run_id)
     elif kind == "step":
         sink.on_step(payload)
         summary = {"step": payload.step, "head": sink.record.head, "eval_loss": payload.metrics.get("eval_loss"),
@@ -320,20 +481,6 @@ def _report(store: JobStore, job_id: str, sink: Any, kind: str, payload: Any) ->
         store.update(job_id, outer_step=payload.outer_step, inner_step=payload.inner_step,
                      loss=payload.loss, outer_steps=payload.outer_steps, inner_steps=payload.inner_steps,
                      lr=payload.lr, tokens_per_s=payload.tokens_per_s, eta_s=payload.eta_s)
-
-
-def _finish(store: JobStore, job_id: str, attempt: int, rank: int, slot: int, me: NodeIdentity,
-            pending: dict[int, Any], rec: dict[str, Any], beat: Heartbeat, state: str) -> dict[str, Any]:
-    """The rank's training process ended (`completed`) or stopped on a cancel (`cancelled`):
-    stop beating, leaving one long beat (ended, not lost: peers may still be finishing the
-    step), attest the steps gathered before the end so they still get committed, and let
-    rank 0 record the job's end."""
-    beat.stop(final_ttl_s=3600)
-    while pending:
-        _attest_pending(store, job_id, attempt, slot, me, pending, rec, wait=True)
-    if rank == 0:
-        store.finish(job_id, state)
-    return {"rank": rank, "state": state}
 
 
 class GpuPool:
@@ -373,25 +520,6 @@ def rank_log(run_dir: str | Path, rank: int, attempt: int) -> Path:
     return Path(run_dir) / "logs" / f"rank-{rank}-attempt-{attempt}.log"
 
 
-def _store_port(host: str) -> int:
-    """A free port for rank 0's TCPStore: the first free one of DLX_STORE_PORTS ("29500-29509",
-    for firewalls; `dlx worker --store-ports`), else any free port."""
-    import socket
-
-    spec = os.environ.get("DLX_STORE_PORTS", "").strip()
-    if not spec:
-        return free_port(host)
-    first, _, last = spec.partition("-")
-    for port in range(int(first), int(last or first) + 1):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
-            return port
-    raise JobError(f"rank 0: no free TCPStore port in DLX_STORE_PORTS={spec} on {host}")
-
-
 def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[str], rank: int,
            me: NodeIdentity, error: str) -> str:
     """Name the lost rank when a peer vanished (its heartbeat expires), else this rank's error."""
@@ -407,40 +535,32 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
     return f"rank {rank} ({me.address}) failed: {error}"
 
 
-def _attest_pending(store: JobStore, job_id: str, attempt: int, rank: int, me: NodeIdentity,
-                    pending: dict[int, Any], rec: dict[str, Any], wait: bool = False) -> None:
-    """Sign rank 0's claim for my slot once it is published, if it matches my own work."""
-    if rank == 0:
-        pending.clear()  # rank 0 signs its own slot inside the sink
-        return
+def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int, int], me: NodeIdentity,
+                    pending: dict[tuple[int, int], Any], rec: dict[str, Any], wait: bool = False) -> None:
+    """Sign rank 0's claim for my slot (`seat`: replica, stage) once it is published, if it
+    matches my own work; `pending` maps (epoch, step) to my contribution."""
     from workers.sink import content_digest
 
     domain = Domain(int(rec["chain_id"]), rec["ledger"])
     deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
-    for step in sorted(pending):
+    for epoch, step in sorted(pending):
         while True:
-            claim_d = store.claim(job_id, attempt, step, rank)
+            claim_d = store.claim(job_id, attempt, epoch, step, seat)
             if claim_d is not None or not wait or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
         if claim_d is None:
             if wait:
-                raise JobError(f"rank {rank}: rank 0 never published the claim for step {step}")
+                raise JobError(f"slot {seat}: rank 0 never published the claim for step {step}")
             return
-        mine = pending.pop(step)
+        mine = pending.pop((epoch, step))
         claim = ContributionClaim.from_doc(claim_d)
         # The shard digest too: this rank co-signs only the new stage shard it computed itself.
-        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard,
-                    divmod(rank, int(rec["stages"])))
+        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard, seat)
         got = (claim.contribution, claim.data_shard, claim.loss_micros, claim.new_shard, (claim.replica, claim.stage))
         if expected != got:
-            raise JobError(f"rank {rank} refuses to attest step {step}: rank 0's claim differs from its own work")
-        store.put_signature(job_id, attempt, step, rank, claim.sign(domain, me.account.key))
-
-
-def _blocks(rec: dict[str, Any]) -> Path:
-    """The run's blockstore directory (the stack's, shared by its workers)."""
-    return Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"]
+            raise JobError(f"slot {seat} refuses to attest step {step}: rank 0's claim differs from its own work")
+        store.put_signature(job_id, attempt, epoch, step, seat, claim.sign(domain, me.account.key))
 
 
 def _training_config(rec: dict[str, Any], job: Any) -> Any:
@@ -453,11 +573,15 @@ def _training_config(rec: dict[str, Any], job: Any) -> Any:
     training = job.training_config()
     if "data" not in rec:
         return training
-    return training.with_prepared(fetch_prepared(Blockstore(_blocks(rec)), DataRecord.from_doc(rec["data"])))
+    return training.with_prepared(fetch_prepared(Blockstore(run_blocks(rec)), DataRecord.from_doc(rec["data"])))
 
 
-def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any], job: Any, training: Any,
-                me: NodeIdentity, nodes: list[str]) -> Any:
+def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> Any:
+    """The step sink, in the task whose process is global rank 0: from genesis, from the job's
+    resume point, or (`head`) from the checkpoint an elastic world re-formed at."""
+    store, job_id, attempt, rec, job, me, members = (task.store, task.job_id, task.attempt, task.rec, task.job,
+                                                     task.me, task.members)
+    training = task.training()
     from lineage.chain.client import Chain
     from lineage.chain.ledger import Ledger
     from lineage.chain.runrecord import RunRecord
@@ -484,14 +608,16 @@ def _rank0_sink(store: JobStore, job_id: str, attempt: int, rec: dict[str, Any],
     domain = Domain(chain.chain_id, ledger.ledger.address)
     sink = LedgerSink(
         job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,
-        submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain),
+        submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain, members),
         record=record, run_dir=run_dir, challenge_window=job.chain.challenge_window_s,
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, tracking=job.tracking,
         on_committed=Retention.for_job(job, Blockstore(record.blocks_dir(run_dir)), ledger, record),
         hooks=cheat.hooks(job.cheat, job) or HONEST,  # a test's coordinator cheats, injected
     )
-    if rec.get("resume_from"):
+    if head:
+        sink.resume_from(head)
+    elif rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])
     return sink
 
@@ -501,7 +627,7 @@ def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
     from lineage.store.manifest import get_manifest
     from workers.local import resume_point
 
-    store = Blockstore(_blocks(rec))
+    store = Blockstore(run_blocks(rec))
     return resume_point(store, get_manifest(store, rec["resume_from"]["checkpoint"]), job, rank)
 
 
