@@ -151,6 +151,7 @@ def main() -> None:
     ap.add_argument("--job", type=Path, default=ROOT / "examples" / "elastic.toml")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--kill-step", type=int, default=2, help="kill once this step is committed")
+    ap.add_argument("--work", type=Path, help="keep the stack and runs here (default: a temporary directory)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -158,7 +159,9 @@ def main() -> None:
     from workers.stack import down, up
 
     rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-elastic-") as scratch:
+        tmp = str(args.work or scratch)
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         job = load_job_file(args.job)
         stack_dir = Path(tmp) / "stack"
         up(stack_dir, workers=job.parallel.replicas, slots=job.parallel.stages)
@@ -188,6 +191,7 @@ def _print(args, job, rows: list[dict]) -> None:
             "seed": row["seed"], "kill_step": hit["kill_step"], "recovery_s": hit["recovery_s"],
             "round_compute_s": hit["round_compute_s"], "step_interval_s": interval,
             "recovery_rounds": hit["recovery_s"] / hit["round_compute_s"],
+            "overhead_s": hit["recovery_s"] - hit["round_compute_s"],
             "recovery_intervals": hit["recovery_s"] / interval,
             "steps_lost": hit["steps"] - len(set(hit["committed"])), "smaller_steps": small, "grown_at": grown,
             "eval_undisturbed": calm["eval_loss"], "eval_killed": hit["eval_loss"],
@@ -198,17 +202,19 @@ def _print(args, job, rows: list[dict]) -> None:
         return
     print(f"{job.name} ({args.job.name}): {R} replicas x {S} stages, min_replicas {job.parallel.min_replicas}, "
           f"{job.outer.steps} outer x {H} inner steps; the last replica's worker killed after step {args.kill_step}")
-    print("\n| seed | kill after step | kill -> next commit s | round compute s | x round | undisturbed step interval s "
-          "| x interval | steps lost | steps with fewer replicas | full again at | eval undisturbed | eval killed | ratio |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
+    print("\n| seed | kill after step | kill -> next commit s | round compute s | x round | beyond a round s "
+          "| undisturbed step interval s | x interval | steps lost | steps with fewer replicas | full again at "
+          "| eval undisturbed | eval killed | ratio |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|")
     for r in table:
         print(f"| {r['seed']} | {r['kill_step']} | {r['recovery_s']:.1f} | {r['round_compute_s']:.1f} | "
-              f"{r['recovery_rounds']:.2f} | {r['step_interval_s']:.1f} | {r['recovery_intervals']:.2f} | "
+              f"{r['recovery_rounds']:.2f} | {r['overhead_s']:.1f} | {r['step_interval_s']:.1f} | {r['recovery_intervals']:.2f} | "
               f"{r['steps_lost']} | {','.join(map(str, r['smaller_steps'])) or '-'} | {r['grown_at'] or '-'} | "
               f"{r['eval_undisturbed']:.4f} | {r['eval_killed']:.4f} | {r['eval_ratio']:.4f} |")
-    col = {k: [r[k] for r in table] for k in ("recovery_rounds", "recovery_intervals", "eval_undisturbed",
+    col = {k: [r[k] for r in table] for k in ("recovery_rounds", "overhead_s", "recovery_intervals", "eval_undisturbed",
                                                "eval_killed", "eval_ratio")}
-    print(f"\nmean (sd) over {len(table)} seed(s): recovery {_mean_sd(col['recovery_rounds'])} rounds of compute, "
+    print(f"\nmean (sd) over {len(table)} seed(s): recovery {_mean_sd(col['recovery_rounds'])} rounds of compute "
+          f"({_mean_sd(col['overhead_s'])} s beyond the round redone), "
           f"{_mean_sd(col['recovery_intervals'])} undisturbed step intervals; eval undisturbed "
           f"{_mean_sd(col['eval_undisturbed'])}, killed {_mean_sd(col['eval_killed'])}, ratio {_mean_sd(col['eval_ratio'])}")
     lost = sum(r["steps_lost"] for r in table)

@@ -150,19 +150,20 @@ def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
         _down(stack)
 
 
-def test_two_by_two_loses_a_replica_and_finishes_alone(tmp_path, small_job):
+def test_two_by_two_loses_the_first_replica_and_finishes_alone(tmp_path, small_job):
+    """Replica 0's worker held global rank 0 and the step sink: both move to replica 1."""
     stack = _up(tmp_path, workers=2, slots=2)
     try:
         steps = 6
         job = _submit(stack, _job(tmp_path, small_job, "elastic-2x2", 1, steps=steps, inner_steps=30, replicas=2,
                                   stages=2))
-        _, before = _kill_mid_round(stack, job, replica=1)
+        _, before = _kill_mid_round(stack, job, replica=0)
         rec = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)
         assert rec["state"] == "completed", rec.get("error")
         assert _commits(rec) == list(range(1, steps + 1))
         sets, _ = _audit(rec, steps)
         assert all(s == [0, 1] for s in sets[:before]), sets
-        first = sets.index([0])
-        assert first <= before + 1 and all(s == [0] for s in sets[first:]), sets
+        first = sets.index([1])
+        assert first <= before + 1 and all(s == [1] for s in sets[first:]), sets
     finally:
         _down(stack)

@@ -177,13 +177,16 @@ def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, 
 
     def signer(step: int, claims: list[ContributionClaim]) -> list[bytes]:
         signatures = sign(step, claims)
+        at = {(c.replica, c.stage): i for i, c in enumerate(claims)}  # a step's present slots
         for replica, stage in cheats.equivocating_slots(step):
-            slot = replica * S + stage
-            honest = claims[slot]
+            if (replica, stage) not in at:
+                continue
+            slot, i = replica * S + stage, at[(replica, stage)]
+            honest = claims[i]
             other = cheats.second_claim(step, honest)
             out = run_dir / EQUIVOCATION_DIR
             out.mkdir(exist_ok=True)
-            SignedClaim(domain, honest, signatures[slot]).save(out / f"step-{step}-a.json")
+            SignedClaim(domain, honest, signatures[i]).save(out / f"step-{step}-a.json")
             SignedClaim.sign(other, domain, keys[slot].key).save(out / f"step-{step}-b.json")
         return signatures
 
@@ -332,8 +335,11 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     shard = read_bytes(store, manifest.stages[stage])
     if not manifest.replay or job.outer.delay != 0:  # no start states to re-run the round from
         return ResumePoint(step=manifest.step, shard=shard)
-    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[replica][stage]),
-                       claimed=read_bytes(store, manifest.contributions[replica][stage]))
+    if replica not in manifest.replica_ids(job.parallel.replicas):  # absent from that step: fresh state
+        return ResumePoint(step=manifest.step, shard=shard)
+    row = manifest.row(replica)
+    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[row][stage]),
+                       claimed=read_bytes(store, manifest.contributions[row][stage]))
 
 
 def _open_chain(stack: ExitStack, state: Path | None, rpc: str | None, chain_id: int | None,
@@ -354,7 +360,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     cheats = cheat.hooks(job.cheat, job)  # test-only misbehaviour, injected; None when honest
-    signer = local_signer(slot_keys, domain, cheats or HONEST)
+    signer = local_signer(slot_keys, domain, cheats or HONEST, job.parallel.stages)
     if cheats is not None:
         signer = equivocating_signer(signer, slot_keys, domain, cheats, run_dir)
     return LedgerSink(

@@ -10,8 +10,8 @@ then calls `Regroup` (trainer.engine.RankControl.regroup), which
 1. checks the ticket in for epoch n + 1 and raises the job's `wanted` epoch, so rank 0's
    sink stops waiting for attestations of a step the lost ranks will never sign;
 2. lets one of them (the first to claim the epoch's decider key) settle the membership:
-   it waits until every ticket of epoch n has checked in or lost its lease (the heartbeat
-   bound, `HEARTBEAT_TTL_S`), keeps the replicas with all S seats present (ascending id),
+   it waits until every ticket of epoch n has checked in or stopped renewing its lease
+   (`STALE_BEAT_S` of missed beats, well inside the lease's `HEARTBEAT_TTL_S`), keeps the replicas with all S seats present (ascending id),
    fails the job if fewer than `min_replicas` remain, waits for the sink to finish or drop
    the step in flight, reads the run's head from the chain and writes the epoch's record
    (members, each ticket's rank, the start step and checkpoint);
@@ -62,6 +62,9 @@ __all__ = ["EpochRecord", "GrowFlag", "Members", "Regroup", "join_epoch", "run_b
 POLL_S = 0.1
 #: How long the decider waits past the heartbeat bound for a ticket to check in.
 SETTLE_MARGIN_S = 2.0
+#: A ticket of the old world that has not checked in and has missed this long of beats is
+#: taken for lost (a slow one judged wrongly leaves, and joins again as its replica's joiner).
+STALE_BEAT_S = 2.5
 #: How long a rank waits for the decider's record or rank 0's address.
 EPOCH_WAIT_S = 120.0
 
@@ -168,6 +171,18 @@ class Members:
         retired = self.retired()
         return {t for t, v in zip(tickets, self.r.mget(keys), strict=True) if v is not None and t not in retired}
 
+    def beating(self, tickets: list[int], within_s: float) -> set[int]:
+        """Tickets whose lease was renewed within the last `within_s` seconds (their task
+        beats every HEARTBEAT_S; one that missed a few beats in a row has, most likely, died:
+        its lease lapsing would take HEARTBEAT_TTL_S)."""
+        if not tickets:
+            return set()
+        pipe = self.r.pipeline(transaction=False)
+        for t in tickets:
+            pipe.pttl(self.store.key(self.job_id, f"a{self.attempt}", "hb", t))
+        left = pipe.execute()
+        return {t for t, ms in zip(tickets, left, strict=True) if ms > (HEARTBEAT_TTL_S - within_s) * 1000}
+
     def wait_as_joiner(self, ticket: int, node: str) -> None:
         key = self.key("waiting")
         self.r.hset(key, str(ticket), node)
@@ -204,7 +219,7 @@ class Members:
         if raw is None:
             return True
         ticket = int(raw.decode().split(",")[0])
-        return not self.alive([ticket])
+        return not self.beating([ticket], STALE_BEAT_S)
 
 
 class Regroup:
@@ -233,12 +248,14 @@ class Regroup:
 
 class GrowFlag:
     """Picklable: rank 0's `RankControl.grow_requested`: a complete replica of joiners waits
-    (at least S live joiner tickets) and the world has a free replica id."""
+    (at least S live joiner tickets of the run's member nodes) and the world has a free
+    replica id."""
 
     def __init__(self, url: str, rec: dict[str, Any]) -> None:
         self.url, self.rec = url, rec
         self.job_id, self.attempt = rec["job_id"], int(rec["attempt"])
         self._members: Members | None = None
+        self._member: dict[str, bool] = {}  # node -> whether it is a member of the run
 
     def __call__(self) -> bool:
         try:
@@ -248,9 +265,14 @@ class GrowFlag:
             current = m.record(m.current())
             if current is None or len(current.members) >= int(self.rec["replicas"]):
                 return False
-            waiting = list(m.waiting())
-            return len(m.alive(waiting)) >= int(self.rec["stages"])
-        except Exception:  # growth is best effort: a Redis hiccup must not break training
+            waiting = m.waiting()
+            live = m.alive(list(waiting))
+            unknown = {waiting[t] for t in live} - set(self._member)
+            if unknown:  # asked once per node: a run's members never change
+                allowed = _run_members(m, self.rec, unknown)
+                self._member.update({n: n in allowed for n in unknown})
+            return sum(self._member[waiting[t]] for t in live) >= int(self.rec["stages"])
+        except Exception:  # growth is best effort: a Redis or RPC hiccup must not break training
             return False
 
 
@@ -266,7 +288,7 @@ def decide(members: Members, rec: dict[str, Any], epoch: int, *, grow: bool, url
     while True:
         ins = members.checked_in(epoch)
         pending = set(tickets) - set(ins)
-        pending &= members.alive(sorted(pending))
+        pending &= members.beating(sorted(pending), STALE_BEAT_S)
         if not pending or time.monotonic() > deadline:
             break
         time.sleep(POLL_S)
@@ -297,6 +319,8 @@ def seat_joiners(members: Members, rec: dict[str, Any], taken: set[int]) -> dict
     R, S = int(rec["replicas"]), int(rec["stages"])
     waiting = members.waiting()
     live = sorted(members.alive(list(waiting)))
+    allowed = _run_members(members, rec, {waiting[t] for t in live})
+    live = [t for t in live if waiting[t] in allowed]  # the ledger takes attestations from run members only
     free = [r for r in range(R) if r not in taken]
     by_node: dict[str, list[int]] = {}
     for t in live:
@@ -313,6 +337,23 @@ def seat_joiners(members: Members, rec: dict[str, Any], taken: set[int]) -> dict
     return seats
 
 
+def _run_members(members: Members, rec: dict[str, Any], nodes: set[str]) -> set[str]:
+    """Which of `nodes` are members of the job's run on chain (others wait in vain: a run's
+    members are the nodes it was created with)."""
+    run_id = members.store.get(members.job_id).get("run_id")
+    if not nodes or not run_id:
+        return set()
+    ledger = _ledger(rec)
+    return {n for n in nodes if ledger.ledger.functions.isMember(int(run_id), n).call()}
+
+
+def _ledger(rec: dict[str, Any]) -> Any:
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
+
+    return Ledger(Chain(rec["rpc"], int(rec["chain_id"])), rec["registry"], rec["ledger"])
+
+
 def _settled_head(members: Members, rec: dict[str, Any]) -> tuple[int, str]:
     """The run's head once the sink has committed or dropped the step in flight: read from
     the chain (a sink that died mid-commit may have landed its transaction)."""
@@ -322,12 +363,9 @@ def _settled_head(members: Members, rec: dict[str, Any]) -> tuple[int, str]:
     job = members.store.get(members.job_id)
     if not job.get("run_id"):
         raise JobError("the world broke before the run was created on chain")
-    from lineage.chain.client import Chain
-    from lineage.chain.ledger import Ledger
     from lineage.store.cid import DAG_CBOR, cid_from_digest
 
-    ledger = Ledger(Chain(rec["rpc"], int(rec["chain_id"])), rec["registry"], rec["ledger"])
-    digest, step = ledger.head(int(job["run_id"]))
+    digest, step = _ledger(rec).head(int(job["run_id"]))
     return step, str(cid_from_digest(digest, DAG_CBOR))
 
 

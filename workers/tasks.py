@@ -35,7 +35,13 @@ from typing import Any
 
 from celery.utils.log import get_task_logger
 
-from lineage.chain.attest import ContributionClaim, Domain, loss_micros, shard_digest
+from lineage.chain.attest import (
+    ContributionClaim,
+    Domain,
+    loss_micros,
+    replica_bitmap,
+    shard_digest,
+)
 
 from .celery_app import app, redis_url
 from .jobs import (
@@ -283,7 +289,8 @@ class RankTask:
         self.rank = -1  # the process's global rank in the current epoch
         self.epoch = 0
         self.sink: Any = None
-        self.pending: dict[tuple[int, int], Any] = {}  # (epoch, step) -> my Contribution
+        self.pending: dict[tuple[int, int], Any] = {}  # (epoch, step) -> (my Contribution, replica bitmap)
+        self.replica_set = replica_bitmap(range(R))  # the current world's replicas
 
     def brief(self) -> dict[str, Any]:
         """What a rank process needs to regroup (picklable)."""
@@ -386,10 +393,11 @@ class RankTask:
         kind, _, payload = event
         if kind == "epoch":
             self.epoch, self.rank = int(payload["epoch"]), int(payload["rank"])
+            self.replica_set = replica_bitmap(payload["members"])
             self.pending = {k: v for k, v in self.pending.items() if k[0] >= self.epoch}
         elif kind == "contribution":
             step, contribution = payload
-            self.pending[(self.epoch, step)] = contribution
+            self.pending[(self.epoch, step)] = (contribution, self.replica_set)
             self._attest()
         elif kind in ("genesis", "step", "progress"):
             self._report(kind, payload)
@@ -538,7 +546,8 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
 def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int, int], me: NodeIdentity,
                     pending: dict[tuple[int, int], Any], rec: dict[str, Any], wait: bool = False) -> None:
     """Sign rank 0's claim for my slot (`seat`: replica, stage) once it is published, if it
-    matches my own work; `pending` maps (epoch, step) to my contribution."""
+    matches my own work and the world I trained in; `pending` maps (epoch, step) to my
+    contribution and that epoch's replica bitmap."""
     from workers.sink import content_digest
 
     domain = Domain(int(rec["chain_id"]), rec["ledger"])
@@ -553,11 +562,13 @@ def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int,
             if wait:
                 raise JobError(f"slot {seat}: rank 0 never published the claim for step {step}")
             return
-        mine = pending.pop((epoch, step))
+        mine, replica_set = pending.pop((epoch, step))
         claim = ContributionClaim.from_doc(claim_d)
         # The shard digest too: this rank co-signs only the new stage shard it computed itself.
-        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard, seat)
-        got = (claim.contribution, claim.data_shard, claim.loss_micros, claim.new_shard, (claim.replica, claim.stage))
+        expected = (content_digest(mine.data), mine.data_shard, loss_micros(mine.loss), mine.new_shard, seat,
+                    replica_set)
+        got = (claim.contribution, claim.data_shard, claim.loss_micros, claim.new_shard, (claim.replica, claim.stage),
+               claim.replica_set)
         if expected != got:
             raise JobError(f"slot {seat} refuses to attest step {step}: rank 0's claim differs from its own work")
         store.put_signature(job_id, attempt, epoch, step, seat, claim.sign(domain, me.account.key))
