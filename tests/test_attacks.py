@@ -40,7 +40,7 @@ from lineage.chain.attest import (
     expand_signature,
     sign_verdict,
 )
-from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import ChainRevertError
 from lineage.store.blockstore import Blockstore
@@ -278,7 +278,7 @@ def test_a_forged_signature_is_refused_by_the_ledger(chain):
     # A staked, registered key that is not slot 2's node (nor a member of the run) signs for it.
     forger = dev_accounts(12)[11]
     fund(ledger, forger.address)
-    ledger.ensure_staked(forger, ETHER)
+    ledger.registry.ensure_staked(forger, ETHER)
     forged = [*honest[:2], signed(claims[2], domain, forger), *honest[3:]]
     with pytest.raises(ChainRevertError) as err:
         commit(ledger, run_id, step, parent, forged)
@@ -298,8 +298,8 @@ def test_an_unstaked_node_cannot_attest(chain):
     step, parent, claims = next_step(ledger, run_id)
     atts = [signed(c, domain, k) for c, k in zip(claims, keys, strict=True)]
     quitter = keys[1]
-    ledger.unbond(quitter, quitter.address)  # `dlx train` nodes are their own operators
-    assert ledger.stake_of(quitter.address) == 0
+    ledger.registry.unbond(quitter, quitter.address)  # `dlx train` nodes are their own operators
+    assert ledger.registry.stake_of(quitter.address) == 0
     with pytest.raises(ChainRevertError) as err:
         commit(ledger, run_id, step, parent, atts)
     assert err.value.name == "LedgerInsufficientStake"
@@ -314,11 +314,11 @@ def test_signatures_replayed_from_another_run_ledger_or_chain_are_refused(chain)
     run_id, keys = record.run_id, node_keys(4)
     submitter = dev_accounts(1)[0]
     created = ledger.run_created(run_id)
-    members = set(created["nodes"])
+    members = set(created.nodes)
     step1 = ledger.steps(run_id)[0]
     real = [as_attestation(a) for a in commit_args(ledger, step1.tx)["attestations"]]
-    shape = dict(config_digest=bytes(created["configDigest"]), genesis_digest=bytes(created["genesisDigest"]),
-                 nodes=list(created["nodes"]), replicas=2, stages=2, challenge_window=3600, min_stake=ETHER)
+    shape = dict(config_digest=created.config_digest, genesis_digest=created.genesis_digest,
+                 nodes=list(created.nodes), replicas=2, stages=2, challenge_window=3600, min_stake=ETHER)
 
     def refused(lg: Ledger, rid: int, step: int, parent: bytes, atts: list[Attestation]) -> None:
         with pytest.raises(ChainRevertError) as err:
@@ -329,13 +329,13 @@ def test_signatures_replayed_from_another_run_ledger_or_chain_are_refused(chain)
         assert lg.head(rid)[1] == step - 1
 
     # Another run on the same ledger, same nodes and genesis: only runId differs.
-    other_run = ledger.create_run(submitter, **shape)
+    other_run = ledger.create_run(submitter, RunSpec(**shape))
     refused(ledger, other_run, 1, step1.parent, real)
     # Another deployment of the ledger on the same chain (same run id 1): the verifying contract differs.
     other_ledger = Ledger.deploy(ledger.chain, submitter)
     for k in keys:
-        other_ledger.ensure_staked(k, ETHER)
-    assert other_ledger.create_run(submitter, **shape) == run_id
+        other_ledger.registry.ensure_staked(k, ETHER)
+    assert other_ledger.create_run(submitter, RunSpec(**shape)) == run_id
     refused(other_ledger, run_id, 1, step1.parent, real)
     # The run's own nodes sign the next step, but for another chain id.
     step, parent, claims = next_step(ledger, run_id)
@@ -464,8 +464,8 @@ def test_replicas_colluding_on_a_wrong_shard_fail_the_aggregate_and_are_all_slas
     verifier = dev_accounts(10)[9]
     with open_ledger(run_dir, record) as ledger:
         fund(ledger, verifier.address)
-        ledger.ensure_staked(verifier, ETHER)
-        stakes = [ledger.stake_of(n.address) for n in nodes]
+        ledger.registry.ensure_staked(verifier, ETHER)
+        stakes = [ledger.registry.stake_of(n.address) for n in nodes]
         assert min(stakes) >= ETHER
         challenge, _ = ledger.open_aggregate_challenge(verifier, run_id=record.run_id, step=2, stage=0, bond=ETHER,
                                                        evidence=hashlib.sha256(b"level 3 report").digest())
@@ -476,7 +476,7 @@ def test_replicas_colluding_on_a_wrong_shard_fail_the_aggregate_and_are_all_slas
         done = ledger.resolve_with(verifier, challenge_id=challenge, upheld=True, signatures=signatures)
         assert sorted(done.slashed_nodes) == sorted(n.address for n in nodes)
         assert done.slashed == sum(stakes) and done.rejected_steps == [2]
-        assert [ledger.stake_of(n.address) for n in nodes] == [0, 0]
+        assert [ledger.registry.stake_of(n.address) for n in nodes] == [0, 0]
         assert ledger.head(record.run_id)[1] == 1
 
 
@@ -493,7 +493,7 @@ def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_c
     verifier = dev_accounts(10)[9]
     with open_ledger(run_dir, record, writable=True) as ledger:  # kept in the run's chain
         fund(ledger, verifier.address)
-        ledger.ensure_staked(verifier, ETHER)
+        ledger.registry.ensure_staked(verifier, ETHER)
     env = key_env(node=verifier)
     res = dlx("challenge-aggregate", 1, "--stage", 0, "--run-dir", run_dir, env=env)
     assert res.returncode == 2 and res.stderr.strip().splitlines()[-1] == (
@@ -519,8 +519,8 @@ def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_c
     out = json.loads(res.stdout)
     assert out["upheld"] and out["rejected_steps"] == [2] and out["head_step"] == 1
     with open_ledger(run_dir, record) as ledger:
-        assert [ledger.stake_of(n.address) for n in nodes] == [0, 0]
-        assert sorted(log["args"]["node"] for log in ledger.registry.events.Slashed().get_logs(from_block=0)) == \
+        assert [ledger.registry.stake_of(n.address) for n in nodes] == [0, 0]
+        assert sorted(log["args"]["node"] for log in ledger.registry.contract.events.Slashed().get_logs(from_block=0)) == \
             sorted(n.address for n in nodes)
 
 
@@ -537,13 +537,13 @@ def test_a_result_equivocation_is_slashed_from_its_two_signed_claims(cosign_chea
     with open_ledger(cosign_cheats, record) as ledger:
         (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
         assert rec.shards(1) == [a.claim.new_shard]  # claim a is the committed one
-        stake = ledger.stake_of(node.address)
+        stake = ledger.registry.stake_of(node.address)
         fund(ledger, reporter.address)
         url = ledger.chain.rpc_url
         res = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(f"slashed {node.address}: ") and "stage 0's new shard" in res.stdout
-        assert ledger.stake_of(node.address) == 0 and stake >= ETHER
+        assert ledger.registry.stake_of(node.address) == 0 and stake >= ETHER
         (log,) = ledger.ledger.events.ResultEquivocationSlashed().get_logs(
             from_block=0, argument_filters={"runId": record.run_id})
         assert (log["args"]["node"], log["args"]["stage"], log["args"]["step"]) == (node.address, 0, 2)
@@ -604,21 +604,21 @@ def test_an_equivocating_node_is_slashed_from_its_two_signed_claims(node_cheats,
         (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
         (event,) = [x for x in rec.attestations if (x["replica"], x["stage"]) == (0, 1)]
         assert bytes(event["contribution"]) == a.claim.contribution  # claim a is the committed one
-        stake = ledger.stake_of(node.address)
+        stake = ledger.registry.stake_of(node.address)
         assert stake >= ETHER
         fund(ledger, reporter.address)
         url = ledger.chain.rpc_url
         res = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
         assert res.returncode == 0, res.stderr
         assert res.stdout.startswith(f"slashed {node.address}: ")
-        assert ledger.stake_of(node.address) == 0
+        assert ledger.registry.stake_of(node.address) == 0
         (log,) = ledger.ledger.events.EquivocationSlashed().get_logs(
             from_block=0, argument_filters={"runId": record.run_id})
         assert {k: log["args"][k] for k in ("step", "node", "replica", "stage", "reporter")} == {
             "step": 2, "node": node.address, "replica": 0, "stage": 1, "reporter": reporter.address}
         assert bytes(log["args"]["contributionA"]) == a.claim.contribution
         assert bytes(log["args"]["contributionB"]) == b.claim.contribution
-        (slash,) = ledger.registry.events.Slashed().get_logs(from_block=0, argument_filters={"node": node.address})
+        (slash,) = ledger.registry.contract.events.Slashed().get_logs(from_block=0, argument_filters={"node": node.address})
         assert slash["args"]["amount"] == stake
         again = dlx("slash-equivocation", *paths, "--rpc", url, env=env, cwd=tmp_path, timeout=120)
         assert again.returncode == 2 and "LedgerAlreadySlashed" in again.stderr.strip().splitlines()[-1]

@@ -27,14 +27,14 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from test_node_cli import one_line_error, run_dlx
 
-from lineage.audit.evidence import AuditError, open_replay_challenge
+from lineage.audit.evidence import Accused, AuditError, open_replay_challenge
 from lineage.audit.query import ledger_lineage
 from lineage.audit.replay import ReplicaReplay, StageReplay
 from lineage.audit.report import render_html
 from lineage.chain.anvil import rpc_call
 from lineage.chain.attest import ClaimError, ContributionClaim, Domain, SignedClaim, loss_micros
 from lineage.chain.client import Chain
-from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import BlockNotFoundError
 from lineage.store.blockstore import Blockstore
@@ -70,12 +70,12 @@ def arbitrated(trained_run, anvil, accounts, tmp_path_factory) -> dict[str, Any]
     deployer, slot_keys, challenger, arbiters = accounts[0], accounts[1:5], accounts[5], accounts[8:11]
     ledger = Ledger.deploy(Chain(anvil.url), deployer)
     for key in [*slot_keys, challenger]:
-        ledger.ensure_staked(key, ETHER)
+        ledger.registry.ensure_staked(key, ETHER)
     genesis = get_manifest(store, record.genesis)
-    run_id = ledger.create_run(
-        deployer, config_digest=digest_of(genesis.config), genesis_digest=digest_of(parse_cid(record.genesis)),
+    run_id = ledger.create_run(deployer, RunSpec(
+        config_digest=digest_of(genesis.config), genesis_digest=digest_of(parse_cid(record.genesis)),
         nodes=[k.address for k in slot_keys], replicas=R, stages=S, challenge_window=WINDOW, min_stake=ETHER,
-        arbiters=[a.address for a in arbiters], quorum=2)
+        arbiters=[a.address for a in arbiters], quorum=2))
     honest = [parse_cid(s["checkpoint"]) for s in _lineage(run_dir)["steps"]]
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     parent, checkpoints = parse_cid(record.genesis), []
@@ -120,16 +120,16 @@ def test_a_replay_that_matches_or_failed_opens_no_challenge(arbitrated):
                     read_bytes(store, m.contributions[0][s])) for s in range(S)])
     for node in a["slot_keys"][:2]:
         with pytest.raises(AuditError, match="replay matches the claim; nothing to challenge"):
-            open_replay_challenge(ledger, store, a["challenger"], run_id=a["run_id"], step=2, node=node.address,
-                                  replays=[same], tolerance=0.0, bond=None)
+            open_replay_challenge(ledger, store, a["challenger"], Accused(a["run_id"], 2, node.address), [same], 0.0,
+                                  None)
     broken = ReplicaReplay(step=2, replica=0, seconds=0.0, stages=[], error="the manifest links no start states")
     with pytest.raises(AuditError, match="cannot replay step 2 replica 0: the manifest links no start states"):
-        open_replay_challenge(ledger, store, a["challenger"], run_id=a["run_id"], step=2,
-                              node=a["slot_keys"][1].address, replays=[broken], tolerance=0.0, bond=None)
+        open_replay_challenge(ledger, store, a["challenger"], Accused(a["run_id"], 2, a["slot_keys"][1].address),
+                              [broken], 0.0, None)
     with pytest.raises(AuditError, match="attested no slot of step 2"):
-        open_replay_challenge(ledger, store, a["challenger"], run_id=a["run_id"], step=2,
-                              node=a["challenger"].address, replays=[same], tolerance=0.0, bond=None)
-    assert ledger.step_info(a["run_id"], 2)["openChallenges"] == 0
+        open_replay_challenge(ledger, store, a["challenger"], Accused(a["run_id"], 2, a["challenger"].address),
+                              [same], 0.0, None)
+    assert ledger.step_info(a["run_id"], 2).open_challenges == 0
 
 
 @pytest.mark.slow
@@ -159,9 +159,9 @@ def test_challenge_vote_resolve_slashes_the_poisoned_slot_and_rolls_back(arbitra
     assert parse_cid(evidence["checkpoint"]) == a["checkpoints"][1] and evidence["rel_l2"] == done["rel_l2"]
     assert file_cid(read_bytes(store, evidence["replayed"])) == parse_cid(evidence["replayed"])
     opened = ledger.challenge(1)
-    assert opened["evidence"] == digest_of(parse_cid(done["evidence"]))
-    assert (opened["node"], opened["challenger"], opened["resolved"]) == (cheater.address, a["challenger"].address, False)
-    assert ledger.step_info(run_id, 2)["openChallenges"] == 1
+    assert opened.evidence == digest_of(parse_cid(done["evidence"]))
+    assert (opened.node, opened.challenger, opened.resolved) == (cheater.address, a["challenger"].address, False)
+    assert ledger.step_info(run_id, 2).open_challenges == 1
     status = json.loads(run_dlx({**env, "DLX_NODE_KEY": cheater.key.hex()}, "node", "status", "--json").stdout)
     assert status["open_challenges"] == 1 and status["challenges"][0]["id"] == 1
 
@@ -185,7 +185,7 @@ def test_challenge_vote_resolve_slashes_the_poisoned_slot_and_rolls_back(arbitra
     assert "upheld is True, not False" in one_line_error(
         run_dlx(env, "arbiter", "resolve", "1", "--dismiss", str(vote_b), sig_a))
     assert "not an arbiter" in one_line_error(run_dlx(env, "arbiter", "resolve", "1", "--dismiss", sig_a, sig_a))
-    credit_before = ledger.credit_of(a["challenger"].address)
+    credit_before = ledger.registry.credit_of(a["challenger"].address)
     res = run_dlx(env, "arbiter", "resolve", "1", "--uphold", str(vote_b), sig_a, "--json", real=True)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
@@ -194,8 +194,8 @@ def test_challenge_vote_resolve_slashes_the_poisoned_slot_and_rolls_back(arbitra
     assert out["rejected_steps"] == [2, 3]
     assert out["head_step"] == 1 and out["head"] == str(a["checkpoints"][0])
     assert out["bond_to"] == a["challenger"].address
-    assert ledger.stake_of(cheater.address) == 0 and ledger.stake_of(honest_node.address) == ETHER
-    assert ledger.credit_of(a["challenger"].address) - credit_before == ETHER + ETHER // 2
+    assert ledger.registry.stake_of(cheater.address) == 0 and ledger.registry.stake_of(honest_node.address) == ETHER
+    assert ledger.registry.credit_of(a["challenger"].address) - credit_before == ETHER + ETHER // 2
     assert ledger.head(run_id) == (digest_of(a["checkpoints"][0]), 1)
     assert "already resolved" in one_line_error(run_dlx(env, "arbiter", "resolve", "1", "--uphold", sig_a))
 
@@ -236,10 +236,11 @@ def test_challenge_vote_resolve_slashes_the_poisoned_slot_and_rolls_back(arbitra
 def equivocation(ledger, accounts, tmp_path) -> dict[str, Any]:
     nodes = accounts[1:5]
     for n in nodes:
-        ledger.ensure_staked(n, 2 * ETHER)
-    run_id = ledger.create_run(accounts[0], config_digest=h("config"), genesis_digest=h("genesis"),
-                               nodes=[n.address for n in nodes], replicas=R, stages=S,
-                               challenge_window=WINDOW, min_stake=ETHER)
+        ledger.registry.ensure_staked(n, 2 * ETHER)
+    run_id = ledger.create_run(accounts[0], RunSpec(
+        config_digest=h("config"), genesis_digest=h("genesis"),
+        nodes=[n.address for n in nodes], replicas=R, stages=S,
+        challenge_window=WINDOW, min_stake=ETHER))
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
 
     def claim_file(name: str, key: Any, contribution: str, **changes: Any) -> Path:
@@ -271,7 +272,7 @@ def test_slash_equivocation_from_two_signed_claims(ledger, accounts, anvil, equi
     assert "wrong chain id" in one_line_error(
         run_dlx(env, "slash-equivocation", str(a), str(b), "--chain-id", "1"))
     assert "claim file not found" in one_line_error(run_dlx(env, "slash-equivocation", str(a), "missing.json"))
-    assert ledger.stake_of(node.address) == 2 * ETHER
+    assert ledger.registry.stake_of(node.address) == 2 * ETHER
 
     res = run_dlx(env, "slash-equivocation", str(a), str(b), real=True)
     assert res.returncode == 0, res.stderr
@@ -279,8 +280,8 @@ def test_slash_equivocation_from_two_signed_claims(ledger, accounts, anvil, equi
     assert "run 1 step 1 slot (0, 1)" in res.stdout
     tx = res.stdout.split("tx ")[1].split()[0]
     assert ledger.chain.w3.eth.get_transaction_receipt(tx)["status"] == 1
-    assert ledger.stake_of(node.address) == 0
-    assert ledger.credit_of(reporter.address) == ETHER  # the reporter's half
+    assert ledger.registry.stake_of(node.address) == 0
+    assert ledger.registry.credit_of(reporter.address) == ETHER  # the reporter's half
     assert reporter.key.hex()[2:] not in res.stdout + res.stderr
     line = one_line_error(run_dlx(env, "slash-equivocation", str(b), str(a)))
     assert "reverted with LedgerAlreadySlashed(" in line
@@ -325,10 +326,11 @@ def _committed_run(ledger: Ledger, accounts: list) -> tuple[int, list, Any, list
     (run id, the nodes in slot order, a staked verifier, the arbiters)."""
     nodes, verifier, arbiters = accounts[1:5], accounts[5], accounts[8:11]
     for n in [*nodes, verifier]:
-        ledger.ensure_staked(n, ETHER)
-    run_id = ledger.create_run(accounts[0], config_digest=h("c"), genesis_digest=h("g"),
-                               nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
-                               min_stake=ETHER, arbiters=[x.address for x in arbiters], quorum=2)
+        ledger.registry.ensure_staked(n, ETHER)
+    run_id = ledger.create_run(accounts[0], RunSpec(
+        config_digest=h("c"), genesis_digest=h("g"),
+        nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
+        min_stake=ETHER, arbiters=[x.address for x in arbiters], quorum=2))
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
     atts = []
     for slot, n in enumerate(nodes):
@@ -346,8 +348,8 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
     to the node's operator, nothing is slashed or rejected, the head stays."""
     run_id, nodes, verifier, arbiters = _committed_run(ledger, accounts)
     cid, tx = ledger.open_challenge_tx(verifier, run_id=run_id, step=1, replica=1, stage=0, bond=ETHER)
-    assert ledger.challenges(run_id=run_id)[0]["tx"] == tx
-    assert ledger.run_params(run_id)["minStake"] == ETHER
+    assert ledger.challenges(run_id=run_id)[0].tx == tx
+    assert ledger.run_params(run_id).min_stake == ETHER
     from lineage.chain.attest import sign_verdict
 
     sigs = {x.address: sign_verdict(ledger.chain.chain_id, ledger.ledger.address, cid, False, x.key) for x in arbiters[:2]}
@@ -357,7 +359,7 @@ def test_the_chain_client_reports_a_resolution_with_its_events(ledger, accounts)
                               signatures=[sigs[k] for k in sorted(sigs, key=lambda k: int(k, 16))])
     assert (res.upheld, res.slashed, res.rejected_steps, res.head_step) == (False, 0, [], None)
     assert (res.bond, res.bond_to, res.node) == (ETHER, nodes[2].address, nodes[2].address)
-    assert ledger.credit_of(nodes[2].address) == ETHER
+    assert ledger.registry.credit_of(nodes[2].address) == ETHER
     assert [c.status for c in ledger.commits(run_id)] == ["pending"]
     assert ledger.head(run_id) == (h("k1"), 1)
 
@@ -373,15 +375,15 @@ def test_a_challenge_no_quorum_rules_on_expires(ledger, accounts, anvil):
     assert f"challenge {cid} awaits its arbiters until" in one_line_error(run_dlx(env, "expire-challenge", str(cid)))
     rpc_call(anvil.url, "evm_increaseTime", [ledger.resolution_period() + 1])
     rpc_call(anvil.url, "evm_mine")
-    credit = ledger.credit_of(verifier.address)
+    credit = ledger.registry.credit_of(verifier.address)
     res = run_dlx(env, "expire-challenge", str(cid), "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert (out["node"], out["bond_to"], out["bond_wei"]) == (nodes[1].address, verifier.address, str(ETHER))
-    assert ledger.credit_of(verifier.address) - credit == ETHER and ledger.stake_of(nodes[1].address) == ETHER
-    assert ledger.open_challenges_of(nodes[1].address) == 0 and ledger.step_info(run_id, 1)["openChallenges"] == 0
+    assert ledger.registry.credit_of(verifier.address) - credit == ETHER and ledger.registry.stake_of(nodes[1].address) == ETHER
+    assert ledger.registry.open_challenges_of(nodes[1].address) == 0 and ledger.step_info(run_id, 1).open_challenges == 0
     (listed,) = ledger.challenges(run_id=run_id)
-    assert listed["resolved"] and listed["expired"] and listed["upheld"] is None
+    assert listed.resolved and listed.expired and listed.upheld is None
     ledger.finalize(accounts[0], run_id, 1)
     assert ledger.finalized_step(run_id) == 1
     assert "already resolved" in one_line_error(run_dlx(env, "expire-challenge", str(cid)))

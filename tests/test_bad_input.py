@@ -190,7 +190,7 @@ def test_a_stake_above_the_payers_balance_is_refused_before_anything_is_sent(tmp
     for args in (["node", "register", "--stake", "20000eth"], ["node", "stake", "--amount", "20000eth"]):
         res = subprocess.run([DLX, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
         assert_one_line_error(res, needle)
-    assert not ledger.is_registered(node.address)
+    assert not ledger.registry.is_registered(node.address)
 
 
 @pytest.mark.slow

@@ -10,10 +10,10 @@ import hashlib
 import pytest
 from eth_utils import keccak
 
-from lineage.audit.verify import _verify_chain
+from lineage.audit.verify import ChainFacts, verify_commit
 from lineage.chain.attest import ContributionClaim, replica_bitmap
 from lineage.chain.client import Chain
-from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.errors import ChainError, ChainRevertError
 from lineage.store.cid import DAG_CBOR, cid_from_digest
 
@@ -28,12 +28,11 @@ def h(label: str) -> bytes:
 def _run(ledger, accounts, min_stake=ETHER, independence="keys", min_replicas=None):
     nodes = accounts[1:1 + R * S]
     for n in nodes:
-        ledger.ensure_staked(n, ETHER)
-    run_id = ledger.create_run(
-        accounts[0], config_digest=h("config"), genesis_digest=h("genesis"),
+        ledger.registry.ensure_staked(n, ETHER)
+    run_id = ledger.create_run(accounts[0], RunSpec(
+        config_digest=h("config"), genesis_digest=h("genesis"),
         nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=3600,
-        min_stake=min_stake, independence=independence, min_replicas=min_replicas,
-    )
+        min_stake=min_stake, independence=independence, min_replicas=min_replicas))
     return run_id, nodes
 
 
@@ -89,7 +88,7 @@ def test_steps_commit_in_a_chain_and_read_back_from_events(ledger, accounts):
 
 def test_a_partial_step_commits_over_its_replica_set_and_reads_back_with_it(ledger, accounts):
     run_id, nodes = _run(ledger, accounts, min_replicas=1)
-    assert ledger.run_created(run_id)["minReplicas"] == 1
+    assert ledger.run_created(run_id).min_replicas == 1
     atts = _attest(ledger, run_id, 1, h("genesis"), nodes, replicas=(1,))
     ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("ckpt1"),
                        metrics_digest=h("m"), attestations=atts, replica_set=0b10)
@@ -99,9 +98,9 @@ def test_a_partial_step_commits_over_its_replica_set_and_reads_back_with_it(ledg
     assert [a["node"] for a in record.attestations] == [n.address for n in nodes[2:]]
     assert record.shards(S) == [h("shard10"), h("shard11")]
     call = ledger.commit_calls([record])[record.tx]
-    stakes = ledger.stakes_at((a["node"], record.block) for a in record.attestations)
-    _verify_chain(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call, ledger.domain, run_id,
-                  {n.address for n in nodes}, stakes, R, S)
+    stakes = ledger.registry.stakes_at((a["node"], record.block) for a in record.attestations)
+    verify_commit(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call,
+                  ChainFacts(ledger.domain, run_id, {n.address for n in nodes}, stakes, R, S))
 
 
 @pytest.mark.parametrize(("replicas", "replica_set", "error", "args"), [
@@ -150,10 +149,11 @@ def test_an_operators_run_refuses_one_operators_nodes_in_two_replicas(ledger, ac
     operator = accounts[11]
     nodes = accounts[1:1 + R * S]
     for n in nodes:
-        ledger.ensure_staked(n, ETHER, operator if n in (nodes[0], nodes[3]) else None)
-    run_id = ledger.create_run(accounts[0], config_digest=h("config"), genesis_digest=h("genesis"),
-                               nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=3600,
-                               min_stake=ETHER, independence="operators")
+        ledger.registry.ensure_staked(n, ETHER, operator if n in (nodes[0], nodes[3]) else None)
+    run_id = ledger.create_run(accounts[0], RunSpec(
+        config_digest=h("config"), genesis_digest=h("genesis"),
+        nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=3600,
+        min_stake=ETHER, independence="operators"))
     assert ledger.ledger.functions.independenceOf(run_id).call() == 1
     with pytest.raises(ChainRevertError, match="LedgerNotIndependent") as exc:
         ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),
@@ -168,7 +168,7 @@ def test_a_version_1_ledger_is_read_and_its_steps_verify_under_their_own_typed_d
     assert old.version == "1" and old.domain.version == "1"
     nodes = accounts[1:1 + R * S]
     for n in nodes:
-        ledger.ensure_staked(n, ETHER)
+        ledger.registry.ensure_staked(n, ETHER)
     fn = old.ledger.functions.createRun(h("config"), h("genesis"), [n.address for n in nodes], R, S, 3600, ETHER, [], 0)
     chain.transact(fn, accounts[0], context="createRun v1")
     claims = [ContributionClaim(1, 1, r, s, h("genesis"), h(f"c{r}{s}"), h(f"d{r}"), h("code"), 7)
@@ -181,9 +181,10 @@ def test_a_version_1_ledger_is_read_and_its_steps_verify_under_their_own_typed_d
     (record,) = old.steps(1)
     assert record.shards_root is None and len(record.attestations) == R * S
     call = old.commit_calls([record])[record.tx]
-    stakes = old.stakes_at((a["node"], record.block) for a in record.attestations)
-    members = set(old.run_created(1)["nodes"])
-    _verify_chain(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call, old.domain, 1, members, stakes, R, S)
+    stakes = old.registry.stakes_at((a["node"], record.block) for a in record.attestations)
+    members = set(old.run_created(1).nodes)
+    verify_commit(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call,
+                  ChainFacts(old.domain, 1, members, stakes, R, S))
     with pytest.raises(ChainError, match="needs a version 3 ledger"):
         old.commit_step(accounts[0], run_id=1, step=2, parent=h("ckpt1"), checkpoint=h("x"),
                         metrics_digest=h("m"), attestations=[])
@@ -197,11 +198,11 @@ def test_a_version_2_ledger_is_read_and_its_steps_verify_under_their_own_typed_d
     assert old.version == "2" and old.domain.version == "2"
     nodes = accounts[1:1 + R * S]
     for n in nodes:
-        ledger.ensure_staked(n, ETHER)
+        ledger.registry.ensure_staked(n, ETHER)
     fn = old.ledger.functions.createRun(h("config"), h("genesis"), [n.address for n in nodes], R, S, 3600, ETHER,
                                         [], 0, 0)
     chain.transact(fn, accounts[0], context="createRun v2")
-    assert old.run_created(1)["minReplicas"] == R
+    assert old.run_created(1).min_replicas == R
     claims = [ContributionClaim(1, 1, r, s, h("genesis"), h(f"c{r}{s}"), h(f"d{r}"), h("code"), 7, h(f"shard{s}"))
               for r in range(R) for s in range(S)]
     atts = [(c.replica, c.stage, c.contribution, c.data_shard, c.code_hash, c.loss_micros, c.new_shard,
@@ -214,10 +215,11 @@ def test_a_version_2_ledger_is_read_and_its_steps_verify_under_their_own_typed_d
     assert record.replica_set is None and record.replicas(R) == tuple(range(R))
     assert record.shards(S) == [h("shard0"), h("shard1")]
     call = old.commit_calls([record])[record.tx]
-    stakes = old.stakes_at((a["node"], record.block) for a in record.attestations)
-    members = set(old.run_created(1)["nodes"])
-    _verify_chain(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call, old.domain, 1, members, stakes, R, S)
-    assert "witnessHash" in old.step_info(1, 1)
+    stakes = old.registry.stakes_at((a["node"], record.block) for a in record.attestations)
+    members = set(old.run_created(1).nodes)
+    verify_commit(record, 1, cid_from_digest(h("genesis"), DAG_CBOR), call,
+                  ChainFacts(old.domain, 1, members, stakes, R, S))
+    assert old.step_info(1, 1).witness_hash.strip(b"\0")  # version 2 stores a witness hash
     with pytest.raises(ChainError, match="needs a version 3 ledger"):
         old.commit_step(accounts[0], run_id=1, step=2, parent=h("ckpt1"), checkpoint=h("x"),
                         metrics_digest=h("m"), attestations=[])
@@ -236,7 +238,7 @@ def test_a_stale_parent_is_refused_with_the_decoded_custom_error(ledger, account
 def test_a_signature_by_a_non_member_is_refused(ledger, accounts):
     run_id, nodes = _run(ledger, accounts)
     outsider = accounts[10]
-    ledger.ensure_staked(outsider, ETHER)
+    ledger.registry.ensure_staked(outsider, ETHER)
     signers = [*nodes[:-1], outsider]
     with pytest.raises(ChainRevertError, match="LedgerNotMember"):
         ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),

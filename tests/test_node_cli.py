@@ -90,8 +90,8 @@ def test_register_stake_status_unbond_withdraw_round_trip(anvil, accounts, ledge
     res = dlx(env, "node", "register", "--stake", "1.5eth")
     assert res.returncode == 0, res.stderr
     assert f"registered for operator {operator.address}" in res.stdout
-    assert ledger.operator_of(node.address) == operator.address
-    assert ledger.stake_of(node.address) == 15 * 10**17
+    assert ledger.registry.operator_of(node.address) == operator.address
+    assert ledger.registry.stake_of(node.address) == 15 * 10**17
 
     res = dlx(env, "node", "stake", "--amount", "10wei")
     assert res.returncode == 0, res.stderr
@@ -145,7 +145,7 @@ def test_a_keystore_key_works_and_a_wrong_password_is_one_line(accounts, ledger,
     env = {**chain_env, "DLX_KEYSTORE": str(keystore), "DLX_KEYSTORE_PASSWORD": "s3cret"}
     res = dlx(env, "node", "register", "--stake", "1eth")
     assert res.returncode == 0, res.stderr
-    assert ledger.stake_of(node.address) == ETHER and ledger.operator_of(node.address) == node.address
+    assert ledger.registry.stake_of(node.address) == ETHER and ledger.registry.operator_of(node.address) == node.address
     line = one_line_error(dlx({**env, "DLX_KEYSTORE_PASSWORD": "wrong"}, "node", "status"))
     assert "cannot decrypt keystore" in line
 
@@ -157,7 +157,7 @@ def test_a_wrong_chain_id_or_a_missing_key_is_refused_before_any_transaction(acc
     assert "wrong chain id" in line and "expected 1, got 31337" in line
     line = one_line_error(dlx({**env, "DLX_CHAIN_ID": "5"}, "node", "status"))
     assert "wrong chain id" in line
-    assert not ledger.is_registered(node.address)
+    assert not ledger.registry.is_registered(node.address)
     assert "no node key" in one_line_error(dlx(chain_env, "node", "status", real=True))
     assert "write a number and a unit" in one_line_error(dlx(env, "node", "stake", "--amount", "5"))
     assert "no contract addresses" in one_line_error(dlx({"DLX_RPC": chain_env["DLX_RPC"], **{
@@ -169,7 +169,7 @@ def test_several_transactions_from_one_key_at_once_all_land(accounts, ledger, ch
     one lands (the client serialises a key's sends in-process and retries a nonce another
     process took first)."""
     node, payer = accounts[9], accounts[10]
-    ledger.ensure_staked(node, ETHER)
+    ledger.registry.ensure_staked(node, ETHER)
     env = {**chain_env, "DLX_OPERATOR_KEY": payer.key.hex(), "DLX_NODE_KEY": node.key.hex()}
     procs = [subprocess.Popen([DLX, "node", "stake", "--amount", f"{i + 1}wei"],
                               env={**{k: v for k, v in os.environ.items() if not k.startswith("DLX_")}, **env},
@@ -179,7 +179,7 @@ def test_several_transactions_from_one_key_at_once_all_land(accounts, ledger, ch
 
     def stake(amount: int) -> None:
         try:
-            ledger.stake(payer, node.address, amount)
+            ledger.registry.stake(payer, node.address, amount)
         except BaseException as exc:  # collected: a thread's failure must fail the test
             errors.append(exc)
 
@@ -192,7 +192,7 @@ def test_several_transactions_from_one_key_at_once_all_land(accounts, ledger, ch
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
     assert errors == []
-    assert ledger.stake_of(node.address) == ETHER + (1 + 2 + 3 + 4) + (100 + 200 + 300 + 400)
+    assert ledger.registry.stake_of(node.address) == ETHER + (1 + 2 + 3 + 4) + (100 + 200 + 300 + 400)
 
 
 def test_run_dir_of_an_embedded_chain_is_written_back(trained_run, tmp_path):

@@ -111,7 +111,7 @@ def trained(tmp_path_factory, anvil, accounts):
     ledger = Ledger.deploy(Chain(anvil.url), accounts[0])
     keys = accounts[1:1 + R * S]
     for k in keys:
-        ledger.ensure_staked(k, 10**18)
+        ledger.registry.ensure_staked(k, 10**18)
     return {"root": root, "job": job, "training": training, "data": data, "recorder": recorder,
             "ledger": ledger, "keys": keys, "submitter": accounts[0], "rpc": anvil.url}
 
@@ -147,7 +147,7 @@ def test_the_partial_step_is_on_chain_over_its_set(honest):
     assert [(a["replica"], a["stage"]) for a in steps[1].attestations] == [(0, 0), (2, 0)]
     # replica 2's slot is signed by replica 2's own key, not by the second key
     assert steps[1].attestations[1]["node"] == sink.slot_nodes[2]
-    assert sink.ledger.run_created(sink.record.run_id)["minReplicas"] == 2
+    assert sink.ledger.run_created(sink.record.run_id).min_replicas == 2
     m = get_manifest(sink.store, sink.record.head)
     assert m.replicas == [0, 2] and m.replica_ids(R) == (0, 2) and m.row(2) == 1
     assert get_manifest(sink.store, m.parent).replicas == []  # a full step: no list, bytes as before
@@ -234,7 +234,7 @@ def test_a_step_below_the_runs_min_replicas_is_refused_by_name_in_one_line(train
         update={"min_replicas": None})})
     sink, record = new_sink(trained, "strict", job=strict)
     step = feed(sink, trained["recorder"], trained["training"].outer, until=PARTIAL_STEP)
-    assert trained["ledger"].run_created(record.run_id)["minReplicas"] == R
+    assert trained["ledger"].run_created(record.run_id).min_replicas == R
     resumed = LedgerSink(job=trained["training"], config=sink.config, store=sink.store, ledger=sink.ledger,
                          submitter=sink.submitter, record=record, run_dir=sink.run_dir, challenge_window=3600,
                          min_stake=10**18, slot_keys=trained["keys"])

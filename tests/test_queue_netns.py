@@ -80,7 +80,7 @@ def test_a_job_runs_with_its_ranks_in_separate_network_namespaces(tmp_path, smal
         ledger = Ledger(Chain(stack.rpc), stack.registry, stack.ledger)
         nodes = dev_accounts(3)[1:]
         for r, acct in enumerate(nodes):
-            ledger.ensure_staked(acct, ETHER)
+            ledger.registry.ensure_staked(acct, ETHER)
             pids.append(start_worker(stack, acct.key.hex(), 1, f"ns-worker-{r}", address=links.address(r),
                                      prefix=("ip", "netns", "exec", links.names[r]),
                                      args=("--store-ports", "29500-29509")))

@@ -16,7 +16,7 @@ import pytest
 from lineage.audit import verify as V
 from lineage.chain.anvil import rpc_call
 from lineage.chain.attest import ContributionClaim, Domain
-from lineage.chain.ledger import Attestation
+from lineage.chain.ledger import Attestation, RunSpec
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import parse_cid
@@ -64,7 +64,7 @@ def test_open_challenge_windows_come_from_the_chain(ledger, accounts):
     """A step stays open while the chain can still mine a challenge inside its window
     (chain time, here moved on by anvil); a run without arbiters has no open step."""
     node, arbiter = accounts[1], accounts[2]
-    ledger.ensure_staked(node, 10**18)
+    ledger.registry.ensure_staked(node, 10**18)
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
 
     def h(label: str) -> bytes:
@@ -75,9 +75,10 @@ def test_open_challenge_windows_come_from_the_chain(ledger, accounts):
         rpc_call(ledger.chain.rpc_url, "evm_mine")
 
     def run(arbiters: list[str]) -> int:
-        run_id = ledger.create_run(accounts[0], config_digest=h("c"), genesis_digest=h("g"), nodes=[node.address],
-                                   replicas=1, stages=1, challenge_window=600, min_stake=10**18,
-                                   arbiters=arbiters, quorum=len(arbiters))
+        run_id = ledger.create_run(accounts[0], RunSpec(
+            config_digest=h("c"), genesis_digest=h("g"), nodes=[node.address],
+            replicas=1, stages=1, challenge_window=600, min_stake=10**18,
+            arbiters=arbiters, quorum=len(arbiters)))
         parent = h("g")
         for step in (1, 2, 3):
             claim = ContributionClaim(run_id, step, 0, 0, parent, h(f"c{step}"), h("d"), h("code"), 0, replica_set=1)

@@ -27,11 +27,11 @@ class StubLedger:
         self.chain = SimpleNamespace(chain_id=31337)
         self.ledger = SimpleNamespace(address="0x" + "11" * 20)
         self.domain = Domain(31337, self.ledger.address)
-        self.created: dict = {}
+        self.created = None
         self.commits: list[dict] = []
 
-    def create_run(self, submitter, **kwargs):
-        self.created = kwargs
+    def create_run(self, submitter, run):
+        self.created = run
         return 5
 
     def commit_step(self, submitter, **kwargs):

@@ -16,7 +16,7 @@ from eth_utils import keccak
 from lineage.chain.anvil import rpc_call
 from lineage.chain.attest import ContributionClaim, sign_verdict
 from lineage.chain.client import Chain
-from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.errors import ChainRevertError
 
 ETHER = 10**18
@@ -73,13 +73,12 @@ def story(anvil, accounts):
     ledger = Ledger.deploy(chain, deployer, treasury=treasury.address, reporter_share_bps=5_000,
                            unbonding_delay=DELAY)
     for node in nodes:
-        ledger.ensure_staked(node, 2 * ETHER)
-    ledger.ensure_staked(verifier, ETHER)
-    run_id = ledger.create_run(
-        deployer, config_digest=h("config"), genesis_digest=h("genesis"),
+        ledger.registry.ensure_staked(node, 2 * ETHER)
+    ledger.registry.ensure_staked(verifier, ETHER)
+    run_id = ledger.create_run(deployer, RunSpec(
+        config_digest=h("config"), genesis_digest=h("genesis"),
         nodes=[n.address for n in nodes], replicas=R, stages=S, challenge_window=WINDOW,
-        min_stake=ETHER, arbiters=[a.address for a in arbiters], quorum=2,
-    )
+        min_stake=ETHER, arbiters=[a.address for a in arbiters], quorum=2))
     return chain, ledger, run_id, deployer, nodes, verifier, reporter, treasury, arbiters
 
 
@@ -100,9 +99,9 @@ def test_the_whole_slashing_story(story):
     other = _signed(ledger, _claim(run_id, 3, 3, ckpt2, h("forged")), nodes[3].key)
     slashed = ledger.report_equivocation(reporter, run_id=run_id, step=3, parent=ckpt2, a=honest, b=other)
     assert slashed == 2 * ETHER
-    assert ledger.stake_of(nodes[3].address) == 0
-    assert ledger.credit_of(reporter.address) == ETHER
-    assert ledger.credit_of(treasury.address) == ETHER
+    assert ledger.registry.stake_of(nodes[3].address) == 0
+    assert ledger.registry.credit_of(reporter.address) == ETHER
+    assert ledger.registry.credit_of(treasury.address) == ETHER
     with pytest.raises(ChainRevertError, match="LedgerAlreadySlashed"):
         ledger.report_equivocation(reporter, run_id=run_id, step=3, parent=ckpt2, a=other, b=honest)
 
@@ -110,19 +109,19 @@ def test_the_whole_slashing_story(story):
     # uphold it. Steps 2 and 3 are rejected and the head rolls back to step 1.
     challenge = ledger.open_challenge(verifier, run_id=run_id, step=2, replica=0, stage=1, bond=ETHER,
                                       evidence=h("replay report"))
-    assert ledger.step_info(run_id, 2)["openChallenges"] == 1
+    assert ledger.step_info(run_id, 2).open_challenges == 1
     with pytest.raises(ChainRevertError, match="LedgerQuorumNotReached"):
         ledger.resolve_challenge(deployer, challenge_id=challenge, upheld=True, arbiters=arbiters[:1])
     onchain = ledger.ledger.functions.verdictDigest(challenge, True).call()
     assert bytes(onchain) == ledger.verdict_digest(challenge, True)
     ledger.resolve_challenge(deployer, challenge_id=challenge, upheld=True, arbiters=arbiters[1:])
     assert ledger.head(run_id) == (ckpt1, 1)
-    assert [(int(r["step"]), bytes(r["checkpoint"])) for r in ledger.rejections(run_id)] == [
+    assert [(r.step, r.checkpoint) for r in ledger.rejections(run_id)] == [
         (2, ckpt2), (3, ckpt3)]
-    assert ledger.step_info(run_id, 2)["rejected"] and ledger.step_info(run_id, 3)["rejected"]
-    assert ledger.stake_of(nodes[1].address) == 0
-    assert ledger.credit_of(verifier.address) == 2 * ETHER  # bond back + half of 2 ETH
-    assert ledger.credit_of(treasury.address) == 2 * ETHER
+    assert ledger.step_info(run_id, 2).rejected and ledger.step_info(run_id, 3).rejected
+    assert ledger.registry.stake_of(nodes[1].address) == 0
+    assert ledger.registry.credit_of(verifier.address) == 2 * ETHER  # bond back + half of 2 ETH
+    assert ledger.registry.credit_of(treasury.address) == 2 * ETHER
     assert [s.step for s in ledger.steps(run_id)] == [1]
 
     # The run goes on from step 1; the two honest nodes each take a whole replica (both of its
@@ -141,7 +140,7 @@ def test_the_whole_slashing_story(story):
     with pytest.raises(ChainRevertError, match="LedgerStepChallenged"):
         ledger.finalize(deployer, run_id, 1)
     ledger.resolve_challenge(deployer, challenge_id=frivolous, upheld=False, arbiters=arbiters)
-    assert ledger.credit_of(nodes[0].address) == ETHER
+    assert ledger.registry.credit_of(nodes[0].address) == ETHER
 
     # Finality, in order, once the windows have passed and nothing is disputed.
     with pytest.raises(ChainRevertError, match="LedgerParentNotFinal"):
@@ -151,40 +150,41 @@ def test_the_whole_slashing_story(story):
     assert ledger.finalized_step(run_id) == 2
 
     # Everyone leaves. What the registry holds is exactly the remaining stakes and credits.
-    stakes = {n.address: ledger.stake_of(n.address) for n in [*nodes, verifier]}
+    stakes = {n.address: ledger.registry.stake_of(n.address) for n in [*nodes, verifier]}
     assert stakes == {nodes[0].address: 2 * ETHER, nodes[1].address: 0, nodes[2].address: 2 * ETHER,
                       nodes[3].address: 0, verifier.address: ETHER}
     payees = [reporter, verifier, treasury, nodes[0]]
-    credits = {p.address: ledger.credit_of(p.address) for p in payees}
+    credits = {p.address: ledger.registry.credit_of(p.address) for p in payees}
     assert credits == {reporter.address: ETHER, verifier.address: 2 * ETHER, treasury.address: 2 * ETHER,
                        nodes[0].address: ETHER}
     assert chain.w3.eth.get_balance(registry_address) == sum(stakes.values()) + sum(credits.values())
 
     staked = [n for n in [*nodes, verifier] if stakes[n.address]]
     for node in staked:
-        ledger.unbond(node, node.address)
+        ledger.registry.unbond(node, node.address)
     with pytest.raises(ChainRevertError, match="RegistryUnbondingNotDue"):
-        ledger.withdraw(staked[0], staked[0].address)
+        ledger.registry.withdraw(staked[0], staked[0].address)
     _advance(chain, DELAY)
     for node in staked:
         before = chain.w3.eth.get_balance(node.address)
-        receipt = ledger.withdraw(node, node.address)
+        receipt = ledger.registry.withdraw(node, node.address)
         assert _paid(chain, receipt, node.address, before) == stakes[node.address]
     for payee in payees:
         before = chain.w3.eth.get_balance(payee.address)
-        receipt = ledger.claim(payee)
+        receipt = ledger.registry.claim(payee)
         assert _paid(chain, receipt, payee.address, before) == credits[payee.address]
     assert chain.w3.eth.get_balance(registry_address) == 0
     for fn in ("totalStaked", "totalBonds", "totalCredits"):
-        assert getattr(ledger.registry.functions, fn)().call() == 0
+        assert getattr(ledger.registry.contract.functions, fn)().call() == 0
 
 
 def test_a_window_at_the_unbonding_delay_is_refused(story):
     _, ledger, _, deployer, nodes, *_ = story
     with pytest.raises(ChainRevertError, match=r"LedgerWindowTooLong\(window=3600, maximum=3599\)"):
-        ledger.create_run(deployer, config_digest=h("c"), genesis_digest=h("g"),
-                          nodes=[n.address for n in nodes], replicas=R, stages=S,
-                          challenge_window=DELAY, min_stake=ETHER)
+        ledger.create_run(deployer, RunSpec(
+            config_digest=h("c"), genesis_digest=h("g"),
+            nodes=[n.address for n in nodes], replicas=R, stages=S,
+            challenge_window=DELAY, min_stake=ETHER))
 
 
 def test_witness_hash_matches_the_events(story):
@@ -194,7 +194,7 @@ def test_witness_hash_matches_the_events(story):
     packed = b"".join(bytes(12) + bytes.fromhex(a[2:]) for a in ledger.signers(run_id, 1))
     assert record.shards_root == keccak(b"".join(record.shards(S)))
     replica_set = record.replica_set.to_bytes(32, "big")
-    assert ledger.step_info(run_id, 1)["witnessHash"] == keccak(keccak(packed) + record.shards_root + replica_set)[:20]
+    assert ledger.step_info(run_id, 1).witness_hash == keccak(keccak(packed) + record.shards_root + replica_set)[:20]
 
 
 def test_a_result_equivocation_and_an_aggregate_challenge_slash(story):
@@ -205,18 +205,18 @@ def test_a_result_equivocation_and_an_aggregate_challenge_slash(story):
     honest = _signed(ledger, _claim(run_id, 1, 0, genesis, h("a-c1-0")), nodes[0].key)
     other = _signed(ledger, _claim(run_id, 1, 0, genesis, h("a-c1-0"), h("another shard")), nodes[0].key)
     slashed, _ = ledger.report_result_equivocation(reporter, run_id=run_id, step=1, parent=genesis, a=honest, b=other)
-    assert slashed == 2 * ETHER and ledger.stake_of(nodes[0].address) == 0
+    assert slashed == 2 * ETHER and ledger.registry.stake_of(nodes[0].address) == 0
     with pytest.raises(ChainRevertError, match="LedgerAlreadySlashed"):
         ledger.report_result_equivocation(reporter, run_id=run_id, step=1, parent=genesis, a=other, b=honest)
     # Stage 1's co-signed shard of step 1 is disputed: both its co-signers answer for it.
     challenge, _ = ledger.open_aggregate_challenge(verifier, run_id=run_id, step=1, stage=1, bond=ETHER)
-    assert ledger.challenge(challenge)["aggregate"]
+    assert ledger.challenge(challenge).aggregate
     assert ledger.co_signers_of(challenge) == [nodes[1].address, nodes[3].address]
-    assert [ledger.open_challenges_of(n.address) for n in nodes] == [0, 1, 0, 1]
+    assert [ledger.registry.open_challenges_of(n.address) for n in nodes] == [0, 1, 0, 1]
     signatures = [sign_verdict(chain.chain_id, ledger.ledger.address, challenge, True, a.key)
                   for a in sorted(arbiters[:2], key=lambda a: int(a.address, 16))]
     done = ledger.resolve_with(deployer, challenge_id=challenge, upheld=True, signatures=signatures)
     assert sorted(done.slashed_nodes) == sorted([nodes[1].address, nodes[3].address])
     assert done.slashed == 4 * ETHER and done.rejected_steps == [1]
     assert ledger.head(run_id) == (genesis, 0) and ckpt1 != genesis
-    assert [ledger.open_challenges_of(n.address) for n in nodes] == [0, 0, 0, 0]
+    assert [ledger.registry.open_challenges_of(n.address) for n in nodes] == [0, 0, 0, 0]

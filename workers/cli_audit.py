@@ -30,6 +30,7 @@ import typer
 from typer.core import TyperGroup
 
 from lineage.audit.evidence import (
+    Accused,
     AuditError,
     aggregate_failure,
     check_equivocation,
@@ -326,8 +327,7 @@ def challenge(
         replicas = sorted({r for r, _ in slots_of(record, who)})
         _err(f"replaying replica(s) {', '.join(map(str, replicas))} of run {run} step {step} ...")
         replays = replay_slots(blocks, cid_from_digest(record.checkpoint, DAG_CBOR), replicas, tolerance)
-        done = open_replay_challenge(lg, blocks, challenger, run_id=run, step=step, node=who,
-                                     replays=replays, tolerance=tolerance, bond=wei)
+        done = open_replay_challenge(lg, blocks, challenger, Accused(run, step, who), replays, tolerance, wei)
     if as_json:
         sys.stdout.write(json.dumps(done, indent=2) + "\n")
         return
@@ -351,7 +351,7 @@ def challenge_aggregate(
     co-signers answer, and an upheld verdict slashes every one (the node key, staked,
     posts the bond)."""
     from lineage.chain.runrecord import RunRecord
-    from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
+    from lineage.store.cid import digest_of
 
     wei = parse_amount(bond) if bond else None
     challenger = load_key("node")
@@ -361,15 +361,12 @@ def challenge_aggregate(
     blocks = endpoint_blocks(ep, None, None)
     with ep.connect(writable=True) as lg:
         record = step_record(lg, run_id, step)
-        stages = int(lg.run_created(run_id)["stages"])
+        stages = lg.run_created(run_id).stages
         if stage >= stages:
             raise AuditError(f"run {run_id} has {stages} stage(s): no stage {stage}")
-        evidence = store_aggregate_evidence(
-            blocks, run_id=run_id, step=step, stage=stage, checkpoint=cid_from_digest(record.checkpoint, DAG_CBOR),
-            cosigned=record.shards(stages)[stage], failure=failure, chain_id=lg.chain.chain_id,
-            ledger=lg.ledger.address)
+        evidence = store_aggregate_evidence(blocks, lg, run_id, record, stage, failure)
         if wei is None:
-            wei = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
+            wei = max(lg.run_params(run_id).min_stake or 0, 1)
         challenge_id, tx = lg.open_aggregate_challenge(challenger, run_id=run_id, step=step, stage=stage,
                                                        bond=wei, evidence=digest_of(evidence))
         co_signers = lg.co_signers_of(challenge_id)
@@ -412,20 +409,20 @@ def vote(
     if recompute:  # verify's own chain and store, before this command holds the run's chain
         with ep.connect() as lg:
             c = lg.challenge(challenge_id)
-        if not c["aggregate"]:
+        if not c.aggregate:
             raise AuditError(f"challenge {challenge_id} disputes a slot's replay: check it with --replay")
         _err(check_vote_by_recompute(run_dir, ep.rpc, c, verdict))
     with ep.connect() as lg:
         c = lg.challenge(challenge_id)
-        if c["resolved"]:
+        if c.resolved:
             raise AuditError(f"challenge {challenge_id} is already resolved")
-        arbiters, _ = lg.arbiters_of(c["runId"])
+        arbiters, _ = lg.arbiters_of(c.run_id)
         if key.address not in arbiters:
-            raise AuditError(f"{key.address} is not an arbiter of run {c['runId']}")
-        _err(f"challenge {challenge_id}: run {c['runId']} step {c['step']} slot ({c['replica']}, {c['stage']}), "
-             f"node {c['node']}, challenger {c['challenger']}, bond {fmt_wei(int(c['bond']))}")
-        if replay and c["aggregate"]:
-            raise AuditError(f"challenge {challenge_id} disputes stage {c['stage']}'s co-signed shard (co-signers "
+            raise AuditError(f"{key.address} is not an arbiter of run {c.run_id}")
+        _err(f"challenge {challenge_id}: run {c.run_id} step {c.step} slot ({c.replica}, {c.stage}), "
+             f"node {c.node}, challenger {c.challenger}, bond {fmt_wei(c.bond)}")
+        if replay and c.aggregate:
+            raise AuditError(f"challenge {challenge_id} disputes stage {c.stage}'s co-signed shard (co-signers "
                              f"{', '.join(lg.co_signers_of(challenge_id))}), not a slot's replay: recompute it "
                              "with `dlx verify` (its aggregate level)")
         if replay:
@@ -457,22 +454,22 @@ def resolve(
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         c = lg.challenge(challenge_id)
-        if c["resolved"]:
+        if c.resolved:
             raise AuditError(f"challenge {challenge_id} is already resolved")
-        arbiters, quorum = lg.arbiters_of(c["runId"])
+        arbiters, quorum = lg.arbiters_of(c.run_id)
         signed: dict[str, bytes] = {}
         for i, text in enumerate(signatures, start=1):
             sig = _read_signature(text, challenge_id, verdict, lg)
             signer = lg.verdict_signer(challenge_id, verdict, sig)
             if signer not in arbiters:
-                raise AuditError(f"signature {i} recovers to {signer}, not an arbiter of run {c['runId']} "
+                raise AuditError(f"signature {i} recovers to {signer}, not an arbiter of run {c.run_id} "
                                  f"(was it signed for challenge {challenge_id}, "
                                  f"{'--uphold' if verdict else '--dismiss'}?)")
             if signer in signed:
                 raise AuditError(f"signatures from {signer} given twice")
             signed[signer] = sig
         if len(signed) < quorum:
-            raise AuditError(f"{len(signed)} arbiter signature(s) given; run {c['runId']} needs a quorum of {quorum}")
+            raise AuditError(f"{len(signed)} arbiter signature(s) given; run {c.run_id} needs a quorum of {quorum}")
         ordered = [signed[a] for a in sorted(signed, key=lambda a: int(a, 16))]
         res = lg.resolve_with(sender, challenge_id=challenge_id, upheld=verdict, signatures=ordered)
     from lineage.store.cid import DAG_CBOR, cid_from_digest
@@ -512,19 +509,19 @@ def expire_challenge(
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         c = lg.challenge(challenge_id)
-        if c["resolved"]:
+        if c.resolved:
             raise AuditError(f"challenge {challenge_id} is already resolved")
-        deadline, now = int(c["openedAt"]) + lg.resolution_period(), chain_time(lg)
+        deadline, now = c.opened_at + lg.resolution_period(), chain_time(lg)
         if now <= deadline:
             raise AuditError(f"challenge {challenge_id} awaits its arbiters until {deadline} (chain time now {now})")
         bond, to, tx = lg.expire_challenge(sender, challenge_id)
     if as_json:
-        sys.stdout.write(json.dumps({"challenge": challenge_id, "run": int(c["runId"]), "step": int(c["step"]),
-                                     "node": c["node"], "bond_wei": str(bond), "bond_to": to, "tx": tx},
+        sys.stdout.write(json.dumps({"challenge": challenge_id, "run": c.run_id, "step": c.step,
+                                     "node": c.node, "bond_wei": str(bond), "bond_to": to, "tx": tx},
                                     indent=2) + "\n")
         return
-    _out(f"challenge {challenge_id} expired without a verdict: node {c['node']} keeps its stake, "
-         f"run {c['runId']} step {c['step']} may be finalized")
+    _out(f"challenge {challenge_id} expired without a verdict: node {c.node} keeps its stake, "
+         f"run {c.run_id} step {c.step} may be finalized")
     _out(f"bond      {fmt_wei(bond)} credited back to {to}")
     _out(f"tx        {tx}")
 

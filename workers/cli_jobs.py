@@ -394,7 +394,7 @@ def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> 
 
     need = max(job.chain.stake_wei, job.chain.min_stake_wei)
     ledger = Ledger(Chain(stack.rpc, stack.chain_id), stack.registry, stack.ledger)
-    stakes = {node: ledger.stake_of(node) for node in {w["node"] for w in workers}}
+    stakes = {node: ledger.registry.stake_of(node) for node in {w["node"] for w in workers}}
     offered = sum(w["slots"] for w in workers if stakes[w["node"]] >= need)
     if offered < job.world_size:
         node, most = max(stakes.items(), key=lambda kv: kv[1])

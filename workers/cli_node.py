@@ -167,11 +167,11 @@ def register_(
     with ep.connect(writable=True) as lg:
         if amount is not None:  # refused before the node is registered, not after
             lg.chain.require_funds(payer.address, amount, "--stake")
-        receipt = lg.register(node, op)
+        receipt = lg.registry.register(node, op)
         _out(f"node {node.address} registered for operator {op} (tx {tx_of(receipt)})")
         if amount is not None:
-            receipt = lg.stake(payer, node.address, amount)
-            _out(f"staked {fmt_wei(amount)} from {payer.address}; stake now {fmt_wei(lg.stake_of(node.address))} "
+            receipt = lg.registry.stake(payer, node.address, amount)
+            _out(f"staked {fmt_wei(amount)} from {payer.address}; stake now {fmt_wei(lg.registry.stake_of(node.address))} "
                  f"(tx {tx_of(receipt)})")
 
 
@@ -189,9 +189,9 @@ def stake_(
     target = _target(node)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
-        receipt = lg.stake(payer, target, wei)
+        receipt = lg.registry.stake(payer, target, wei)
         _out(f"staked {fmt_wei(wei)} behind {target} from {payer.address}; stake now "
-             f"{fmt_wei(lg.stake_of(target))} (tx {tx_of(receipt)})")
+             f"{fmt_wei(lg.registry.stake_of(target))} (tx {tx_of(receipt)})")
 
 
 @node_app.command("unbond")
@@ -206,8 +206,8 @@ def unbond_(
     target = _target(node)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
-        receipt = lg.unbond(operator, target)
-        amount, release_at = lg.unbonding_of(target)
+        receipt = lg.registry.unbond(operator, target)
+        amount, release_at = lg.registry.unbonding_of(target)
         _out(f"unbonding {fmt_wei(amount)} of {target}: withdrawable from "
              f"{_when(release_at, chain_time(lg))} (tx {tx_of(receipt)})")
 
@@ -226,9 +226,9 @@ def withdraw_(
     target = _target(node)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
-        receipt = lg.withdraw(operator, target)
+        receipt = lg.registry.withdraw(operator, target)
         paid = sum(int(e["args"]["amount"]) for e in
-                   lg.registry.events.Withdrawn().process_receipt(receipt, errors=DISCARD))
+                   lg.registry.contract.events.Withdrawn().process_receipt(receipt, errors=DISCARD))
         _out(f"withdrew {fmt_wei(paid)} of {target} to {operator.address} (tx {tx_of(receipt)})")
 
 
@@ -243,8 +243,8 @@ def claim_(
     account = load_key("operator" if as_operator else "node")
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
-        credit = lg.credit_of(account.address)
-        receipt = lg.claim(account)
+        credit = lg.registry.credit_of(account.address)
+        receipt = lg.registry.claim(account)
         _out(f"claimed {fmt_wei(credit)} to {account.address} (tx {tx_of(receipt)})")
 
 
@@ -288,22 +288,21 @@ def register(app: typer.Typer) -> None:
 
 def node_status(lg: Any, node: str) -> dict[str, Any]:
     """`dlx node status --json`: wei as strings (JSON numbers lose precision above 2**53)."""
-    registered = lg.is_registered(node)
-    operator = lg.operator_of(node) if registered else None
-    amount, release_at = lg.unbonding_of(node)
+    registered = lg.registry.is_registered(node)
+    operator = lg.registry.operator_of(node) if registered else None
+    amount, release_at = lg.registry.unbonding_of(node)
     challenges = []
     if lg.ledger.address != lg.registry.address:  # a registry with no ledger bound has none
-        challenges = [{"id": int(c["challengeId"]), "run": int(c["runId"]), "step": int(c["step"]),
-                       "replica": int(c["replica"]), "stage": int(c["stage"]), "challenger": c["challenger"],
-                       "bond_wei": str(c["bond"]), "resolved": c["resolved"], "expired": c["expired"],
-                       "upheld": c["upheld"]}
+        challenges = [{"id": c.challenge_id, "run": c.run_id, "step": c.step, "replica": c.replica,
+                       "stage": c.stage, "challenger": c.challenger, "bond_wei": str(c.bond),
+                       "resolved": c.resolved, "expired": c.expired, "upheld": c.upheld}
                       for c in lg.challenges(node=node)]
     return {
         "node": node, "chain_id": lg.chain.chain_id, "registry": lg.registry.address, "ledger": lg.ledger.address,
         "time": chain_time(lg), "registered": registered, "operator": operator,
-        "stake_wei": str(lg.stake_of(node)),
+        "stake_wei": str(lg.registry.stake_of(node)),
         "unbonding": {"amount_wei": str(amount), "release_at": release_at},
-        "open_challenges": lg.open_challenges_of(node), "challenges": challenges,
-        "credit_wei": {"node": str(lg.credit_of(node)),
-                       "operator": str(lg.credit_of(operator)) if operator else "0"},
+        "open_challenges": lg.registry.open_challenges_of(node), "challenges": challenges,
+        "credit_wei": {"node": str(lg.registry.credit_of(node)),
+                       "operator": str(lg.registry.credit_of(operator)) if operator else "0"},
     }

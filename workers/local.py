@@ -255,7 +255,7 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
             shutil.copyfile(job_path, run_dir / "job.toml")
             ledger = Ledger.deploy(chain, submitter)
             for node in {k.address: k for k in slot_keys}.values():
-                ledger.ensure_staked(node, job.chain.stake_wei)
+                ledger.registry.ensure_staked(node, job.chain.stake_wei)
             blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
             record = RunRecord(
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,

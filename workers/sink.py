@@ -24,6 +24,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Required, TypedDict, Unpack
 
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
@@ -35,7 +36,7 @@ from lineage.chain.attest import (
     replica_bitmap,
     shard_digest,
 )
-from lineage.chain.ledger import Attestation, Ledger
+from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
@@ -94,67 +95,73 @@ def content_digest(data: bytes) -> bytes:
     return digest_of(file_cid(data))
 
 
+class SinkOptions(TypedDict, total=False):
+    """`LedgerSink`'s keyword options. Either `slot_keys` (one local key per slot: `dlx
+    train`) or `slot_nodes` and a `signer` that obtains each slot's signature from its own
+    node (the job queue)."""
+
+    job: Required[JobConfig]
+    config: Required[dict]  # the run-config document (lineage.store.runconfig.RunConfig.to_doc)
+    store: Required[Blockstore]
+    ledger: Required[Ledger]
+    submitter: Required[LocalAccount]  # sends createRun and every commitStep
+    record: Required[RunRecord]
+    run_dir: Required[Path]
+    challenge_window: Required[int]  # seconds; the run's `[chain]` terms from here on
+    min_stake: Required[int]
+    arbiters: list[str] | None
+    quorum: int  # default 0
+    independence: str  # the run's `[chain] independence` ("keys", the default, or "operators")
+    slot_keys: list[LocalAccount] | None
+    slot_nodes: list[str] | None
+    signer: Signer | None
+    on_progress: Callable[[Progress], None] | None
+    on_committed: Callable[[int, CID, StepArtifacts], None] | None
+    tracking: object | None  # the job file's `[tracking]` section (workers.jobfile.TrackingConfig)
+    hooks: CommitHooks  # what is stored, committed on and signed (default HONEST; a test injects cheats)
+
+
+def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> tuple[list[str], Signer]:
+    """Each slot's node and the signer of their claims, from `options`."""
+    keys, nodes, signer = options.get("slot_keys"), options.get("slot_nodes"), options.get("signer")
+    if keys is not None:
+        nodes = [k.address for k in keys]
+        signer = local_signer(keys, domain, hooks, options["job"].parallel.stages)
+    if nodes is None or signer is None:
+        raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
+    return nodes, signer
+
+
 class LedgerSink:
     """Stores and commits each outer step; one node key per (replica, stage) slot."""
 
     #: What each rank co-signs for its new stage shard (trainer.artifacts.StepSink).
     shard_digest = staticmethod(shard_digest)
 
-    def __init__(
-        self,
-        *,
-        job: JobConfig,
-        config: dict,
-        store: Blockstore,
-        ledger: Ledger,
-        submitter: LocalAccount,
-        record: RunRecord,
-        run_dir: Path,
-        challenge_window: int,
-        min_stake: int,
-        arbiters: list[str] | None = None,
-        quorum: int = 0,
-        independence: str = "keys",
-        slot_keys: list[LocalAccount] | None = None,
-        slot_nodes: list[str] | None = None,
-        signer: Signer | None = None,
-        on_progress: Callable[[Progress], None] | None = None,
-        on_committed: Callable[[int, CID, StepArtifacts], None] | None = None,
-        tracking: object | None = None,
-        hooks: CommitHooks = HONEST,
-    ) -> None:
-        """Either `slot_keys` (one local key per slot: `dlx train`) or `slot_nodes` and a
-        `signer` that obtains each slot's signature from its own node (the job queue).
-        `tracking`: the job file's `[tracking]` section (workers.jobfile.TrackingConfig);
-        `independence`: the run's `[chain] independence` ("keys" or "operators");
-        `hooks`: what is stored, committed on and signed (`CommitHooks`; a test injects cheats)."""
-        if slot_keys is not None:
-            slot_nodes = [k.address for k in slot_keys]
-            signer = local_signer(slot_keys, ledger.domain, hooks, job.parallel.stages)
-        if slot_nodes is None or signer is None:
-            raise ValueError("LedgerSink needs slot_keys, or slot_nodes and a signer")
-        if len(slot_nodes) != job.world_size:
-            raise ValueError(f"need {job.world_size} slot nodes, got {len(slot_nodes)}")
+    def __init__(self, **options: Unpack[SinkOptions]) -> None:
+        """The keyword options are `SinkOptions`'."""
+        job, ledger, record, run_dir = options["job"], options["ledger"], options["record"], options["run_dir"]
         self.job = job
-        self.hooks = hooks
-        self.config = config
-        self.store = store
+        self.hooks = options.get("hooks", HONEST)
+        self.slot_nodes, self.signer = _slot_signing(options, ledger.domain, self.hooks)
+        if len(self.slot_nodes) != job.world_size:
+            raise ValueError(f"need {job.world_size} slot nodes, got {len(self.slot_nodes)}")
+        self.config = options["config"]
+        self.store = options["store"]
         self.ledger = ledger
-        self.submitter = submitter
-        self.slot_nodes = slot_nodes
-        self.signer = signer
+        self.submitter = options["submitter"]
         self.record = record
         self.run_dir = run_dir
-        self.challenge_window = challenge_window
-        self.min_stake = min_stake
-        self.arbiters, self.quorum = list(arbiters or []), quorum
-        self.independence = independence
+        self.challenge_window = options["challenge_window"]
+        self.min_stake = options["min_stake"]
+        self.arbiters, self.quorum = list(options.get("arbiters") or []), options.get("quorum", 0)
+        self.independence = options.get("independence", "keys")
         self.code = code_hash()
-        self._progress = on_progress
-        self._committed = on_committed
+        self._progress = options.get("on_progress")
+        self._committed = options.get("on_committed")
         self._config_cid: CID | None = None
         self._head: CID | None = None
-        self.trackers = open_trackers(run_dir, tracking, record.name, config.get("job", {}),
+        self.trackers = open_trackers(run_dir, options.get("tracking"), record.name, self.config.get("job", {}),
                                       {"dlx.run_dir": str(run_dir)})
 
     def resume_from(self, checkpoint: CID | str) -> None:
@@ -173,8 +180,7 @@ class LedgerSink:
         manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
         head = put_manifest(self.store, manifest)
         nodes = list(dict.fromkeys(self.slot_nodes))
-        run_id = self.ledger.create_run(
-            self.submitter,
+        run_id = self.ledger.create_run(self.submitter, RunSpec(
             config_digest=digest_of(self._config_cid),
             genesis_digest=digest_of(head),
             nodes=nodes,
@@ -186,7 +192,7 @@ class LedgerSink:
             arbiters=self.arbiters,
             quorum=self.quorum,
             independence=self.independence,
-        )
+        ))
         self._head = head
         r = self.record
         r.run_id, r.config, r.genesis, r.head, r.nodes, r.status = (

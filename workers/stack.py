@@ -148,7 +148,7 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
                       ledger=ledger.addresses["ledger"], host=host, keeper_pid=keeper_pid)
         _save_chain_history(stack)
         for i, acct in enumerate(accounts[1:], start=1):
-            ledger.ensure_staked(acct, stake_wei)
+            ledger.registry.ensure_staked(acct, stake_wei)
             started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
         stack.save()
         return stack

@@ -8,7 +8,7 @@ import {TrainingLedger} from "../src/TrainingLedger.sol";
 
 /// @notice Deploys NodeRegistry, then a TrainingLedger bound to it.
 /// @dev For forge users; the Python side deploys from out/<Name>.sol/<Name>.json itself
-/// (lineage/chain.py `Ledger.deploy`), with the same defaults.
+/// (lineage/chain/ledger.py `Ledger.deploy`), with the same defaults.
 ///
 ///   DLX_TREASURY=0x... forge script script/Deploy.s.sol --rpc-url http://127.0.0.1:PORT \
 ///       --private-key $KEY --broadcast

@@ -13,12 +13,25 @@ recomputed (`dlx verify`'s aggregate level) shows the co-signed shard wrong.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import DlxError
 
+if TYPE_CHECKING:
+    from lineage.chain.ledger import ChallengeRecord
+
 EVIDENCE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Accused:
+    """Whose work a challenge disputes: `node`'s slots of `step` in run `run_id`."""
+
+    run_id: int
+    step: int
+    node: str
 
 
 class AuditError(DlxError, ValueError):
@@ -53,10 +66,10 @@ def _replayed(replays: list[Any]) -> list[Any]:
     return replays
 
 
-def store_evidence(store: Any, *, run_id: int, step: int, node: str, replica: int, stage: int,
-                   checkpoint: Any, claimed: Any, stage_replay: Any, tolerance: float,
-                   chain_id: int, ledger: str) -> Any:
-    """Store the replayed contribution and the evidence node; returns the evidence CID."""
+def store_evidence(store: Any, lg: Any, accused: Accused, replica: int, checkpoint: Any, claimed: Any,
+                   stage_replay: Any, tolerance: float) -> Any:
+    """Store the replayed contribution of slot (`replica`, `stage_replay.stage`) and the
+    evidence node (naming `lg`'s chain and ledger); returns the evidence CID."""
     import dag_cbor
 
     from lineage.store.cid import DAG_CBOR, parse_cid
@@ -67,10 +80,10 @@ def store_evidence(store: Any, *, run_id: int, step: int, node: str, replica: in
         raise AuditError(f"the replay reports contribution {stage_replay.replayed} but its bytes hash to {replayed}")
     rel = float(stage_replay.rel_l2)
     node_doc = {
-        "version": EVIDENCE_VERSION, "kind": "replay-mismatch", "run": run_id, "step": step,
-        "node": node, "replica": replica, "stage": stage, "checkpoint": checkpoint,
+        "version": EVIDENCE_VERSION, "kind": "replay-mismatch", "run": accused.run_id, "step": accused.step,
+        "node": accused.node, "replica": replica, "stage": stage_replay.stage, "checkpoint": checkpoint,
         "claimed": claimed, "replayed": replayed, "rel_l2": rel if math.isfinite(rel) else None,
-        "tolerance": float(tolerance), "chainId": chain_id, "ledger": ledger,
+        "tolerance": float(tolerance), "chainId": lg.chain.chain_id, "ledger": lg.ledger.address,
     }
     if getattr(stage_replay, "reason", ""):
         node_doc["reason"] = stage_replay.reason
@@ -92,13 +105,14 @@ def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
     return doc
 
 
-def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, step: int, node: str,
-                          replays: list[Any], tolerance: float, bond: int | None) -> dict[str, Any]:
-    """Turn `replays` of `node`'s slots at `step` into an on-chain challenge against the
+def open_replay_challenge(lg: Any, store: Any, challenger: Any, accused: Accused, replays: list[Any],
+                          tolerance: float, bond: int | None) -> dict[str, Any]:
+    """Turn `replays` of the accused node's slots into an on-chain challenge against the
     first slot whose replay contradicts the claim; returns what was done."""
     from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
     from lineage.store.manifest import get_manifest
 
+    run_id, step, node = accused.run_id, accused.step, accused.node
     record = step_record(lg, run_id, step)
     slots = slots_of(record, node)
     checkpoint = cid_from_digest(record.checkpoint, DAG_CBOR)
@@ -109,11 +123,9 @@ def open_replay_challenge(lg: Any, store: Any, challenger: Any, *, run_id: int, 
         raise AuditError("replay matches the claim; nothing to challenge")
     replica, st = bad[0]
     if bond is None:
-        bond = max(int(lg.run_params(run_id).get("minStake") or 0), 1)
-    evidence = store_evidence(
-        store, run_id=run_id, step=step, node=node, replica=replica, stage=st.stage, checkpoint=checkpoint,
-        claimed=manifest.contributions[manifest.row(replica)][st.stage], stage_replay=st, tolerance=tolerance,
-        chain_id=lg.chain.chain_id, ledger=lg.ledger.address)
+        bond = max(lg.run_params(run_id).min_stake or 0, 1)
+    evidence = store_evidence(store, lg, accused, replica, checkpoint,
+                              manifest.contributions[manifest.row(replica)][st.stage], st, tolerance)
     challenge_id, tx = lg.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica,
                                             stage=st.stage, bond=bond, evidence=digest_of(evidence))
     return {"challenge": challenge_id, "run": run_id, "step": step, "node": node, "replica": replica,
@@ -148,26 +160,28 @@ def aggregate_failure(run_dir: Path, step: int, stage: int, rpc: str | None = No
     raise AuditError(f"the run in {run_dir} has no step {step} on its current chain")
 
 
-def store_aggregate_evidence(store: Any, *, run_id: int, step: int, stage: int, checkpoint: Any, cosigned: bytes,
-                             failure: str, chain_id: int, ledger: str) -> Any:
-    """Store the evidence node of an aggregate challenge; returns its CID."""
+def store_aggregate_evidence(store: Any, lg: Any, run_id: int, record: Any, stage: int, failure: str) -> Any:
+    """Store the evidence node of an aggregate challenge against stage `stage` of the
+    committed step `record` (a `StepRecord` of run `run_id` on `lg`); returns its CID."""
     import dag_cbor
 
-    from lineage.store.cid import DAG_CBOR
+    from lineage.store.cid import DAG_CBOR, cid_from_digest
 
-    node_doc = {"version": EVIDENCE_VERSION, "kind": "aggregate-mismatch", "run": run_id, "step": step,
-                "stage": stage, "checkpoint": checkpoint, "cosigned": cosigned, "failure": failure,
-                "chainId": chain_id, "ledger": ledger}
+    stages = lg.run_created(run_id).stages
+    node_doc = {"version": EVIDENCE_VERSION, "kind": "aggregate-mismatch", "run": run_id, "step": record.step,
+                "stage": stage, "checkpoint": cid_from_digest(record.checkpoint, DAG_CBOR),
+                "cosigned": record.shards(stages)[stage], "failure": failure,
+                "chainId": lg.chain.chain_id, "ledger": lg.ledger.address}
     return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
 
 
-def check_vote_by_recompute(run_dir: Path | None, rpc: str | None, challenge: dict[str, Any], upheld: bool) -> str:
+def check_vote_by_recompute(run_dir: Path | None, rpc: str | None, challenge: ChallengeRecord, upheld: bool) -> str:
     """For an aggregate challenge: recompute the challenged step's outer step from the run
     in `run_dir`; refuse a verdict the result contradicts. Returns a one-line account."""
     if run_dir is None:
         raise AuditError("--recompute needs --run-dir: the run whose outer step is recomputed")
     try:
-        failure = aggregate_failure(run_dir, int(challenge["step"]), int(challenge["stage"]), rpc)
+        failure = aggregate_failure(run_dir, challenge.step, challenge.stage, rpc)
     except AuditError as exc:
         if upheld:
             raise AuditError(f"the recomputed outer step contradicts upholding: {exc}") from None
@@ -184,23 +198,23 @@ def slots_of(record: Any, node: str) -> set[tuple[int, int]]:
     return slots
 
 
-def check_vote_by_replay(lg: Any, store: Any, challenge: dict[str, Any], upheld: bool, tolerance: float) -> str:
+def check_vote_by_replay(lg: Any, store: Any, challenge: ChallengeRecord, upheld: bool, tolerance: float) -> str:
     """Replay the challenged slot from the evidence's checkpoint; refuse a verdict the
     replay contradicts. Returns a one-line account of the replay."""
     from lineage.store.cid import digest_of, parse_cid
 
-    ev = load_evidence(store, challenge["evidence"])
-    for key, want in (("run", challenge["runId"]), ("step", challenge["step"]), ("replica", challenge["replica"]),
-                      ("stage", challenge["stage"])):
+    ev = load_evidence(store, challenge.evidence)
+    for key, want in (("run", challenge.run_id), ("step", challenge.step), ("replica", challenge.replica),
+                      ("stage", challenge.stage)):
         if ev.get(key) != want:
             raise AuditError(f"the evidence's {key} is {ev.get(key)}, the challenge's {want}")
     checkpoint = parse_cid(ev["checkpoint"])
-    commits = {(c.record.step, c.record.checkpoint) for c in lg.commits(challenge["runId"])}
-    if (challenge["step"], digest_of(checkpoint)) not in commits:
-        raise AuditError(f"the evidence's checkpoint {checkpoint} is no commit of run {challenge['runId']} "
-                         f"step {challenge['step']}")
-    (rr,) = _replayed(replay_slots(store, checkpoint, [challenge["replica"]], tolerance))
-    (st,) = [s for s in rr.stages if s.stage == challenge["stage"]]
+    commits = {(c.record.step, c.record.checkpoint) for c in lg.commits(challenge.run_id)}
+    if (challenge.step, digest_of(checkpoint)) not in commits:
+        raise AuditError(f"the evidence's checkpoint {checkpoint} is no commit of run {challenge.run_id} "
+                         f"step {challenge.step}")
+    (rr,) = _replayed(replay_slots(store, checkpoint, [challenge.replica], tolerance))
+    (st,) = [s for s in rr.stages if s.stage == challenge.stage]
     bad = differs(st, tolerance)
     account = (f"replay of replica {rr.replica} stage {st.stage}: "
                f"{'differs from' if bad else 'matches'} the claim (relative L2 {st.rel_l2:.3g}"

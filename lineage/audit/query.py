@@ -194,19 +194,19 @@ def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> tupl
     """The run-level fields of a `Lineage`, from the chain and the configuration block, and
     the run's replica count R."""
     created = ledger.run_created(run_id)
-    stakes = {node: ledger.stake_of(node) for node in created["nodes"]}
+    stakes = {node: ledger.registry.stake_of(node) for node in created.nodes}
     head, _ = ledger.head(run_id)
-    config_cid = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
+    config_cid = cid_from_digest(created.config_digest, DAG_CBOR)
     config = _plain(dag_cbor.decode(store.get(config_cid)))
     if name is None:
         job = config.get("job") if isinstance(config, dict) else None
         name = str(job.get("name", "")) if isinstance(job, dict) else ""
     return {"run_id": run_id, "name": name, "chain_id": ledger.chain.chain_id,
             "ledger": ledger.ledger.address, "registry": ledger.registry.address,
-            "genesis": str(cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)),
+            "genesis": str(cid_from_digest(created.genesis_digest, DAG_CBOR)),
             "config_cid": str(config_cid), "config": config, "stakes": stakes,
             "head": str(cid_from_digest(head, DAG_CBOR)),
-            "finalized_step": ledger.finalized_step(run_id)}, int(created["replicas"])
+            "finalized_step": ledger.finalized_step(run_id)}, created.replicas
 
 
 def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None, R: int,

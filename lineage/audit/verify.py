@@ -57,10 +57,9 @@ from lineage.chain.attest import (
     ContributionClaim,
     Domain,
     contributions_root,
-    expand_signature,
     shards_root,
 )
-from lineage.chain.ledger import StepRecord
+from lineage.chain.ledger import Attestation, CommitCall, StepRecord
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import DlxError
 from lineage.store.blockstore import Blockstore
@@ -143,36 +142,24 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     with open_ledger(run_dir, record, rpc) as ledger:
         created = ledger.run_created(record.run_id)
         steps = ledger.steps(record.run_id)
-        calldata: dict[int, dict[str, Any]] = {}
-        stakes: dict[tuple[str, int], int] = {}
+        facts: ChainFacts | None = None
+        calldata: list[CommitCall] = []
         if "chain" in levels:  # batched: a few requests for the whole run, not a few per step
             calls = ledger.commit_calls(steps)
-            calldata = {s.step: calls[s.tx] for s in steps}
-            stakes = ledger.stakes_at((a["node"], s.block) for s in steps for a in s.attestations)
-        domain = ledger.domain  # its version fixes the typed data the steps were signed under
+            calldata = [calls[s.tx] for s in steps]
+            facts = ChainFacts(ledger.domain, record.run_id, set(created.nodes),
+                               ledger.registry.stakes_at((a["node"], s.block) for s in steps for a in s.attestations),
+                               created.replicas, created.stages, created.min_replicas)
         checkpoints = [cid_from_digest(rec.checkpoint, DAG_CBOR) for rec in steps]
         pruned = _pruned(store, run_dir, checkpoints[-1] if steps else None, ledger, record.run_id)
-    genesis = cid_from_digest(bytes(created["genesisDigest"]), DAG_CBOR)
-    config = cid_from_digest(bytes(created["configDigest"]), DAG_CBOR)
+    genesis = cid_from_digest(created.genesis_digest, DAG_CBOR)
+    config = cid_from_digest(created.config_digest, DAG_CBOR)
     no_outer = _no_outer_step(store, config)
-    work = _Work(store, steps, [genesis, *checkpoints], record.run_id, config,
-                 int(created["replicas"]), int(created["stages"]),
+    work = _Work(store, steps, [genesis, *checkpoints], record.run_id, config, created.replicas, created.stages,
                  tuple(lv for lv in levels if lv not in ("chain", DATA) and not (no_outer and lv == "aggregate")),
                  pruned.blocks)
-    members = set(created["nodes"])
     with _levels_2_3_started(work) as results:  # in worker processes, while level 1 runs here
-        chain: list[str | None] = []
-        for i, rec in enumerate(steps if "chain" in levels else []):
-            try:
-                _verify_chain(rec, i + 1, work.checkpoints[i], calldata[rec.step], domain, record.run_id,
-                              members, stakes, work.R, work.S, min_replicas=int(created["minReplicas"]))
-                manifest = _manifest_or_none(store, checkpoints[i])
-                _verify_manifest_set(rec, manifest, work.R)
-                if domain.version != "1":  # co-signed shards exist from ledger version 2 on
-                    _verify_cosigned(rec, manifest, calldata[rec.step]["attestations"], work.S)
-                chain.append(None)
-            except (_Fail, DlxError) as exc:
-                chain.append(str(exc))
+        chain = _level_1(work, calldata, facts) if facts is not None else []
     data = _verify_data(store, work.config, steps, data_full) if DATA in levels or data_full else _Data()
     report = RunReport(record.run_id, [], run_failures=list(data.run_failures))
     if not steps:  # nothing to vouch for: a run that committed no step is not "verified"
@@ -200,6 +187,23 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
     if replay > 0 and steps:
         _verify_replay(store, report, steps, work.R, replay, tolerance, replayer, pruned.starts_gone)
     return report
+
+
+def _level_1(work: _Work, calls: list[CommitCall], facts: ChainFacts) -> list[str | None]:
+    """Level 1 of every step (its commit `calls[i]`, checked against `facts`): None where
+    it passed, else the first reason."""
+    out: list[str | None] = []
+    for i, rec in enumerate(work.steps):
+        try:
+            verify_commit(rec, i + 1, work.checkpoints[i], calls[i], facts)
+            manifest = _manifest_or_none(work.store, work.checkpoints[i + 1])
+            _verify_manifest_set(rec, manifest, work.R)
+            if facts.domain.version != "1":  # co-signed shards exist from ledger version 2 on
+                _verify_cosigned(rec, manifest, calls[i].attestations, work.S)
+            out.append(None)
+        except (_Fail, DlxError) as exc:
+            out.append(str(exc))
+    return out
 
 
 def _manifest_or_none(store: Blockstore, checkpoint: Any) -> Manifest | None:
@@ -369,15 +373,13 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
                 if manifest is None:
                     manifest = get_manifest(work.store, checkpoint)  # present, hashing to the on-chain digest
                 if level == "content":
-                    _verify_content(work.store, manifest, rec, work.run_id, prev, work.config, work.R, work.S,
-                                    read if "aggregate" in work.levels else None, work.pruned)
+                    _verify_content(work, manifest, rec, prev, read if "aggregate" in work.levels else None)
                 elif level == "aggregate":
                     if outer_cfg is None:
                         outer_cfg = _outer_config(work.store, work.config)
                     if prev_shards is None:
                         prev_shards = _shards_of(work, i, outer_cfg)
-                    shards = _verify_aggregate(work.store, manifest, prev_shards, outer_cfg, rec.replicas(work.R),
-                                               work.R, work.S, read, work.pruned)
+                    shards = _verify_aggregate(work, manifest, prev_shards, outer_cfg, rec.replicas(work.R), read)
                 result[level] = None
             except (_Fail, DlxError) as exc:
                 result[level] = str(exc)
@@ -455,35 +457,51 @@ def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord]
             sr.passed.append(REPLAY)
 
 
-def _verify_chain(rec: StepRecord, expected_step: int, prev: Any, args: dict[str, Any], domain: Domain,
-                  run_id: int, members: set[str], stakes: dict, R: int, S: int, *, min_replicas: int = 1) -> None:
+@dataclass(frozen=True)
+class ChainFacts:
+    """What level 1 checks each step's commit against: the deployment's typed-data domain,
+    the run (id, members, shape, `min_replicas`) and every signer's stake at its commit's
+    block (`Registry.stakes_at`)."""
+
+    domain: Domain
+    run_id: int
+    members: set[str]
+    stakes: dict[tuple[str, int], int]
+    R: int
+    S: int
+    min_replicas: int = 1
+
+
+def verify_commit(rec: StepRecord, expected_step: int, prev: Any, call: CommitCall, run: ChainFacts) -> None:
+    """Level 1 of one step: it follows `prev` (the previous checkpoint) as step
+    `expected_step`, and its commit `call` carries one valid signature per slot of its
+    replica set, each by a staked member, over the contributions its root hashes; raises
+    the first reason it does not."""
     _check(rec.step == expected_step, f"step {rec.step} follows step {expected_step - 1}")
     _check(rec.parent == digest_of(prev), lambda: f"parent is not the previous checkpoint {prev}")
-    replicas = _chain_set(rec, args, R, min_replicas)
-    atts, slots = args["attestations"], len(replicas) * S
+    S = run.S
+    replicas = _chain_set(rec, call, run.R, run.min_replicas)
+    atts, slots = call.attestations, len(replicas) * S
     _check(len(atts) == slots, f"{len(atts)} attestations for {slots} slots ({_ids(replicas)} x {S} stages)")
     _check(len(rec.attestations) == slots, f"{len(rec.attestations)} attestation events for {slots} slots")
     events = sorted(rec.attestations, key=lambda a: (a["replica"], a["stage"]))
     for slot, (att, event) in enumerate(zip(atts, events, strict=True)):
-        replica, stage = att["replica"], att["stage"]
+        replica, stage = att.replica, att.stage
         _check((replica, stage) == (replicas[slot // S], slot % S), f"attestation {slot} is for slot ({replica}, {stage})")
         if rec.replica_set is not None:
-            _check(int(att["replicaSet"]) == rec.replica_set, f"slot ({replica}, {stage}): signed over replica set "
-                                                              f"{int(att['replicaSet']):#x}, not the step's")
-        claim = ContributionClaim(run_id, rec.step, replica, stage, rec.parent, bytes(att["contribution"]),
-                                  bytes(att["dataShard"]), bytes(att["codeHash"]), int(att["lossMicros"]),
-                                  bytes(att.get("newShard", bytes(32))), rec.replica_set or 0)
+            _check(att.replica_set == rec.replica_set, f"slot ({replica}, {stage}): signed over replica set "
+                                                       f"{att.replica_set:#x}, not the step's")
+        claim = ContributionClaim(run.run_id, rec.step, replica, stage, rec.parent, att.contribution,
+                                  att.data_shard, att.code_hash, att.loss_micros, att.new_shard, rec.replica_set or 0)
         try:
-            # Version 1 took 65-byte signatures; version 2 takes EIP-2098's (r, vs).
-            signature = bytes(att["signature"]) if "signature" in att else expand_signature(att["r"], att["vs"])
-            signer = claim.recover(domain, signature)
+            signer = claim.recover(run.domain, att.signature)
         except Exception:  # eth_keys raises several types for malformed signatures
             raise _Fail(f"slot ({replica}, {stage}): malformed signature") from None
         _check(signer == event["node"], f"slot ({replica}, {stage}): signature recovers to {signer}, "
                                         f"the ledger recorded {event['node']}")
-        _check(signer in members, f"slot ({replica}, {stage}): {signer} is not a member of the run")
-        _check(stakes[(event["node"], rec.block)] > 0, f"slot ({replica}, {stage}): {signer} had no stake")
-    root = contributions_root(bytes(a["contribution"]) for a in atts)
+        _check(signer in run.members, f"slot ({replica}, {stage}): {signer} is not a member of the run")
+        _check(run.stakes[(event["node"], rec.block)] > 0, f"slot ({replica}, {stage}): {signer} had no stake")
+    root = contributions_root(a.contribution for a in atts)
     _check(root == rec.contributions_root, "contributions root does not match the attested contributions")
 
 
@@ -492,13 +510,13 @@ def _ids(replicas: tuple[int, ...] | list[int]) -> str:
     return "{" + ", ".join(map(str, replicas)) + "}"
 
 
-def _chain_set(rec: StepRecord, args: dict[str, Any], R: int, min_replicas: int) -> tuple[int, ...]:
+def _chain_set(rec: StepRecord, call: CommitCall, R: int, min_replicas: int) -> tuple[int, ...]:
     """The step's replica set as the chain records it (its event, and the commit's own
     argument from ledger version 3 on), checked against the run: ids below R, at least
     `min_replicas` of them. Ledgers before version 3 had every replica in every step."""
     if rec.replica_set is None:
         return rec.replicas(R)
-    _check(int(args.get("replicaSet", -1)) == rec.replica_set, "the commit's replica set is not its event's")
+    _check(call.replica_set == rec.replica_set, "the commit's replica set is not its event's")
     _check(rec.replica_set >> R == 0, f"replica set {rec.replica_set:#x} names a replica the run ({R}) lacks")
     replicas = rec.replicas(R)
     _check(len(replicas) >= min_replicas,
@@ -515,17 +533,17 @@ def _verify_manifest_set(rec: StepRecord, manifest: Manifest | None, R: int) -> 
     _check(listed == chain, f"the manifest's replicas {_ids(listed)} are not the chain's replica set {_ids(chain)}")
 
 
-def _verify_cosigned(rec: StepRecord, manifest: Manifest | None, atts: list[dict[str, Any]], S: int) -> None:
+def _verify_cosigned(rec: StepRecord, manifest: Manifest | None, atts: tuple[Attestation, ...], S: int) -> None:
     """Level 1 from ledger version 2 on: every present replica of a stage co-signed one new
     shard digest, the step's shards root hashes them, and the manifest links exactly those
     shards (a coordinator can commit nothing but what the replicas computed). A manifest
     that cannot be read fails the content level, which names the block, not this one."""
-    shards = [bytes(atts[s]["newShard"]) for s in range(S)]  # the first present replica's
-    first = atts[0]["replica"] if atts else 0
+    shards = [atts[s].new_shard for s in range(S)]  # the first present replica's
+    first = atts[0].replica if atts else 0
     for att in atts:
-        r, s = att["replica"], att["stage"]
-        _check(bytes(att["newShard"]) == shards[s], lambda r=r, s=s, att=att: (
-            f"stage {s}: replica {r} co-signed shard 0x{bytes(att['newShard']).hex()[:16]}.., "
+        r, s = att.replica, att.stage
+        _check(att.new_shard == shards[s], lambda r=r, s=s, att=att: (
+            f"stage {s}: replica {r} co-signed shard 0x{att.new_shard.hex()[:16]}.., "
             f"replica {first} 0x{shards[s].hex()[:16]}.."))
     _check(rec.shards_root == shards_root(shards), "shards root does not match the co-signed shards")
     if manifest is None:  # missing or corrupt: the content level names the block
@@ -538,12 +556,12 @@ def _verify_cosigned(rec: StepRecord, manifest: Manifest | None, atts: list[dict
             f"(0x{shards[s].hex()[:16]}..)"))
 
 
-def _verify_content(store: Blockstore, m: Manifest, rec: StepRecord, run_id: int, prev: Any, config: Any,
-                    R: int, S: int, keep: dict[str, bytes] | None = None,
-                    pruned: frozenset[str] = frozenset()) -> None:
-    """Level 2; with `keep`, the contributions' and shards' bytes are left there for level 3
-    (read once, hashed once), by block name (the CID: codec and digest). Files in `pruned`
-    (removed by retention, as allowed) are not looked for."""
+def _verify_content(work: _Work, m: Manifest, rec: StepRecord, prev: Any, keep: dict[str, bytes] | None) -> None:
+    """Level 2 of step `rec` (manifest `m`, parent checkpoint `prev`); with `keep`, the
+    contributions' and shards' bytes are left there for level 3 (read once, hashed once), by
+    block name (the CID: codec and digest). Files in `work.pruned` (removed by retention, as
+    allowed) are not looked for."""
+    store, run_id, config, R, S, pruned = work.store, work.run_id, work.config, work.R, work.S, work.pruned
 
     def check(cid: Any) -> None:
         if pruned and block_name(cid)[0] in pruned:
@@ -611,15 +629,16 @@ def _import_outer_math() -> None:
     torch.set_num_threads(1)
 
 
-def _verify_aggregate(store: Blockstore, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
-                      replicas: tuple[int, ...], R: int, S: int, read: dict[str, bytes],
-                      pruned: frozenset[str] = frozenset()) -> list[bytes]:
+def _verify_aggregate(work: _Work, m: Manifest, parent_shards: list[bytes], outer_cfg: Any,
+                      replicas: tuple[int, ...], read: dict[str, bytes]) -> list[bytes]:
     """Recompute each stage's new shard over exactly the step's `replicas` (the chain's
     set; the manifest's rows, ascending id); returns the stored (equal) shards, the next
     step's parents. `read`: files level 2 has read already, by block name. A shard in
-    `pruned` (removed by retention) is checked by its CID instead: the recomputed bytes
-    must import to the file the manifest names."""
+    `work.pruned` (removed by retention) is checked by its CID instead: the recomputed
+    bytes must import to the file the manifest names."""
     from trainer.diloco import apply_outer_step
+
+    store, R, S, pruned = work.store, work.R, work.S, work.pruned
 
     def get(cid: Any) -> bytes:
         data = read.get(block_name(cid)[0])

@@ -13,7 +13,6 @@ decoded into the contract's custom error by name).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +33,7 @@ from .attest import (
     Verdict,
     compact_signature,
     contributions_root,
+    expand_signature,
     replica_bitmap,
     replicas_in,
     sign_verdict,
@@ -45,6 +45,7 @@ from .client import (
     call_view,
     chain_failure,
 )
+from .registry import Registry
 
 #: Where slashed stake goes when no treasury is named: nobody holds its key.
 BURN_ADDRESS = "0x000000000000000000000000000000000000dEaD"
@@ -79,6 +80,160 @@ class Attestation:
         r, vs = compact_signature(self.signature)
         return (self.replica, self.stage, self.replica_set, self.contribution, self.data_shard,
                 self.code_hash, self.loss_micros, self.new_shard, r, vs)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What `createRun` takes (`Ledger.create_run`): the run's shape, its members and its
+    challenge terms. `independence` ("keys" or "operators", `INDEPENDENCE`) is what may not
+    sign slots of two replicas of one step; `min_replicas` (None: `replicas`, every step
+    has every replica) the fewest replicas a step may have."""
+
+    config_digest: bytes
+    genesis_digest: bytes
+    nodes: list[str]
+    replicas: int
+    stages: int
+    challenge_window: int
+    min_stake: int
+    arbiters: list[str] | None = None
+    quorum: int = 0
+    independence: str = "keys"
+    min_replicas: int | None = None
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """A run's `RunCreated` event (`Ledger.run_created`). Before version 3 every step had
+    every replica (`min_replicas` reads as `replicas`); version 1 knew only independent
+    keys (`independence` 0)."""
+
+    run_id: int
+    creator: str
+    config_digest: bytes
+    genesis_digest: bytes
+    replicas: int
+    stages: int
+    min_replicas: int
+    nodes: tuple[str, ...]
+    independence: int = 0
+
+    @classmethod
+    def from_event(cls, args: Any) -> RunInfo:
+        return cls(run_id=int(args["runId"]), creator=str(args["creator"]),
+                   config_digest=bytes(args["configDigest"]), genesis_digest=bytes(args["genesisDigest"]),
+                   replicas=int(args["replicas"]), stages=int(args["stages"]),
+                   min_replicas=int(args.get("minReplicas", args["replicas"])),
+                   nodes=tuple(str(n) for n in args["nodes"]), independence=int(args.get("independence", 0)))
+
+
+@dataclass(frozen=True)
+class RunParams:
+    """The challenge terms `createRun` was called with (`Ledger.run_params`); `min_stake`
+    is None for a run created through another contract (the ledger keeps it private)."""
+
+    arbiters: list[str]
+    quorum: int
+    min_stake: int | None
+    challenge_window: int
+
+
+@dataclass(frozen=True)
+class CommitCall:
+    """The decoded arguments of one `commitStep` transaction (`Ledger.commit_calls`): the
+    attestations with their signatures, which no event carries. `replica_set` is None
+    before version 3 (every replica); each attestation's `signature` is the 65-byte form
+    (version 2 on sends EIP-2098's r, vs) and `new_shard` zero in version 1."""
+
+    run_id: int
+    step: int
+    parent: bytes
+    checkpoint: bytes
+    contributions_root: bytes
+    metrics_digest: bytes
+    attestations: tuple[Attestation, ...]
+    replica_set: int | None = None
+
+    @classmethod
+    def decode(cls, args: Any) -> CommitCall:
+        """From `commitStep`'s arguments as web3 decodes them, of any ledger version."""
+        return cls(run_id=int(args["runId"]), step=int(args["step"]), parent=bytes(args["parent"]),
+                   checkpoint=bytes(args["checkpoint"]), contributions_root=bytes(args["contributionsRoot"]),
+                   metrics_digest=bytes(args["metricsDigest"]),
+                   attestations=tuple(_attestation(a) for a in args["attestations"]),
+                   replica_set=int(args["replicaSet"]) if "replicaSet" in args else None)
+
+
+def _attestation(a: Any) -> Attestation:
+    signature = bytes(a["signature"]) if "signature" in a else expand_signature(a["r"], a["vs"])
+    return Attestation(int(a["replica"]), int(a["stage"]), bytes(a["contribution"]), bytes(a["dataShard"]),
+                       bytes(a["codeHash"]), int(a["lossMicros"]), signature,
+                       bytes(a.get("newShard", bytes(32))), int(a.get("replicaSet", 0)))
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """The ledger's stored record of a step (`Ledger.step_info`); `witness_hash` is version
+    1's `signersHash`."""
+
+    checkpoint: bytes
+    witness_hash: bytes
+    committed_at: int
+    epoch: int
+    open_challenges: int
+    rejected: bool
+
+
+@dataclass(frozen=True)
+class ChallengeRecord:
+    """A challenge as the ledger stores it (`Ledger.challenge`), with the evidence digest
+    of its opening event (zero when none); `aggregate` is False before version 2."""
+
+    challenge_id: int
+    run_id: int
+    step: int
+    epoch: int
+    replica: int
+    stage: int
+    resolved: bool
+    aggregate: bool
+    opened_at: int
+    node: str
+    challenger: str
+    bond: int
+    evidence: bytes
+
+
+@dataclass(frozen=True)
+class OpenedChallenge:
+    """One `ChallengeOpened` event and what became of it (`Ledger.challenges`): `resolved`
+    (ruled on or expired), `expired` (dismissed without a verdict), `upheld` (None until
+    ruled on, and for an expired one), `tx` the opening transaction."""
+
+    challenge_id: int
+    run_id: int
+    step: int
+    node: str
+    epoch: int
+    replica: int
+    stage: int
+    challenger: str
+    bond: int
+    evidence: bytes
+    resolved: bool
+    expired: bool
+    upheld: bool | None
+    tx: str
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One `StepRejected` event: `checkpoint` at `step` rejected by challenge `challenge_id`."""
+
+    run_id: int
+    step: int
+    checkpoint: bytes
+    challenge_id: int
 
 
 @dataclass(frozen=True)
@@ -144,7 +299,7 @@ class Ledger:
 
     def __init__(self, chain: Chain, registry: str, ledger: str) -> None:
         self.chain = chain
-        self.registry = chain.contract("NodeRegistry", registry)
+        self.registry = Registry(chain, registry)
         self.version = ledger_version(chain, ledger)
         name = "TrainingLedger" if self.version == DOMAIN_VERSION else f"TrainingLedger-v{self.version}"
         self.ledger = chain.contract(name, ledger)
@@ -179,109 +334,22 @@ class Ledger:
         )
         ledger = chain.deploy("TrainingLedger", deployer, registry)
         out = cls(chain, registry, ledger)
-        chain.transact(out.registry.functions.bindLedger(ledger), deployer, context="bindLedger")
+        chain.transact(out.registry.contract.functions.bindLedger(ledger), deployer, context="bindLedger")
         return out
 
     @property
     def addresses(self) -> dict[str, str]:
         return {"registry": self.registry.address, "ledger": self.ledger.address}
 
-    # -- node registry --------------------------------------------------------------------
-
-    def ensure_staked(self, node: LocalAccount, amount: int, operator: LocalAccount | None = None) -> None:
-        """Register `node` for `operator` (itself by default) if needed, and have the
-        operator top its active stake up to at least `amount` wei."""
-        fns = self.registry.functions
-        payer = operator or node
-        if not fns.isRegistered(node.address).call():
-            self.chain.transact(fns.register(payer.address), node, context=f"register {node.address}")
-        have = fns.stakeOf(node.address).call()
-        if have < amount:
-            self.chain.require_funds(payer.address, amount - have, f"stake for {node.address}")
-            self.chain.transact(fns.stake(node.address), payer, value=amount - have,
-                                context=f"stake {node.address}")
-
-    def stake_of(self, node: str) -> int:
-        return self.registry.functions.stakeOf(to_checksum_address(node)).call()
-
-    def stakes_at(self, pairs: Iterable[tuple[str, int]]) -> dict[tuple[str, int], int]:
-        """The active stake of each (node, block) pair once that block was applied, from
-        the registry's events: three log queries for any number of pairs, and right on a
-        chain that keeps no state history (anvil reloaded from a state file). A stake only
-        rises through `Staked` (whose `total` is the new stake) and only falls, to zero,
-        through `UnbondingStarted` or `Slashed`; the last of them by the block decides."""
-        pairs = list(pairs)
-        nodes = sorted({to_checksum_address(n) for n, _ in pairs})
-        history: dict[str, list[tuple[int, int, int]]] = {n: [] for n in nodes}  # (block, index, stake)
-        events = self.registry.events
-        for event in (events.Staked, events.UnbondingStarted, events.Slashed):
-            if not nodes:
-                break
-            try:
-                logs = event().get_logs(from_block=0, argument_filters={"node": nodes})
-            except (OSError, Web3Exception) as exc:
-                raise chain_failure(f"reading the registry's {event.event_name} events", exc,
-                                    self.chain.rpc_url) from None
-            for log in logs:
-                stake = int(log["args"]["total"]) if event is events.Staked else 0
-                history[log["args"]["node"]].append((int(log["blockNumber"]), int(log["logIndex"]), stake))
-        for changes in history.values():
-            changes.sort()
-        out = {}
-        for node, block in pairs:
-            changes = history[to_checksum_address(node)]
-            i = bisect.bisect_right(changes, (block, float("inf"), 0))
-            out[(node, block)] = changes[i - 1][2] if i else 0
-        return out
-
-    def register(self, node: LocalAccount, operator: str) -> Any:
-        """Register `node`'s key (it sends the transaction, proving possession) for
-        `operator`; returns the receipt."""
-        fn = self.registry.functions.register(to_checksum_address(operator))
-        return self.chain.transact(fn, node, context=f"register {node.address}")
-
-    def stake(self, payer: LocalAccount, node: str, amount: int) -> Any:
-        """Add `amount` wei from `payer` to `node`'s active stake; returns the receipt."""
-        fn = self.registry.functions.stake(to_checksum_address(node))
-        self.chain.require_funds(payer.address, amount, f"stake for {node}")
-        return self.chain.transact(fn, payer, value=amount, context=f"stake {node}")
-
-    def is_registered(self, node: str) -> bool:
-        return bool(self.registry.functions.isRegistered(to_checksum_address(node)).call())
-
-    def operator_of(self, node: str) -> str:
-        """The operator of `node` (the zero address for an unknown node)."""
-        return str(self.registry.functions.operatorOf(to_checksum_address(node)).call())
-
-    def open_challenges_of(self, node: str) -> int:
-        return int(self.registry.functions.openChallengesOf(to_checksum_address(node)).call())
-
     # -- runs -----------------------------------------------------------------------------
 
-    def create_run(
-        self,
-        sender: LocalAccount,
-        *,
-        config_digest: bytes,
-        genesis_digest: bytes,
-        nodes: list[str],
-        replicas: int,
-        stages: int,
-        challenge_window: int,
-        min_stake: int,
-        arbiters: list[str] | None = None,
-        quorum: int = 0,
-        independence: str = "keys",
-        min_replicas: int | None = None,
-    ) -> int:
-        """Create a run; `independence` ("keys" or "operators", `INDEPENDENCE`) is what may
-        not sign slots of two replicas of one step; `min_replicas` (default `replicas`: every
-        step has every replica) the fewest replicas a step may have."""
+    def create_run(self, sender: LocalAccount, run: RunSpec) -> int:
+        """Create `run` (`RunSpec`); returns its id."""
         self._require_current("createRun")
         fn = self.ledger.functions.createRun(
-            config_digest, genesis_digest, [to_checksum_address(n) for n in nodes],
-            replicas, stages, replicas if min_replicas is None else min_replicas,
-            challenge_window, min_stake, arbiters or [], quorum, INDEPENDENCE[independence],
+            run.config_digest, run.genesis_digest, [to_checksum_address(n) for n in run.nodes],
+            run.replicas, run.stages, run.replicas if run.min_replicas is None else run.min_replicas,
+            run.challenge_window, run.min_stake, run.arbiters or [], run.quorum, INDEPENDENCE[run.independence],
         )
         receipt = self.chain.transact(fn, sender, context="createRun")
         (event,) = self.ledger.events.RunCreated().process_receipt(receipt)
@@ -317,15 +385,15 @@ class Ledger:
         head, step = call_view(self.ledger.functions.runHead(run_id), f"runHead({run_id})")
         return bytes(head), int(step)
 
-    def run_created(self, run_id: int) -> dict[str, Any]:
-        logs = self.ledger.events.RunCreated().get_logs(
-            from_block=0, argument_filters={"runId": run_id}
-        )
+    def _run_created_log(self, run_id: int) -> Any:
+        logs = self.ledger.events.RunCreated().get_logs(from_block=0, argument_filters={"runId": run_id})
         if not logs:
             raise ChainError(f"run {run_id} not found on ledger {self.ledger.address}")
-        args = dict(logs[0]["args"])
-        args.setdefault("minReplicas", args["replicas"])  # version 1 and 2 steps have every replica
-        return args
+        return logs[0]
+
+    def run_created(self, run_id: int) -> RunInfo:
+        """The run's `RunCreated` event."""
+        return RunInfo.from_event(self._run_created_log(run_id)["args"])
 
     def steps(self, run_id: int) -> list[StepRecord]:
         """The committed steps of `run_id` on its current chain, in order, read from the
@@ -344,8 +412,7 @@ class Ledger:
         `rejected` (by an upheld challenge against it or an ancestor)."""
         _, head_step = self.head(run_id)
         final = self.finalized_step(run_id)
-        rejected_by = {(int(r["step"]), bytes(r["checkpoint"])): int(r["challengeId"])
-                       for r in self.rejections(run_id)}
+        rejected_by = {(r.step, r.checkpoint): r.challenge_id for r in self.rejections(run_id)}
         records = self._commit_records(run_id)
         latest = {r.step: i for i, r in enumerate(records)}
         out = []
@@ -382,12 +449,13 @@ class Ledger:
             ))
         return sorted(records, key=lambda r: r.block)
 
-    def commit_calls(self, records: Iterable[StepRecord], batch: int = 100) -> dict[str, dict[str, Any]]:
+    def commit_calls(self, records: Iterable[StepRecord], batch: int = 100) -> dict[str, CommitCall]:
         """The decoded `commitStep` arguments (attestations with their signatures, which no
         event carries) of each record's transaction, keyed by transaction hash; fetched in
         JSON-RPC batches of `batch`, not one round trip per step."""
         hashes = list(dict.fromkeys(r.tx for r in records))
-        w3, out = self.chain.w3, {}
+        w3: Any = self.chain.w3  # web3 types a batch's execute() as RPCResponses; each is a TxData
+        out: dict[str, CommitCall] = {}
         for i in range(0, len(hashes), batch):
             chunk = hashes[i:i + batch]
             try:
@@ -398,34 +466,11 @@ class Ledger:
             except (OSError, Web3Exception) as exc:
                 raise chain_failure(f"reading {len(chunk)} commit transactions", exc, self.chain.rpc_url) from None
             for tx_hash, txn in zip(chunk, txs, strict=True):
-                # web3 types execute() as RPCResponses; it returns each call's result (TxData)
-                _, out[tx_hash] = self.ledger.decode_function_input(txn["input"])  # type: ignore[typeddict-item]
+                _, args = self.ledger.decode_function_input(txn["input"])
+                out[tx_hash] = CommitCall.decode(args)
         return out
 
     # -- stakes, slashing, challenges, finality (issue 5) ---------------------------------
-
-    def unbonding_of(self, node: str) -> tuple[int, int]:
-        """(wei unbonding, release timestamp) of `node`; (0, 0) when it is not unbonding."""
-        amount, release_at = self.registry.functions.unbondingOf(to_checksum_address(node)).call()
-        return int(amount), int(release_at)
-
-    def credit_of(self, account: str) -> int:
-        """Wei `account` can claim: rewards, refunded bonds, the treasury's share."""
-        return int(self.registry.functions.creditOf(to_checksum_address(account)).call())
-
-    def unbond(self, operator: LocalAccount, node: str) -> Any:
-        """Start unbonding all of `node`'s stake (it stops attesting); returns the receipt."""
-        fn = self.registry.functions.unbond(to_checksum_address(node))
-        return self.chain.transact(fn, operator, context=f"unbond {node}")
-
-    def withdraw(self, operator: LocalAccount, node: str) -> Any:
-        """Pay `node`'s unbonded stake to its operator; returns the receipt."""
-        fn = self.registry.functions.withdraw(to_checksum_address(node))
-        return self.chain.transact(fn, operator, context=f"withdraw {node}")
-
-    def claim(self, account: LocalAccount) -> Any:
-        """Pay `account` its credit; returns the receipt."""
-        return self.chain.transact(self.registry.functions.claim(), account, context=f"claim {account.address}")
 
     def report_equivocation(
         self, sender: LocalAccount, *, run_id: int, step: int, parent: bytes, a: Attestation, b: Attestation
@@ -440,7 +485,7 @@ class Ledger:
         self._require_current("reportEquivocation")
         fn = self.ledger.functions.reportEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
         receipt = self.chain.transact(fn, sender, context=f"reportEquivocation(run {run_id}, step {step})")
-        (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        (event,) = self.registry.contract.events.Slashed().process_receipt(receipt, errors=DISCARD)
         return int(event["args"]["amount"]), receipt["transactionHash"].to_0x_hex()
 
     def report_result_equivocation(
@@ -450,7 +495,7 @@ class Ledger:
         self._require_current("reportResultEquivocation")
         fn = self.ledger.functions.reportResultEquivocation(run_id, step, parent, a.as_tuple(), b.as_tuple())
         receipt = self.chain.transact(fn, sender, context=f"reportResultEquivocation(run {run_id}, step {step})")
-        (event,) = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        (event,) = self.registry.contract.events.Slashed().process_receipt(receipt, errors=DISCARD)
         return int(event["args"]["amount"]), receipt["transactionHash"].to_0x_hex()
 
     def _record(self, run_id: int, step: int) -> StepRecord:
@@ -504,7 +549,7 @@ class Ledger:
         (challenge id, transaction hash)."""
         self._require_current("openAggregateChallenge")
         record = self._record(run_id, step)
-        stages = int(self.run_created(run_id)["stages"])
+        stages = self.run_created(run_id).stages
         fn = self.ledger.functions.openAggregateChallenge(
             run_id, step, stage, record.replica_set, [a["node"] for a in record.attestations],
             record.shards(stages), evidence,
@@ -521,38 +566,42 @@ class Ledger:
         return [str(a) for a in call_view(self.ledger.functions.coSignersOf(challenge_id),
                                       f"coSignersOf({challenge_id})")]
 
-    def challenge(self, challenge_id: int) -> dict[str, Any]:
+    def challenge(self, challenge_id: int) -> ChallengeRecord:
         """Challenge `challenge_id` as stored, plus the evidence digest of its opening event."""
         c = call_view(self.ledger.functions.challenge(challenge_id), f"challenge({challenge_id})")
-        keys: tuple[str, ...] = ("runId", "step", "epoch", "replica", "stage", "resolved", "aggregate", "openedAt", "node",
-                "challenger", "bond")
-        if self.version == "1":
-            keys = tuple(k for k in keys if k != "aggregate")
-        out = dict(zip(keys, c, strict=True))
-        out.setdefault("aggregate", False)
+        if self.version == "1":  # no aggregate challenges before co-signed shards
+            c = (*c[:6], False, *c[6:])
+        run_id, step, epoch, replica, stage, resolved, aggregate, opened_at, node, challenger, bond = c
         logs = self.ledger.events.ChallengeOpened().get_logs(
             from_block=0, argument_filters={"challengeId": challenge_id})
-        out["evidence"] = bytes(logs[0]["args"]["evidence"]) if logs else bytes(32)
-        return out
+        return ChallengeRecord(
+            challenge_id=challenge_id, run_id=int(run_id), step=int(step), epoch=int(epoch), replica=int(replica),
+            stage=int(stage), resolved=bool(resolved), aggregate=bool(aggregate), opened_at=int(opened_at),
+            node=str(node), challenger=str(challenger), bond=int(bond),
+            evidence=bytes(logs[0]["args"]["evidence"]) if logs else bytes(32))
 
-    def challenges(self, *, run_id: int | None = None, node: str | None = None) -> list[dict[str, Any]]:
+    def challenges(self, *, run_id: int | None = None, node: str | None = None) -> list[OpenedChallenge]:
         """Opened challenges (of one run, against one node, or all), oldest first, each with
-        `resolved`, `expired` (dismissed without a verdict) and, once ruled on, `upheld`."""
+        what became of it (`OpenedChallenge`)."""
         filters = {"runId": run_id} if run_id is not None else {}
-        opened = self.ledger.events.ChallengeOpened().get_logs(from_block=0, argument_filters=filters)
+        events = self.ledger.events
+        opened = events.ChallengeOpened().get_logs(from_block=0, argument_filters=filters)
         resolved = {int(log["args"]["challengeId"]): bool(log["args"]["upheld"])
-                    for log in self.ledger.events.ChallengeResolved().get_logs(from_block=0, argument_filters=filters)}
+                    for log in events.ChallengeResolved().get_logs(from_block=0, argument_filters=filters)}
         expired = {int(log["args"]["challengeId"])
-                   for log in self.ledger.events.ChallengeExpired().get_logs(from_block=0, argument_filters=filters)}
+                   for log in events.ChallengeExpired().get_logs(from_block=0, argument_filters=filters)}
         out = []
         for log in opened:
-            a = dict(log["args"])
+            a = log["args"]
             if node is not None and a["node"].lower() != node.lower():
                 continue
             cid = int(a["challengeId"])
-            a.update(resolved=cid in resolved or cid in expired, expired=cid in expired, upheld=resolved.get(cid),
-                     tx=log["transactionHash"].to_0x_hex())
-            out.append(a)
+            out.append(OpenedChallenge(
+                challenge_id=cid, run_id=int(a["runId"]), step=int(a["step"]), node=str(a["node"]),
+                epoch=int(a["epoch"]), replica=int(a["replica"]), stage=int(a["stage"]),
+                challenger=str(a["challenger"]), bond=int(a["bond"]), evidence=bytes(a["evidence"]),
+                resolved=cid in resolved or cid in expired, expired=cid in expired, upheld=resolved.get(cid),
+                tx=log["transactionHash"].to_0x_hex()))
         return out
 
     def arbiters_of(self, run_id: int) -> tuple[list[str], int]:
@@ -560,19 +609,16 @@ class Ledger:
         arbiters, quorum = call_view(self.ledger.functions.arbitersOf(run_id), f"arbitersOf({run_id})")
         return [str(a) for a in arbiters], int(quorum)
 
-    def run_params(self, run_id: int) -> dict[str, Any]:
-        """The arguments `createRun` was called with (the ledger keeps `minStake` private;
-        the creating transaction shows it)."""
-        logs = self.ledger.events.RunCreated().get_logs(from_block=0, argument_filters={"runId": run_id})
-        if not logs:
-            raise ChainError(f"run {run_id} not found on ledger {self.ledger.address}")
-        tx = self.chain.w3.eth.get_transaction(logs[0]["transactionHash"])
+    def run_params(self, run_id: int) -> RunParams:
+        """The challenge terms `createRun` was called with (the ledger keeps `minStake`
+        private; the creating transaction shows it)."""
+        tx = self.chain.w3.eth.get_transaction(self._run_created_log(run_id)["transactionHash"])
         fn, args = self.ledger.decode_function_input(tx["input"])
         if fn.fn_name != "createRun":  # created through another contract: fall back to views
             arbiters, quorum = self.arbiters_of(run_id)
-            return {"arbiters": arbiters, "quorum": quorum, "minStake": None,
-                    "challengeWindow": int(self.ledger.functions.challengeWindowOf(run_id).call())}
-        return dict(args)
+            return RunParams(arbiters, quorum, None, int(self.ledger.functions.challengeWindowOf(run_id).call()))
+        return RunParams([str(a) for a in args["arbiters"]], int(args["quorum"]), int(args["minStake"]),
+                         int(args["challengeWindow_"]))
 
     def verdict_signer(self, challenge_id: int, upheld: bool, signature: bytes) -> str:
         """The key that signed `signature` over `Verdict(challenge_id, upheld)`."""
@@ -590,8 +636,8 @@ class Ledger:
         fn = self.ledger.functions.resolveChallenge(challenge_id, upheld, signatures)
         receipt = self.chain.transact(fn, sender, context=f"resolveChallenge({challenge_id})")
         (done,) = self.ledger.events.ChallengeResolved().process_receipt(receipt, errors=DISCARD)
-        slashed = self.registry.events.Slashed().process_receipt(receipt, errors=DISCARD)
-        released = self.registry.events.BondReleased().process_receipt(receipt, errors=DISCARD)
+        slashed = self.registry.contract.events.Slashed().process_receipt(receipt, errors=DISCARD)
+        released = self.registry.contract.events.BondReleased().process_receipt(receipt, errors=DISCARD)
         rejected = self.ledger.events.StepRejected().process_receipt(receipt, errors=DISCARD)
         rolled = self.ledger.events.HeadRolledBack().process_receipt(receipt, errors=DISCARD)
         a = done["args"]
@@ -618,7 +664,7 @@ class Ledger:
         (the bond in wei, who it was credited to: the challenger, the transaction hash)."""
         receipt = self.chain.transact(self.ledger.functions.expireChallenge(challenge_id), sender,
                                       context=f"expireChallenge({challenge_id})")
-        (released,) = self.registry.events.BondReleased().process_receipt(receipt, errors=DISCARD)
+        (released,) = self.registry.contract.events.BondReleased().process_receipt(receipt, errors=DISCARD)
         return int(released["args"]["amount"]), released["args"]["to"], receipt["transactionHash"].to_0x_hex()
 
     def verdict_digest(self, challenge_id: int, upheld: bool) -> bytes:
@@ -646,20 +692,18 @@ class Ledger:
     def finalized_step(self, run_id: int) -> int:
         return int(call_view(self.ledger.functions.finalizedStep(run_id), f"finalizedStep({run_id})"))
 
-    def step_info(self, run_id: int, step: int) -> dict[str, Any]:
-        """The stored record of `step`: checkpoint, witnessHash (version 1: signersHash),
-        committedAt, epoch, openChallenges, rejected."""
+    def step_info(self, run_id: int, step: int) -> StepInfo:
+        """The stored record of `step` (`StepInfo`)."""
         (checkpoint, witness_hash, committed_at, epoch, open_challenges, rejected) = call_view(
             self.ledger.functions.stepInfo(run_id, step), f"stepInfo({run_id}, {step})")
-        key = "signersHash" if self.version == "1" else "witnessHash"
-        return {"checkpoint": bytes(checkpoint), key: bytes(witness_hash),
-                "committedAt": int(committed_at), "epoch": int(epoch),
-                "openChallenges": int(open_challenges), "rejected": bool(rejected)}
+        return StepInfo(bytes(checkpoint), bytes(witness_hash), int(committed_at), int(epoch),
+                        int(open_challenges), bool(rejected))
 
-    def rejections(self, run_id: int) -> list[dict[str, Any]]:
+    def rejections(self, run_id: int) -> list[Rejection]:
         """Every `StepRejected` event of `run_id`, oldest first."""
         logs = self.ledger.events.StepRejected().get_logs(from_block=0, argument_filters={"runId": run_id})
-        return [dict(log["args"]) for log in logs]
+        return [Rejection(int(a["runId"]), int(a["step"]), bytes(a["checkpoint"]), int(a["challengeId"]))
+                for a in (log["args"] for log in logs)]
 
 
 def ledger_version(chain: Chain, address: str) -> str:

@@ -159,7 +159,7 @@ def open_steps(ledger: Any, run_id: int, head: int, cache: dict[int, int] | None
     out = set()
     for t in range(head, 0, -1):
         if t not in cache:
-            cache[t] = ledger.step_info(run_id, t)["committedAt"]
+            cache[t] = ledger.step_info(run_id, t).committed_at
         if cache[t] + window < now:
             break
         out.add(t)

@@ -96,7 +96,7 @@ def train(run_dir: Path) -> tuple[Ledger, LedgerSink, Anvil]:
     submitter, slot_keys = accounts[0], accounts[1:]
     ledger = Ledger.deploy(chain, submitter)
     for node in slot_keys:
-        ledger.ensure_staked(node, job.chain.stake_wei)
+        ledger.registry.ensure_staked(node, job.chain.stake_wei)
     record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=None, chain_state="chain/state.json",
                        registry=ledger.addresses["registry"], ledger=ledger.addresses["ledger"], blocks="blocks",
                        job_dir=str(WORK))
@@ -145,8 +145,11 @@ def chain_record(ledger: Ledger, run_id: int) -> dict[str, Any]:
         "ledger": ledger.ledger.address,
         "eip712Domain": _plain(list(ledger.ledger.functions.eip712Domain().call())),
         "contributionTypehash": _plain(ledger.ledger.functions.CONTRIBUTION_TYPEHASH().call()),
-        "runCreated": _plain({k: created[k] for k in ("runId", "creator", "configDigest", "genesisDigest", "replicas",
-                                                      "stages", "minReplicas", "nodes", "independence")}),
+        "runCreated": _plain({"runId": created.run_id, "creator": created.creator,
+                              "configDigest": created.config_digest, "genesisDigest": created.genesis_digest,
+                              "replicas": created.replicas, "stages": created.stages,
+                              "minReplicas": created.min_replicas, "nodes": list(created.nodes),
+                              "independence": created.independence}),
         "stepCommitted": _plain({
             "step": committed["step"], "checkpoint": committed["checkpoint"], "parent": committed["parent"],
             "contributions_root": committed["contributionsRoot"], "metrics_digest": committed["metricsDigest"],
@@ -158,7 +161,9 @@ def chain_record(ledger: Ledger, run_id: int) -> dict[str, Any]:
                                                                        "contribution", "dataShard", "codeHash",
                                                                        "lossMicros", "newShard", "r", "vs")}
                                                    for a in call["attestations"]]}),
-        "stepInfo": _plain(info),
+        "stepInfo": _plain({"checkpoint": info.checkpoint, "witnessHash": info.witness_hash,
+                            "committedAt": info.committed_at, "epoch": info.epoch,
+                            "openChallenges": info.open_challenges, "rejected": info.rejected}),
         "logs": [{"address": log["address"], "topics": [t.to_0x_hex() for t in log["topics"]],
                   "data": log["data"].to_0x_hex()} for log in receipt["logs"][:2]],
     }
