@@ -127,16 +127,11 @@ def _commits(rec: dict) -> list[int]:
 def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
     stack = _up(tmp_path, workers=3, slots=1)
     try:
-        steps = 12
-        job = _submit(stack, _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=60, replicas=3,
+        steps = 9
+        job = _submit(stack, _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=40, replicas=3,
                                   stages=1))
         victim, before = _kill_mid_round(stack, job, replica=2)
-        rec = wait_for(stack, job, lambda s: s.get("members") == [0, 1] or s["state"] in ("failed", "cancelled"),
-                       timeout=180)
-        assert rec["state"] == "running", rec.get("error")
-        res = dlx("status", job, "--stack", str(stack))
-        assert "members: 2 of 3 replicas" in res.stdout, res.stdout
-        _restart_worker(stack, victim, slots=1)
+        _restart_worker(stack, victim, slots=1)  # the node comes back while the others go on
         rec = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)
         assert rec["state"] == "completed", rec.get("error")
         assert _commits(rec) == list(range(1, steps + 1))  # every step once, none lost
@@ -158,6 +153,9 @@ def test_two_by_two_loses_the_first_replica_and_finishes_alone(tmp_path, small_j
         job = _submit(stack, _job(tmp_path, small_job, "elastic-2x2", 1, steps=steps, inner_steps=30, replicas=2,
                                   stages=2))
         _, before = _kill_mid_round(stack, job, replica=0)
+        rec = wait_for(stack, job, lambda s: s.get("members") == [1] or s["state"] != "running", timeout=120)
+        res = dlx("status", job, "--stack", str(stack))
+        assert "members: 1 of 2 replicas (min 1, epoch 1): replica 1 (" in res.stdout, res.stdout
         rec = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)
         assert rec["state"] == "completed", rec.get("error")
         assert _commits(rec) == list(range(1, steps + 1))
