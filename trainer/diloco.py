@@ -355,7 +355,7 @@ class DiLoCo:
                                budget_bytes, self.publish)
         if self.rule == "sync":
             self._step(self.transport.all_gather(payload))
-            self._reset_local()
+            self.reset_local()
             return AppliedStep(round_t, payload, tag)
         if self.rule == "partial":
             assert self._pending is None, "partial: the previous exchange was not merged"
@@ -363,7 +363,7 @@ class DiLoCo:
             return None
         applied, stale = self._wait_and_step()
         if self.rule == "restart":
-            self._reset_local()
+            self.reset_local()
         else:  # eager
             own = decode_contribution(payload, self.shapes)
             start = eager_start(self.outer, stale, own, self.transport.replica, self.transport.R)
@@ -390,7 +390,7 @@ class DiLoCo:
         the outer ones."""
         applied, _ = self._wait_and_step()
         if applied is not None:
-            self._reset_local()
+            self.reset_local()
             self._reference = None
             self.merge_step = None
         return applied
@@ -417,7 +417,8 @@ class DiLoCo:
         self.outer.step(dict(zip(names, mean, strict=True)))
         return decoded
 
-    def _reset_local(self) -> None:
+    def reset_local(self) -> None:
+        """Local weights := the outer ones (a round's restart; after a resume or a regroup)."""
         for n in self.outer.names:
             self.local[n].copy_(self.outer.params[n])
 
@@ -430,7 +431,7 @@ class DiLoCo:
             return
         with torch.no_grad():
             saved = {n: p.detach().clone() for n, p in self.local.items()}
-            self._reset_local()
+            self.reset_local()
         try:
             yield
         finally:

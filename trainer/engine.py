@@ -839,7 +839,7 @@ class RoundLoop:
             self._catch_up(start)
         self.diloco.outer = OuterOptimizer.from_bytes(start.shard, self.job.outer)
         with torch.no_grad():
-            self.diloco._reset_local()
+            self.diloco.reset_local()
         self.first_round = start.step + 1
 
     # -- elastic training: membership epochs ----------------------------------------------
@@ -946,7 +946,7 @@ class RoundLoop:
         self.kept = {t: v for t, v in self.kept.items() if t <= nxt}
         self.diloco.outer = OuterOptimizer.from_bytes(m.shard, job.outer)
         with torch.no_grad():
-            self.diloco._reset_local()
+            self.diloco.reset_local()
         self.first_round = nxt
         self.opened = self.completed = m.start_step
         self.unreported.clear()
