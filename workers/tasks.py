@@ -26,6 +26,7 @@ queues new tickets a returning or new worker takes to grow it back (workers/memb
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import tomllib
@@ -347,7 +348,7 @@ class RankTask:
         control.gpu = gpu = _GPUS.take()
         sup = Supervisor()
         try:
-            proc = sup.start(rank, train_rank, (rank, world, init_method, self.training(), control),
+            proc = sup.start(rank, train_rank, (rank, world, init_method, self.training, control),
                              name=f"dlx-rank-{rank}", daemon=False,
                              options=ChildOptions(log=str(rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank,
                                                                            self.attempt)),
@@ -362,8 +363,11 @@ class RankTask:
             sup.close(kill=True)
             _GPUS.give(gpu)
 
+    @functools.cached_property
     def training(self) -> Any:
-        return _training_config(self.rec, self.job)  # the token file fetched by CID from the run's store
+        """The job's training config, once per task: the rank process and the sink share it
+        (the token file is fetched by CID from the run's store and re-hashed only once)."""
+        return _training_config(self.rec, self.job)
 
     def _relay(self, sup: Any, proc: Any, world: int, order: list[int], by_ticket: list[str]) -> dict[str, Any]:
         last_check = last_state = 0.0
@@ -592,7 +596,7 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     resume point, or (`head`) from the checkpoint an elastic world re-formed at."""
     store, job_id, attempt, rec, job, me, members = (task.store, task.job_id, task.attempt, task.rec, task.job,
                                                      task.me, task.members)
-    training = task.training()
+    training = task.training
     from lineage.chain.client import Chain
     from lineage.chain.ledger import Ledger
     from lineage.chain.runrecord import RunRecord
