@@ -88,6 +88,17 @@ OURS: dict[str, dict] = {
     "adaptive-sgd1": {"outer": {**SGD1, "compression": {"kind": "adaptive"}}},
     "sparse-5%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.05, "bits": 4}}},
     "sparse-1%-4b-sgd1": {"outer": {**SGD1, "compression": {"kind": "sparse", "density": 0.01, "bits": 4}}},
+    "lowrank8-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 8, "bits": 4}}},
+    # Candidates for the default: the partial overlap (tau auto) with each compression kind
+    # that cost little synchronous, under the outer loop it did best with.
+    "dilocox-int4": {"outer": {**DILOCOX_OUTER, "compression": {"kind": "quantize", "bits": 4}}},
+    "dilocox-int2-sgd1": {"outer": {**DILOCOX_OUTER, **SGD1}},
+    "dilocox-lr16": {"outer": {**DILOCOX_OUTER, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
+    "dilocox-lr16-sgd1": {"outer": {**DILOCOX_OUTER, **SGD1,
+                                    "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
+    "dilocox-lr16-2b-sgd1": {"outer": {**DILOCOX_OUTER, **SGD1,
+                                       "compression": {"kind": "lowrank", "rank": 16, "bits": 2}}},
+    "dilocox-lr8-sgd1": {"outer": {**DILOCOX_OUTER, **SGD1, "compression": {"kind": "lowrank", "rank": 8, "bits": 4}}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
