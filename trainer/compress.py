@@ -158,17 +158,20 @@ def _pack(u: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-cols) % per
     if pad:
         u = torch.cat([u, torch.zeros(rows, pad, dtype=torch.uint8)], dim=1)
-    u = u.view(rows, -1, per).to(torch.int32)  # (rows, nbytes, per)
-    shifts = torch.arange(per, dtype=torch.int32) * bits  # (per,)
-    return (u << shifts).sum(dim=2).to(torch.uint8)  # (rows, nbytes)
+    u = u.reshape(rows, -1, per)  # (rows, nbytes, per)
+    out = u[:, :, 0].clone()
+    for j in range(1, per):  # disjoint bit fields: OR is the sum of the shifted values
+        out |= u[:, :, j] << (j * bits)
+    return out  # (rows, nbytes)
 
 
 def _unpack(packed: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
     if bits == 8:
         return packed
     per = 8 // bits
-    shifts = torch.arange(per, dtype=torch.int32) * bits  # (per,)
-    u = (packed.to(torch.int32)[:, :, None] >> shifts) & (2**bits - 1)  # (rows, nbytes, per)
+    wide = packed if packed.dtype == torch.uint8 else packed.to(torch.int32)
+    shifts = torch.arange(per, dtype=wide.dtype) * bits  # (per,)
+    u = (wide[:, :, None] >> shifts) & (2**bits - 1)  # (rows, nbytes, per)
     return u.reshape(packed.size(0), -1)[:, :cols].to(torch.uint8)
 
 
