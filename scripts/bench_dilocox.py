@@ -49,21 +49,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from trainer import load_job, train_local  # noqa: E402
 
 # DiLoCoX as shipped (examples/dilocox.toml): the partial overlap with tau derived from the
-# measured exchange (auto), 2-bit quantisation with error feedback, and SparseLoCo's outer
-# loop (plain SGD at lr 1: the error-feedback buffer stands in for momentum). Each ablation
-# changes one thing; `dilocox-nesterov` is the same under DiLoCo's Nesterov 0.9 / lr 0.7.
+# measured exchange (auto), 4-bit quantisation with error feedback, DiLoCo's outer Nesterov
+# 0.9 / lr 0.7. Each ablation changes one thing; `dilocox-int2` is the earlier default (2
+# bits), `dilocox-int2-sgd1` the same under SparseLoCo's outer loop (plain SGD at lr 1,
+# the error-feedback buffer in place of momentum).
 SGD1 = {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # SparseLoCo's outer loop
 OVERLAP = {"delay": 1, "overlap": "partial", "tau": "auto"}
-INT2 = {"kind": "quantize", "bits": 2}
-DILOCOX_OUTER = {**OVERLAP, **SGD1, "compression": INT2}
+INT4 = {"kind": "quantize", "bits": 4}
+DILOCOX_OUTER = {**OVERLAP, "compression": INT4}
 
 OURS: dict[str, dict] = {
     "allreduce": {"parallel": {"sync": "allreduce"}},
     "diloco": {},
     "dilocox": {"outer": DILOCOX_OUTER},
     "dilocox-no-compression": {"outer": {**DILOCOX_OUTER, "compression": {"kind": "none"}}},
-    "dilocox-no-overlap": {"outer": {**SGD1, "compression": INT2}},
-    "dilocox-nesterov": {"outer": {**OVERLAP, "compression": INT2}},
+    "dilocox-no-overlap": {"outer": {"compression": INT4}},
+    "dilocox-int2": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}}},
+    "dilocox-int2-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "quantize", "bits": 2}}},
     # The same on the paper-regime link (one full all-reduce = --paper-steps compute steps),
     # shaped for real: tau = auto then grows to hide the exchange, and the loss says what
     # that costs.
@@ -79,7 +81,7 @@ OURS: dict[str, dict] = {
     "partial-mix0.5": {"outer": {"delay": 1, "overlap": "partial", "tau": 3, "alpha": 0.5}},
     "partial-tau10-sgd1": {"outer": {**SGD1, "delay": 1, "overlap": "partial", "tau": 10}},
     # Compression kinds, synchronous, error feedback on; under Nesterov 0.9 and under SGD lr 1.
-    "int4": {"outer": {"compression": {"kind": "quantize", "bits": 4}}},
+    "int2": {"outer": {"compression": {"kind": "quantize", "bits": 2}}},
     "diloco-sgd1": {"outer": SGD1},
     "int1": {"outer": {"compression": {"kind": "quantize", "bits": 1}}},
     "adaptive": {"outer": {"compression": {"kind": "adaptive"}}},
@@ -95,7 +97,6 @@ OURS: dict[str, dict] = {
     "lowrank8-sgd1": {"outer": {**SGD1, "compression": {"kind": "lowrank", "rank": 8, "bits": 4}}},
     # Candidates for the default: the partial overlap (tau auto) with each compression kind
     # that cost little synchronous, under the outer loop it did best with.
-    "dilocox-int4": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 4}}},
     "dilocox-lr16": {"outer": {**OVERLAP, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
     "dilocox-lr16-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
     "dilocox-lr16-2b-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 2}}},
@@ -449,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
                     step_s = m["compute_s"] / (rounds * args.inner_steps)
                     paper_mbps[(model, seed)] = per_step_bytes / (args.paper_steps * step_s) * 8 / 1e6
                 runs.append(run)
+                if args.json:  # every run so far: an interrupted benchmark resumes with --load
+                    Path(args.json).write_text(json.dumps({"runs": runs, "partial": True}, indent=1))
                 m = run["per_step"][rounds]
                 print(f"# {model} {name} seed {seed}: {budget} steps, eval {m['eval_loss']:.4f}, "
                       f"bytes {m['bytes_sent']:.4g}, {run['process_s']:.0f} s", file=sys.stderr, flush=True)
