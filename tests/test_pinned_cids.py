@@ -3,33 +3,43 @@ shards and contributions of tests/conftest.py's small job are pinned by CID. (Th
 checkpoint manifests themselves also link the config block, which holds the trainer's
 code hash, so they change with any edit to trainer/; the shards and contributions hold
 only tensors.) A change that moves one of these CIDs changes what training computes, or
-how it is stored: it must say so, and update the pins on purpose."""
+how it is stored: it must say so, and update the pins on purpose.
+
+The job runs with the math libraries held to their portable code paths (`PORTABLE`:
+PyTorch's own kernels unvectorised, MKL in its conditional-numerical-reproducibility
+mode, oneDNN at SSE4.1), so the pins hold on any x86-64 machine: by default each library
+picks kernels by the CPU's instruction set (AVX2, AVX-512), and different kernels round
+differently."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
+from conftest import DLX, small_job_toml
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.manifest import get_manifest
 
 PINNED_SHARDS = {  # step -> the stage shards' CIDs
-    1: ["bafkreibaixa2uk43fh37fm3qdm3clxem3o3t4ds2agn4cbo3asdi3ydway", "bafkreicsdrjt6f6fr2v6jiqn6yentmh2z7n73xebcje3nxlqhrogps6ts4"],
-    2: ["bafkreihqjkr7s3hwd4kvpsfp7dbtunfjuyk3ucmucsiqhsmvv74hotzwt4", "bafkreicamsfxjpu766dakzm5pdgbhz4ebp7vtlwyb6wss2dyr7i6yezidu"],
-    3: ["bafkreihxe7z7jxf6vaqtzgnovgoybt5aa4lb3asus6via2cp4gzqqj7mz4", "bafkreiegdjvxukxmnkuhvsg5emwudiky22k725ames6fovuurmidxa43ei"],
+    1: ["bafkreihhq44jodgg7wlyy6q2626bgx3zrfujpa335xkniizk453qi2lphu", "bafkreigqflz3czf6zyowpcr2l6c6ir5cx4xksployslirhxwaqvszpv2se"],
+    2: ["bafkreibpcnnmz76ysv72a2g4n22k3vkah6sebpkf34lon7dvrr4grwuquq", "bafkreianorvov3vc63yq6fx23uruvbemf3akljzc2rjxksa5n5tupeg4ke"],
+    3: ["bafkreid6ljraby2nkvsix2hskvlr4hhqc65kwxfjpei6qi2xttxuht62au", "bafkreiaucicrdzkhihokfwv277p32p36dcvbicids3ekuf5r2chj6ehsue"],
 }
 PINNED_CONTRIBUTIONS = {  # step -> [replica][stage] contribution CIDs
     1: [
-        ["bafkreiefqurcnbffs7r2ju3myh7r4sp67d7icxm2zgesaaenw7bvoqvuqe", "bafkreidwwdfrolzwu2hwgihytatnzbmk6epveebvvswtqykc53xmrobk2u"],
-        ["bafkreiaa4xzkm4xbvb2h6ts6zzmb3xs6vywfn3l72tt5ds7ymewvnqwsoi", "bafkreick5lqy7dnkilmbq4e5pljmc53uoqux6n3j2xlgjehiuckwivxyhi"],
+        ["bafkreiewxcgsoqoekfjw6nwzdqwlf5humfnyqsiwwvvxwcsmtp2cyl5fja", "bafkreihdiken7gxoqhfw25c7cnzo6kpzym5pqysqzdqh46x2o6w2kd2bxi"],
+        ["bafkreic7z5yry4275ghzwiqpfos7ppjyonxjwrp5nge62sudvtv7nipsya", "bafkreicg7nqhr5x6tccs5a5tkemli4la5h356c635ryhvgty57rsxixrbm"],
     ],
     2: [
-        ["bafkreigordojkp4vvdzqbe2bcu5oroqvvzo2hqhpthf6l54mm3zhip3xua", "bafkreif5byvqe5srofxyxxglapcxlvex5nkas5eljrgoyz5xdjakeno3wi"],
-        ["bafkreid66flupx3s6zarql4nqua2f2dyioddovxmmoqvlntv4q222apn7y", "bafkreic4676j6fxdlpffuegs6n4v5cnflo4t2bwvvamc7apr5ooi2imq6m"],
+        ["bafkreidlawnpufsyjmqrh3w6m2qtowtl7y3y7ni45jyp373i43lfx6sapy", "bafkreiayuqdjlkcq32etzpl5vzouxb5onpearib4hfsmdx4q56cigt5qqe"],
+        ["bafkreibwmq2a636w75aixpi7ktfe4dpa4sdxcrjy5rdhx6yfwritjaqiue", "bafkreihaizmyfo3iqubrtsr76zudqqrs4nr2rssdnwnrqgcll4u3ap3mtm"],
     ],
     3: [
-        ["bafkreigjymnwjfdykmib3zlon2aoqd4egb4ronux5vnhrcvc6ejmhys26q", "bafkreifmyohkysbebc577cntex46ghbkvthips6eostk4zgkf5byfmzxkm"],
-        ["bafkreiengvbw6gtoto63x33dcwtwhmhkiq2uyl2h4t2phmkddhf7imik7i", "bafkreif7tju6uqb262jcfb2vnmp5fumtfu2jrdoprjrzip6rs4mpjjeu7y"],
+        ["bafkreicypjkcjxyesci2nuw4oua5je3jkl5dpxieskewgut7i3gj26hw2e", "bafkreidsgv47xhyvfppumhholcowwt2qamispsdpiwacgitxytfc7gtmbu"],
+        ["bafkreihovykzrifbspq7nh6j3mcbrimq7qafxywufxq3ahgspnmw2cmaba", "bafkreidjwmlxiieyj7izez7u42ams3jgontgxwi7ykmgtsildtto7l3joa"],
     ],
 }
 
@@ -44,9 +54,22 @@ def _history(run_dir):
     return out
 
 
+PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+
+
+@pytest.fixture(scope="module")
+def portable_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pinned")
+    (root / "job.toml").write_text(small_job_toml("e2e"))
+    res = subprocess.run([DLX, "train", str(root / "job.toml"), "--run-dir", str(root / "run")],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, **PORTABLE})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "run"
+
+
 @pytest.mark.slow
-def test_the_small_job_gives_the_pinned_shards_and_contributions(trained_run):
-    run_dir, _ = trained_run
+def test_the_small_job_gives_the_pinned_shards_and_contributions(portable_run):
+    run_dir = portable_run
     history = _history(run_dir)
     shards = {t: [str(c) for c in m.stages] for t, m in sorted(history.items())}
     contributions = {t: [[str(c) for c in row] for row in m.contributions] for t, m in sorted(history.items())}
