@@ -747,8 +747,10 @@ class RoundLoop:
         self.stop_flag = torch.zeros(1, dtype=torch.int32)
         # compute_s: inner steps (comm waits excluded); rounds_wall_s: inner steps + round end;
         # compress_s: compression + decoding of every contribution.
-        # report_s: publishing steps mid-round (partial rule), kept out of the other two.
-        self.clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0}
+        # report_s: publishing steps mid-round (partial rule), kept out of the other two;
+        # merge_s: the partial rule's mid-round outer step and merge (wall, not compute).
+        self.clock = {"compute_s": 0.0, "rounds_wall_s": 0.0, "compress_s": 0.0, "report_s": 0.0,
+                      "merge_s": 0.0}
         self.compress_before = 0.0  # compress_s of the epochs before this one
         self.taus: list[int] = []  # the partial rule: the tau each round merged at
         self.lr = job.inner.lr  # the inner learning rate of the latest inner step
@@ -999,12 +1001,15 @@ class RoundLoop:
         rnd = self.open_round(t)
         round_start = time.perf_counter()
         wait_before, report_before = self.transport.wait_s, self.clock["report_s"]
+        merge_before = self.clock["merge_s"]
         rnd.data = self.rank.corpus.shard(self.job.seed, self.topo.replica, t, H, self.job.data.batch_size,
                                           self.job.model.seq_len)
         round_loss = self.hooks.inner_phase(self, rnd)
         self.lr = warmup_lr(self.job.inner.lr, self.job.inner.warmup, rnd.first_step + H - 1)
         reported = self.clock["report_s"] - report_before
-        compute = time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
+        merged = self.clock["merge_s"] - merge_before
+        compute = (time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
+                   - merged)
         self.clock["compute_s"] += compute
         applied = self.end_round(rnd, round_loss, compute)
         self.completed = t
@@ -1059,13 +1064,19 @@ class RoundLoop:
             raise Cancelled(f"stopped at outer step {rnd.t}, inner step {h + 1}")
 
     def merge(self, rnd: Round) -> None:
-        """partial: apply the previous round's exchange mid-round, then publish its step."""
+        """partial: apply the previous round's exchange mid-round, then publish its step.
+        The wait for the exchange stays in the round's wall time (`transport.wait_s`), the
+        outer step and merge go to `merge_s`, the publishing to `report_s`; the round's
+        compute counts none of them."""
         began = time.perf_counter()
+        wait_before = self.transport.wait_s
         anchor = param_tensors(rnd.start_state)
         applied = self.diloco.merge(anchor)
         del anchor
+        published = time.perf_counter()
+        self.clock["merge_s"] += published - began - (self.transport.wait_s - wait_before)
         self.report(applied)
-        self.clock["report_s"] += time.perf_counter() - began
+        self.clock["report_s"] += time.perf_counter() - published
 
     def end_round(self, rnd: Round, round_loss: float, compute: float) -> AppliedStep | None:
         """The exchange and outer step (`DiLoCo.end_round`), or the baseline's empty step;
