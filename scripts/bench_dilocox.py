@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import load_job, train_local  # noqa: E402
 
-# DiLoCoX as shipped (examples/dilocox.toml): the partial overlap with tau derived from the
+# DiLoCoX as shipped (examples/tiny.toml): the partial overlap with tau derived from the
 # measured exchange (auto), 4-bit quantisation with error feedback, DiLoCo's outer Nesterov
 # 0.9 / lr 0.7. Each ablation changes one thing; `dilocox-int2` is the earlier default (2
 # bits), `dilocox-int2-sgd1` the same under SparseLoCo's outer loop (plain SGD at lr 1,
