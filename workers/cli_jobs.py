@@ -74,7 +74,9 @@ def worker(
         if stake == 0:
             raise ConfigError(f"node {me.address} has no stake on registry {registry}: stake before starting a worker")
         sys.stderr.write(f"node {me.address}: stake {stake} wei on registry {registry}\n")
-    import trainer.engine  # noqa: F401  (torch and pipelining load once, not in the first task)
+    import torch.distributed.pipelining  # noqa: F401  (torch and pipelining load once, not in the first task)
+
+    import trainer.engine  # noqa: F401
     from workers.celery_app import app as celery_app
     from workers.tasks import gpu_count
 
