@@ -89,11 +89,16 @@ def small_job():
 def trained_run(tmp_path_factory):
     """One real `dlx train` of a small 2x2 job (about 30 s), shared by the tests that
     read it; tests that tamper with it work on a copy."""
-    root = tmp_path_factory.mktemp("e2e")
+    return train_small(tmp_path_factory.mktemp("e2e"))
+
+
+def train_small(root: Path, env: dict[str, str] | None = None) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`dlx train` of the small job in `root` (with `env` added to the environment):
+    (run directory, the finished process)."""
     job = root / "job.toml"
     job.write_text(small_job_toml("e2e"))
     run_dir = root / "run"
-    res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)], capture_output=True, text=True,
+                         timeout=600, env=None if env is None else {**os.environ, **env})
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir, res

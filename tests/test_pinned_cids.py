@@ -13,11 +13,8 @@ differently."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-
 import pytest
-from conftest import DLX, small_job_toml
+from conftest import train_small
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -59,12 +56,8 @@ PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_
 
 @pytest.fixture(scope="module")
 def portable_run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pinned")
-    (root / "job.toml").write_text(small_job_toml("e2e"))
-    res = subprocess.run([DLX, "train", str(root / "job.toml"), "--run-dir", str(root / "run")],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, **PORTABLE})
-    assert res.returncode == 0, res.stderr[-3000:]
-    return root / "run"
+    run_dir, _ = train_small(tmp_path_factory.mktemp("pinned"), env=PORTABLE)
+    return run_dir
 
 
 @pytest.mark.slow

@@ -330,6 +330,15 @@ def sparse_decode(values: torch.Tensor, scale: torch.Tensor, packed_idx: torch.T
     return flat[:numel]
 
 
+def _row_slices(counts: list[int]) -> list[slice]:
+    """The consecutive row ranges of tensors stacked with these row counts."""
+    out, row = [], 0
+    for n in counts:
+        out.append(slice(row, row + n))
+        row += n
+    return out
+
+
 def _sparse_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]]:
     """Encode the sparse plans that share (chunk, k, bits) in one pass each (one top-k and
     one quantisation over their stacked chunks): name -> (payload tensors, M - decoded).
@@ -350,10 +359,8 @@ def _sparse_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]
         kept = X.gather(1, idx)
         q, scale = quantize_rows(kept, bits)
         err = X.scatter(1, idx, kept - dequantize_rows(q, scale, bits, k))
-        row, width = 0, _index_bits(chunk)
-        for n, block in zip(names, blocks, strict=True):
-            rows = slice(row, row + block.size(0))
-            row += block.size(0)
+        width = _index_bits(chunk)
+        for n, rows in zip(names, _row_slices([b.size(0) for b in blocks]), strict=True):
             M = plans[n]["M"]
             enc = {f"meta/{n}": torch.tensor([CODEC_SPARSE, bits, k, chunk], dtype=torch.int32),
                    f"sp/{n}": q[rows], f"sp_scale/{n}": scale[rows],
@@ -379,10 +386,7 @@ def _quant_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]]
         X = torch.cat([plans[n]["M"].float() for n in names])  # (rows, cols)
         q, scale = quantize_rows(X, bits)
         err = X - dequantize_rows(q, scale, bits, cols)
-        row = 0
-        for n in names:
-            rows = slice(row, row + plans[n]["M"].size(0))
-            row = rows.stop
+        for n, rows in zip(names, _row_slices([plans[n]["M"].size(0) for n in names]), strict=True):
             enc = {f"meta/{n}": torch.tensor([CODEC_QUANT, bits, 0], dtype=torch.int32),
                    f"q/{n}": q[rows], f"q_scale/{n}": scale[rows]}
             out[n] = (enc, err[rows])
@@ -413,10 +417,7 @@ def _dequant_batch(payload: dict[str, torch.Tensor], shapes: dict[str, torch.Siz
             continue
         M = dequantize_rows(torch.cat([payload[f"q/{n}"] for n in names]),
                             torch.cat([payload[f"q_scale/{n}"] for n in names]), bits, cols)
-        row = 0
-        for name in names:
-            part = slice(row, row + payload[f"q/{name}"].size(0))
-            row = part.stop
+        for name, part in zip(names, _row_slices([payload[f"q/{n}"].size(0) for n in names]), strict=True):
             out[name] = M[part].reshape(shapes[name])
     return out
 

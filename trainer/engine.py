@@ -197,15 +197,6 @@ class RankControl:
     grow_requested: Callable[[], bool] | None = None
 
 
-def schedules() -> dict[str, type]:
-    """The pipeline schedules by `[parallel] schedule` name. torch.distributed.pipelining is
-    imported here, not at module import: it costs about 1.4 s per rank process (it imports
-    torch.export and fx), and a one-stage rank never needs it."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
-    return {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
-
-
 TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
 TAU_AUTO_MAX_FRACTION = 0.25  # tau = auto overlaps at most this share of a round
 LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
@@ -319,10 +310,12 @@ class Pipeline:
         self.device = device or torch.device("cpu")
         self.schedule: Any = None
         if topo.S > 1 or not LONE_STAGE_SHORTCUT:  # one stage has nothing to pipeline
-            from torch.distributed.pipelining import PipelineStage
+            # Imported here, not with the module: it costs about 1.4 s per rank process (it
+            # imports torch.export and fx), and a one-stage rank never needs it.
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
             stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
-            schedule_cls = schedules()[job.parallel.schedule]
+            schedule_cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[job.parallel.schedule]
             self.schedule = schedule_cls(
                 stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
             )
