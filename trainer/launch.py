@@ -175,7 +175,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
 
 def _train_local(job: JobConfig, sink: StepSink, timeout_s: float | None, init_method: str,
                  netns: list[str | None], controls: list[Any]) -> Outcome:
-    with Supervisor() as sup:
+    with Supervisor(warm=True) as sup:
         for rank, control in enumerate(controls):
             sup.start(rank, train_rank, (rank, job.world_size, init_method, job, control),
                       name=f"dlx-rank-{rank}", options=ChildOptions(netns=netns[rank], ignore_sigint=True))

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 
 import typer
 
+from trainer.supervisor import warm_up
+
 from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node
 from .cli_common import EXIT_FAILED, user_errors
 
@@ -30,6 +32,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+# What `dlx train`'s ranks import beyond the trainer: this module (each runs the dlx script
+# again as __mp_main__) and the shard digest they are handed (RankControl.shard_digest).
+RANK_IMPORTS = ("workers.cli", "lineage.store.unixfs")
 
 # Options the reading commands (lineage, verify) share.
 RunDirOption = Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")]
@@ -61,6 +67,7 @@ def train(
         job = resumable(resume)[1]
     else:
         job = load_job_file(job_file)  # validated before anything heavy is imported or started
+    warm_up(RANK_IMPORTS)  # the ranks' imports, once, while this process prepares the data and the chain
 
     from trainer.launch import check_local
     from workers.cli_data import ticking

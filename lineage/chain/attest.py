@@ -45,8 +45,8 @@ from eth_account import Account
 from eth_account.messages import SignableMessage, encode_typed_data
 from eth_utils import is_address, keccak, to_checksum_address
 
-from lineage.store.cid import digest_of
-from lineage.store.unixfs import file_cid
+# Re-exported: defined there, so that ranks unpickle it without importing eth_account.
+from lineage.store.unixfs import shard_digest as shard_digest
 from trainer.errors import DlxError
 
 DOMAIN_NAME = "DiLoCoXLedger"
@@ -90,12 +90,6 @@ class Domain:
         """The domain as EIP-712 typed data names it."""
         return {"name": DOMAIN_NAME, "version": self.version, "chainId": self.chain_id,
                 "verifyingContract": to_checksum_address(self.verifying_contract)}
-
-
-def shard_digest(data: bytes) -> bytes:
-    """The digest a node co-signs for a stage shard's bytes: its UnixFS file CID's sha-256,
-    as the manifest links the shard (nothing is stored)."""
-    return digest_of(file_cid(data))
 
 
 def replica_bitmap(replicas: Iterable[int]) -> int:

@@ -36,6 +36,7 @@ from .cid import (
     cid_from_binary,
     cid_from_digest,
     cid_of_block,
+    digest_of,
     file_cid_candidates,
     parse_cid,
 )
@@ -388,6 +389,14 @@ def import_bytes(data: bytes, put: PutFn | None = None, **options: int | bool | 
 def file_cid(data: bytes, cid_version: int = 1) -> CID:
     """The CID `ipfs add` (`--cid-version=1` for version 1) gives `data`; stores nothing."""
     return import_bytes(data, cid_version=cid_version, workers=0).cid
+
+
+def shard_digest(data: bytes) -> bytes:
+    """The digest a node co-signs for a stage shard's bytes: its UnixFS file CID's sha-256,
+    as the manifest links the shard (nothing is stored). Re-exported by
+    lineage.chain.attest; it lives here because ranks call it (`RankControl.shard_digest`)
+    and unpickling it from here costs them no eth_account import (0.8 s a process)."""
+    return digest_of(file_cid(data))
 
 
 # -- read back -------------------------------------------------------------------------------
