@@ -11,11 +11,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-
-from trainer import tensorbytes
+if TYPE_CHECKING:  # torch is imported where tensors are: a launcher handles only bytes
+    import torch
 
 __all__ = [
     "MERGE_STEP_KEY",
@@ -156,6 +155,8 @@ MERGE_STEP_KEY = "round/merge_step"  # a partial-rule round state: the inner ste
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     """safetensors bytes with sorted keys and no metadata: same tensors, same bytes."""
+    from trainer import tensorbytes
+
     ordered = {k: tensors[k].detach().cpu().contiguous() for k in sorted(tensors)}
     return tensorbytes.encode(ordered)
 
@@ -163,6 +164,8 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
 def bytes_to_tensors(data: bytes) -> dict[str, torch.Tensor]:
     """Inverse of `tensors_to_bytes`; keys come back sorted, tensors writable (they view
     one private copy of the data)."""
+    from trainer import tensorbytes
+
     loaded = tensorbytes.decode(data)
     return {k: loaded[k] for k in sorted(loaded)}
 

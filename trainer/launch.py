@@ -16,10 +16,13 @@ from a committed checkpoint (`RankControl.start`).
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import socket
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 from trainer.artifacts import StepSink
@@ -58,6 +61,35 @@ def _available_bytes() -> int | None:
     return None
 
 
+def _torch_has_gpu_build() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its version.py
+    without importing torch (2 s a launcher would otherwise pay for a CPU wheel); True when
+    that file does not say, so that torch itself is asked."""
+    spec = importlib.util.find_spec("torch")  # a top-level name: finds, imports nothing
+    if spec is None or spec.origin is None:
+        return True
+    try:
+        tree = ast.parse((Path(spec.origin).parent / "version.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    built = {}  # `cuda: Optional[str] = None`: not built for CUDA
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign):
+            for target in [node.target] if isinstance(node, ast.AnnAssign) else node.targets:
+                if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
+                    built[target.id] = not (isinstance(node.value, ast.Constant) and node.value.value is None)
+    return built.get("cuda", True) or built.get("hip", True)
+
+
+def gpu_count() -> int:
+    """The GPUs torch can use on this machine (0 for a CPU-only torch, without importing it)."""
+    if not _torch_has_gpu_build():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_local(job: JobConfig) -> str:
     """Refuse a local run that would overwhelm this machine, or ask for GPUs it lacks
     (ConfigError, before anything starts); return the device the ranks will use, with why.
@@ -84,9 +116,7 @@ def check_local(job: JobConfig) -> str:
     want = job.parallel.device
     if want == "cpu":
         return "cpu"
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpu_count()
     if gpus >= world:
         return f"cuda ({world} of {gpus} GPUs)"
     if want == "cuda":
@@ -153,9 +183,10 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     The data are prepared here, once, before any rank starts (a bad dataset is a
     ConfigError); the ranks memory-map that one token file.
     """
-    from trainer.data import with_prepared_data
+    if job.data.prepared is None:  # else nothing to do, and the import (torch) stays out of this process
+        from trainer.data import with_prepared_data
 
-    job = with_prepared_data(job)
+        job = with_prepared_data(job)
     with contextlib.ExitStack() as stack:
         if job.transport.link == "netns":
             from trainer.netns import ReplicaLinks
@@ -185,7 +216,7 @@ def _train_local(job: JobConfig, sink: StepSink, timeout_s: float | None, init_m
 def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None, hooks: Any) -> list[Any]:
     """Every rank's `RankControl` (a GPU each where this machine has one per rank); every
     rank gets the same `cancellable` (its deadlock hazard)."""
-    from trainer.engine import RankControl
+    from trainer.control import RankControl
 
     cuda = check_local(job).startswith("cuda")
     return [

@@ -43,6 +43,7 @@ from lineage.chain.attest import (
     replica_bitmap,
     shard_digest,
 )
+from trainer.launch import gpu_count
 
 from .celery_app import app, redis_url
 from .jobs import (
@@ -515,12 +516,6 @@ class GpuPool:
                 assert self._free is not None
                 self._free.append(gpu)
                 self._free.sort()
-
-
-def gpu_count() -> int:
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 _GPUS = GpuPool()
