@@ -124,7 +124,7 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
     ]
     results = [ReplayResult(payloads=[b""] * S, end_states=[b""] * S) for _ in items]
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    with Supervisor() as sup:
+    with Supervisor(warm=True) as sup:  # forked from the warm server: one torch import, not S
         for s in range(S):
             sup.start(s, _replay_rank, (s, S, init_method, job, per_rank[s]), name=f"dlx-replay-{s}",
                       options=ChildOptions(where=False))

@@ -33,8 +33,9 @@ app = typer.Typer(
 )
 
 
-# What `dlx train`'s ranks import beyond the trainer: this module (each runs the dlx script
-# again as __mp_main__) and the shard digest they are handed (RankControl.shard_digest).
+# What `dlx train`'s ranks (and `dlx verify --replay`'s processes) import beyond the trainer:
+# this module (each runs the dlx script again as __mp_main__) and the shard digest ranks are
+# handed (RankControl.shard_digest).
 RANK_IMPORTS = ("workers.cli", "lineage.store.unixfs")
 
 # Options the reading commands (lineage, verify) share.
@@ -135,6 +136,8 @@ def verify(
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
+    if replay > 0 and not queue:
+        warm_up(RANK_IMPORTS)  # the replay processes' imports, while the chain and blocks are checked
     from lineage.audit.verify import LEVELS, REPLAY, verify_run
     from workers.console import Ticker
 
