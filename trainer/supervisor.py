@@ -68,9 +68,10 @@ PEER_LOSS_MARKERS = (
 )
 
 
-# What a rank imports before its first step, imported once by the warm server: torch with
-# the trainer (2.1 s), torch._dynamo and torch._inductor (1.7 s: torch.optim's first optimizer and
-# torch.use_deterministic_algorithms import them) and pipelining (multi-stage ranks).
+# What a rank (or a replay process) imports before its first step, imported once by the
+# warm server: torch with the trainer (2.1 s), torch._dynamo and torch._inductor (1.7 s:
+# torch.optim's first optimizer and torch.use_deterministic_algorithms import them) and
+# pipelining (multi-stage ranks).
 WARM_MODULES = ("trainer.launch", "trainer.engine", "trainer.replay", "torch._dynamo", "torch._inductor.config",
                 "torch.distributed.pipelining")
 # Environment variables that differ from one moment to the next without bearing on what a
