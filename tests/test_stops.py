@@ -86,13 +86,27 @@ def wait_gone(pids: dict[int, str], timeout: float = 20) -> None:
     assert not [cmd for p, cmd in pids.items() if running(p)], "processes left behind"
 
 
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_rank(pid: int, cmd: str, procs: dict[int, str]) -> bool:
+    """Spawned, or forked by the warm server (trainer.supervisor.warm_up), whose children
+    have its command line."""
+    server = "multiprocessing.forkserver"
+    return "spawn_main" in cmd or (server in cmd and server in procs.get(parent_of(pid) or 0, ""))
+
+
 def run_processes(proc: subprocess.Popen[bytes]) -> dict[int, str]:
     """The run's anvil and its ranks, once all are up."""
     deadline = time.monotonic() + 60
     while True:
         procs = descendants(proc.pid)
         anvils = [p for p, cmd in procs.items() if "anvil" in cmd.split(" ", 1)[0]]
-        ranks = [p for p, cmd in procs.items() if "spawn_main" in cmd]
+        ranks = [p for p, cmd in procs.items() if is_rank(p, cmd, procs)]
         if anvils and len(ranks) >= 2:
             return procs
         assert time.monotonic() < deadline, procs
