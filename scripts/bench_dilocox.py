@@ -66,6 +66,11 @@ OURS: dict[str, dict] = {
     # DiLoCo's outer loop where the model's own (MODEL_OUTER) is another.
     "diloco-nesterov": {"outer": NESTEROV},
     "dilocox-nesterov": {"outer": {**DILOCOX_OUTER, **NESTEROV}},
+    # The outer-loop sweep behind MODEL_OUTER (synchronous; with diloco-nesterov and diloco-sgd1).
+    "diloco-sgd-lr2": {"outer": {"lr": 2.0, "momentum": 0.0, "nesterov": False}},
+    "diloco-n0.9-lr0.1": {"outer": {"lr": 0.1, "momentum": 0.9, "nesterov": True}},
+    "diloco-n0.9-lr0.4": {"outer": {"lr": 0.4, "momentum": 0.9, "nesterov": True}},
+    "diloco-n0.5-lr0.5": {"outer": {"lr": 0.5, "momentum": 0.5, "nesterov": True}},
     "dilocox-no-compression": {"outer": {**DILOCOX_OUTER, "compression": {"kind": "none"}}},
     "dilocox-no-overlap": {"outer": {"compression": INT4}},
     "dilocox-int2": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}}},
@@ -359,12 +364,15 @@ def tau_text(row: dict) -> str:
     return f"auto {row['tau_mean']:.1f}" if row["tau"] == "auto" else str(row["tau"])
 
 
-def plot_svg(rows: list[dict], budget: int, model: str) -> str:
-    """Eval-loss ratio to AllReduce against bytes per token (log scale), one point a method."""
+def plot_svg(rows: list[dict], budget: int, model: str, y_cap: float = 1.15) -> str:
+    """Eval-loss ratio to AllReduce against bytes per token (log scale), one point a method;
+    the dashed line is the frontier (no method has both fewer bytes and a lower loss),
+    methods above `y_cap` sit on the top edge with their ratio, labels are placed clear of
+    each other."""
     pts = [r for r in rows if r["budget"] == budget and r["model"] == model and r["name"] != "allreduce"]
-    W, Hh, pad = 760, 460, 60
+    W, Hh, pad = 820, 500, 60
     xs = [math.log10(r["bytes_per_token"]) for r in pts]
-    ys = [r["loss_x_allreduce"] for r in pts]
+    ys = [min(r["loss_x_allreduce"], y_cap) for r in pts]
     x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
     y0, y1 = min(1.0, min(ys)) - 0.005, max(ys) + 0.005
 
@@ -386,18 +394,34 @@ def plot_svg(rows: list[dict], budget: int, model: str) -> str:
         y = y0 + i * (y1 - y0) / 5
         out.append(f'<text x="{pad - 6}" y="{py(y) + 4}" text-anchor="end">{y:.3f}</text>')
     out.append(f'<text x="{W / 2}" y="{Hh - 18}" text-anchor="middle">bytes per training token (log)</text>')
-    for r, x, y in zip(pts, xs, ys, strict=True):
+    front, best = [], math.inf  # by bytes ascending: each point that lowers the best loss so far
+    for x, y in sorted(zip(xs, ys, strict=True)):
+        if y < best:
+            front.append((x, y))
+            best = y
+    out.append('<polyline fill="none" stroke="gray" stroke-dasharray="4 3" points="'
+               + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in front) + '"/>')
+    boxes = [(px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4) for x, y in zip(xs, ys, strict=True)]
+    spots = [(side, dy) for dy in (-5, 12, -17, 24, -29, 36, -41, 48) for side in (1, -1)]
+    for r, x, y in sorted(zip(pts, xs, ys, strict=True), key=lambda p: (p[0]["name"] != "dilocox", p[1], p[2])):
         colour = "crimson" if r["name"] == "dilocox" else ("steelblue" if r["name"].startswith("torchft") else "black")
         out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{colour}"/>')
-        dy = 14 if r["name"].startswith("torchft") else -5  # below: it may sit on our own row
-        out.append(f'<text x="{px(x) + 6:.1f}" y="{py(y) + dy:.1f}" fill="{colour}">{r["name"]}</text>')
+        text = r["name"] + (f" ({r['loss_x_allreduce']:.3f}, off scale)" if r["loss_x_allreduce"] > y_cap else "")
+        width = 6.2 * len(text)
+        for side, dy in spots:  # the first place clear of every point and label so far
+            dx = 6 if side > 0 else -6 - width
+            box = (px(x) + dx, py(y) + dy - 9, px(x) + dx + width, py(y) + dy + 2)
+            if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
+                break
+        boxes.append(box)
+        out.append(f'<text x="{box[0]:.1f}" y="{box[3] - 2:.1f}" fill="{colour}">{text}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a small model, 1 seed, few methods: < 3 minutes")
+    ap.add_argument("--quick", action="store_true", help="a small model, 1 seed, few methods, 2 and 4 rounds: about 1 minute")
     ap.add_argument("--json", metavar="FILE", help="also write every run and figure as JSON")
     ap.add_argument("--plot", metavar="FILE", help="write the eval-loss/bytes curve as SVG (the budget most methods ran)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -421,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     names = list(OURS) + ([] if args.no_torchft else list(PEERS))
     if args.quick:
         MODELS["quick"] = {"family": "gpt", "d_model": 64, "n_layers": 2, "n_heads": 4}
-        args.models, args.seeds, args.budgets, args.inner_steps = ["quick"], [0], [40, 80], 10
+        args.models, args.seeds, args.budgets, args.inner_steps = ["quick"], [0], [20, 40], 10
         args.eval_batches = 4
         names = ["allreduce", "diloco", "dilocox", "dilocox@paper", "dilocox-no-compression", "int1-sgd1"]
         args.long = names
