@@ -246,7 +246,8 @@ def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
         sync = [r["per_step"][t]["eval_loss"] for r in at if r["name"] == "diloco"]
         ar_bpt = statistics.mean(r["per_step"][t]["bytes_sent"] / r["per_step"][t]["tokens"]
                                  for r in at if r["name"] == "allreduce")
-        for name in dict.fromkeys(r["name"] for r in at):
+        first = ("allreduce", "diloco", "dilocox")  # then the others in the order they ran
+        for name in sorted(dict.fromkeys(r["name"] for r in at), key=lambda n: first.index(n) if n in first else 3):
             group = [r for r in at if r["name"] == name]
             ms = [r["per_step"][t] for r in group]
             losses = [m["eval_loss"] for m in ms]
