@@ -58,7 +58,7 @@ class RankControl:
     `regroup` (set: a broadcast from rank 0 at every round end, for `grow_requested`).
 
     Elastic training (`members`, `epoch`, `regroup`, `grow_requested`; the rules are in
-    this module's docstring): `regroup(failed epoch, reason)` is called by a rank whose
+    trainer.engine's docstring): `regroup(failed epoch, reason)` is called by a rank whose
     world broke (a collective raised or timed out: a peer died) or, with reason "grow", at
     a growth boundary; it blocks until the next epoch's `Membership`, or raises
     (TrainingError: fewer than min_replicas remain, or the job ended; Cancelled).

@@ -16,13 +16,11 @@ from a committed checkpoint (`RankControl.start`).
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import importlib.util
+import importlib.metadata
 import multiprocessing as mp
 import socket
 import time
-from pathlib import Path
 from typing import Any, Literal
 
 from trainer.artifacts import StepSink
@@ -62,23 +60,13 @@ def _available_bytes() -> int | None:
 
 
 def _torch_has_gpu_build() -> bool:
-    """Whether the installed torch was built for CUDA or ROCm, read from its version.py
-    without importing torch (2 s a launcher would otherwise pay for a CPU wheel); True when
-    that file does not say, so that torch itself is asked."""
-    spec = importlib.util.find_spec("torch")  # a top-level name: finds, imports nothing
-    if spec is None or spec.origin is None:
-        return True
+    """Whether the installed torch may have been built for a GPU, read from its package
+    version without importing torch (2 s a launcher would otherwise pay): False for a
+    `+cpu` wheel, True otherwise, so that torch itself is asked."""
     try:
-        tree = ast.parse((Path(spec.origin).parent / "version.py").read_text())
-    except (OSError, SyntaxError, ValueError):
+        return not importlib.metadata.version("torch").endswith("+cpu")
+    except importlib.metadata.PackageNotFoundError:
         return True
-    built = {}  # `cuda: Optional[str] = None`: not built for CUDA
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign | ast.Assign):
-            for target in [node.target] if isinstance(node, ast.AnnAssign) else node.targets:
-                if isinstance(target, ast.Name) and target.id in ("cuda", "hip"):
-                    built[target.id] = not (isinstance(node.value, ast.Constant) and node.value.value is None)
-    return built.get("cuda", True) or built.get("hip", True)
 
 
 def gpu_count() -> int:
