@@ -110,6 +110,13 @@ OURS: dict[str, dict] = {
     "dilocox-lr16-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 4}}},
     "dilocox-lr16-2b-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "lowrank", "rank": 16, "bits": 2}}},
     "dilocox-lr8-sgd1": {"outer": {**OVERLAP, **SGD1, "compression": {"kind": "lowrank", "rank": 8, "bits": 4}}},
+    # Longer rounds: bytes per token fall as 1/H, the exchange has H steps to hide in.
+    "diloco-h40": {"outer": {"inner_steps": 40}},
+    "diloco-h80": {"outer": {"inner_steps": 80}},
+    "dilocox-h40": {"outer": {**DILOCOX_OUTER, "inner_steps": 40}},
+    "dilocox-h80": {"outer": {**DILOCOX_OUTER, "inner_steps": 80}},
+    "dilocox-int2-h40": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 40}},
+    "dilocox-int2-h80": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 80}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
@@ -128,6 +135,15 @@ MODELS = {  # name: [model] table
 # seed-0 sweep at 400 steps (README) put Nesterov 0.9 / lr 0.7 at 1.218x AllReduce and plain
 # averaging (SGD lr 1) at 1.041x: the outer steps that work have an effective lr near 1.
 MODEL_OUTER: dict[str, dict] = {"llama-4x": SGD1}
+
+
+def method_h(args: argparse.Namespace, name: str) -> int:
+    """H of a method: its own `inner_steps` where it sets one, else --inner-steps."""
+    return OURS.get(name, {}).get("outer", {}).get("inner_steps", args.inner_steps)
+
+
+def run_h(args: argparse.Namespace, run: dict) -> int:
+    return run.get("H", args.inner_steps)  # runs saved before H was per method ran --inner-steps
 
 
 def base_job(args: argparse.Namespace, model: str, seed: int, rounds: int) -> dict:
@@ -182,8 +198,8 @@ def run_ours(args, model: str, name: str, seed: int, rounds: int, paper_mbps: fl
     per_step = {t: {k: m[k] for k in ("eval_loss", "bytes_sent", "tokens", "compute_s", "rounds_wall_s",
                                       "compress_s", "wall_s")} for t, m in sink.metrics.items()}
     last = sink.metrics[rounds]
-    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "per_step": per_step,
-            "outer": outer_of(cfg), "rule": cfg.outer.rule, "tau": cfg.outer.tau if cfg.outer.rule == "partial" else 0,
+    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "H": cfg.outer.inner_steps,
+            "per_step": per_step, "outer": outer_of(cfg), "rule": cfg.outer.rule, "tau": cfg.outer.tau if cfg.outer.rule == "partial" else 0,
             "tau_mean": last.get("tau_mean", 0.0), "link_mbps": cfg.transport.bandwidth_mbps,
             "extra_memory_x": last["extra_memory_bytes"] / last["param_bytes"],
             "param_bytes": last["param_bytes"], "process_s": time.perf_counter() - started}
@@ -201,8 +217,8 @@ def run_torchft(args, model: str, name: str, seed: int, rounds: int) -> dict:
     per_step = {t: {"eval_loss": loss, "tokens": tokens_per_round * t, "compress_s": 0.0,
                     **{k: per_round[k] * t for k in per_round}, "rounds_wall_s": per_round["wall_s"] * t}
                 for t, loss in out["eval_by_step"].items()}
-    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "per_step": per_step,
-            "outer": outer_of(load_job(job)), "rule": "streaming" if variant == "streaming" else "sync", "tau": settings.get("tau", 0),
+    return {"name": name, "model": model, "seed": seed, "rounds": rounds, "H": args.inner_steps,
+            "per_step": per_step, "outer": outer_of(load_job(job)), "rule": "streaming" if variant == "streaming" else "sync", "tau": settings.get("tau", 0),
             "fragments": settings.get("fragments", 1), "extra_memory_x": float("nan"),
             "process_s": time.perf_counter() - started}
 
@@ -229,29 +245,35 @@ def modelled_wall(run: dict, t: int, step_s: float, bw: float, replicas: int, H:
 
 
 def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
-    H, R = args.inner_steps, args.replicas
+    R = args.replicas
     mine = [r for r in runs if r["model"] == model]
     ours = [r for r in mine if r["name"] in OURS]
-    step_s = statistics.mean(r["per_step"][r["rounds"]]["compute_s"] / (r["rounds"] * H) for r in ours)
+    step_s = statistics.mean(r["per_step"][r["rounds"]]["compute_s"] / (r["rounds"] * run_h(args, r)) for r in ours)
     ar = [r for r in mine if r["name"] == "allreduce"]
-    ar_step_bytes = statistics.mean(r["per_step"][r["rounds"]]["bytes_sent"] / R / (r["rounds"] * H) for r in ar)
+    ar_step_bytes = statistics.mean(r["per_step"][r["rounds"]]["bytes_sent"] / R / (r["rounds"] * run_h(args, r))
+                                    for r in ar)
     bw = ar_step_bytes / (args.paper_steps * step_s)
     rows = []
     for budget in args.budgets:
-        t = budget // H
-        at = [r for r in mine if t in r["per_step"]]
+        def at_budget(r: dict) -> dict | None:  # r's metrics after `budget` inner steps, if it ran them
+            H = run_h(args, r)
+            return r["per_step"].get(budget // H) if budget % H == 0 else None
+
+        at = [r for r in mine if at_budget(r) is not None]
         if not any(r["name"] == "allreduce" for r in at):  # this model did not run this budget
             continue
-        base = [r["per_step"][t]["eval_loss"] for r in at if r["name"] == "allreduce"]
-        sync = [r["per_step"][t]["eval_loss"] for r in at if r["name"] == "diloco"]
-        ar_bpt = statistics.mean(r["per_step"][t]["bytes_sent"] / r["per_step"][t]["tokens"]
+        base = [at_budget(r)["eval_loss"] for r in at if r["name"] == "allreduce"]
+        sync = [at_budget(r)["eval_loss"] for r in at if r["name"] == "diloco"]
+        ar_bpt = statistics.mean(at_budget(r)["bytes_sent"] / at_budget(r)["tokens"]
                                  for r in at if r["name"] == "allreduce")
         first = ("allreduce", "diloco", "dilocox")  # then the others in the order they ran
         for name in sorted(dict.fromkeys(r["name"] for r in at), key=lambda n: first.index(n) if n in first else 3):
             group = [r for r in at if r["name"] == name]
-            ms = [r["per_step"][t] for r in group]
+            ms = [at_budget(r) for r in group]
             losses = [m["eval_loss"] for m in ms]
             bpt = statistics.mean(m["bytes_sent"] / m["tokens"] for m in ms)
+            H = run_h(args, group[0])
+            t = budget // H
             walls = [modelled_wall(r, t, step_s, bw, R, H) for r in group]
             row = {
                 "model": model, "budget": budget, "name": name, "seeds": len(group),
@@ -267,7 +289,7 @@ def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
                 "compress_frac": statistics.mean(m["compress_s"] / m["rounds_wall_s"] for m in ms),
                 "extra_memory_x": statistics.mean(r["extra_memory_x"] for r in group),
                 "rule": group[0]["rule"], "tau": group[0]["tau"],
-                "tau_mean": statistics.mean(r.get("tau_mean", 0.0) for r in group),
+                "tau_mean": statistics.mean(r.get("tau_mean", 0.0) for r in group), "H": H,
             }
             rows.append(row)
     return rows, {"paper_link_bytes_per_s": bw, "compute_step_s": step_s}
@@ -456,9 +478,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown method {unknown[0]} (known: {', '.join([*OURS, *PEERS])})")
     args.budgets = sorted(args.budgets)
-    for b in args.budgets:
-        if b % args.inner_steps:
-            ap.error(f"budget {b} is not a multiple of H = {args.inner_steps}")
+    for name in names:  # a method runs to its budget and is read at every other its H divides
+        budget = args.budgets[-1] if name in args.long else args.budgets[0]
+        if budget % method_h(args, name):
+            ap.error(f"budget {budget} is not a multiple of {name}'s H = {method_h(args, name)}")
 
     runs: list[dict] = []
     for path in args.load:
@@ -470,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         if r["name"] == "allreduce":
             m = r["per_step"][max(r["per_step"])]
-            per_step_bytes = m["bytes_sent"] / args.replicas / (r["rounds"] * args.inner_steps)
-            step_s = m["compute_s"] / (r["rounds"] * args.inner_steps)
+            per_step_bytes = m["bytes_sent"] / args.replicas / (r["rounds"] * run_h(args, r))
+            step_s = m["compute_s"] / (r["rounds"] * run_h(args, r))
             paper_mbps[(r["model"], r["seed"])] = per_step_bytes / (args.paper_steps * step_s) * 8 / 1e6
     for model in args.models:
         for seed in args.seeds:
@@ -479,15 +502,15 @@ def main(argv: list[str] | None = None) -> int:
                 if (model, seed, name) in done or args.no_run:
                     continue
                 budget = args.budgets[-1] if name in args.long else args.budgets[0]
-                rounds = budget // args.inner_steps
+                rounds = budget // method_h(args, name)
                 if name in PEERS:
                     run = run_torchft(args, model, name, seed, rounds)
                 else:
                     run = run_ours(args, model, name, seed, rounds, paper_mbps.get((model, seed)))
                 if name == "allreduce":  # the paper-regime link for this model: one all-reduce = N steps
                     m = run["per_step"][rounds]
-                    per_step_bytes = m["bytes_sent"] / args.replicas / (rounds * args.inner_steps)
-                    step_s = m["compute_s"] / (rounds * args.inner_steps)
+                    per_step_bytes = m["bytes_sent"] / args.replicas / (rounds * method_h(args, name))
+                    step_s = m["compute_s"] / (rounds * method_h(args, name))
                     paper_mbps[(model, seed)] = per_step_bytes / (args.paper_steps * step_s) * 8 / 1e6
                 runs.append(run)
                 if args.json:  # every run so far: an interrupted benchmark resumes with --load
