@@ -117,6 +117,9 @@ OURS: dict[str, dict] = {
     "dilocox-h80": {"outer": {**DILOCOX_OUTER, "inner_steps": 80}},
     "dilocox-int2-h40": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 40}},
     "dilocox-int2-h80": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 80}},
+    # ... on the paper-regime link, where tau = auto may overlap up to H/4 = 20 steps.
+    "dilocox-h80@paper": {"outer": {**DILOCOX_OUTER, "inner_steps": 80}},
+    "dilocox-int2-h80@paper": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 80}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
