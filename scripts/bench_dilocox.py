@@ -265,17 +265,18 @@ def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
             H = run_h(args, r)
             return r["per_step"].get(budget // H) if budget % H == 0 else None
 
-        at = [r for r in mine if at_budget(r) is not None]
+        reading = {id(r): m for r in mine if (m := at_budget(r)) is not None}
+        at = [r for r in mine if id(r) in reading]
         if not any(r["name"] == "allreduce" for r in at):  # this model did not run this budget
             continue
-        base = [at_budget(r)["eval_loss"] for r in at if r["name"] == "allreduce"]
-        sync = [at_budget(r)["eval_loss"] for r in at if r["name"] == "diloco"]
-        ar_bpt = statistics.mean(at_budget(r)["bytes_sent"] / at_budget(r)["tokens"]
+        base = [reading[id(r)]["eval_loss"] for r in at if r["name"] == "allreduce"]
+        sync = [reading[id(r)]["eval_loss"] for r in at if r["name"] == "diloco"]
+        ar_bpt = statistics.mean(reading[id(r)]["bytes_sent"] / reading[id(r)]["tokens"]
                                  for r in at if r["name"] == "allreduce")
         first = ("allreduce", "diloco", "dilocox")  # then the others in the order they ran
         for name in sorted(dict.fromkeys(r["name"] for r in at), key=lambda n: first.index(n) if n in first else 3):
             group = [r for r in at if r["name"] == name]
-            ms = [at_budget(r) for r in group]
+            ms = [reading[id(r)] for r in group]
             losses = [m["eval_loss"] for m in ms]
             bpt = statistics.mean(m["bytes_sent"] / m["tokens"] for m in ms)
             H = run_h(args, group[0])
