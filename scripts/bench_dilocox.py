@@ -57,6 +57,7 @@ SGD1 = {"lr": 1.0, "momentum": 0.0, "nesterov": False}  # SparseLoCo's outer loo
 NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}  # DiLoCo's
 OVERLAP = {"delay": 1, "overlap": "partial", "tau": "auto"}
 INT4 = {"kind": "quantize", "bits": 4}
+INT2 = {"kind": "quantize", "bits": 2}
 DILOCOX_OUTER = {**OVERLAP, "compression": INT4}
 
 OURS: dict[str, dict] = {
@@ -115,11 +116,11 @@ OURS: dict[str, dict] = {
     "diloco-h80": {"outer": {"inner_steps": 80}},
     "dilocox-h40": {"outer": {**DILOCOX_OUTER, "inner_steps": 40}},
     "dilocox-h80": {"outer": {**DILOCOX_OUTER, "inner_steps": 80}},
-    "dilocox-int2-h40": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 40}},
-    "dilocox-int2-h80": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 80}},
+    "dilocox-int2-h40": {"outer": {**OVERLAP, "compression": INT2, "inner_steps": 40}},
+    "dilocox-int2-h80": {"outer": {**OVERLAP, "compression": INT2, "inner_steps": 80}},
     # ... on the paper-regime link, where tau = auto may overlap up to H/4 = 20 steps.
     "dilocox-h80@paper": {"outer": {**DILOCOX_OUTER, "inner_steps": 80}},
-    "dilocox-int2-h80@paper": {"outer": {**OVERLAP, "compression": {"kind": "quantize", "bits": 2}, "inner_steps": 80}},
+    "dilocox-int2-h80@paper": {"outer": {**OVERLAP, "compression": INT2, "inner_steps": 80}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
@@ -261,22 +262,18 @@ def summarise(runs: list[dict], args, model: str) -> tuple[list[dict], dict]:
     bw = ar_step_bytes / (args.paper_steps * step_s)
     rows = []
     for budget in args.budgets:
-        def at_budget(r: dict, budget: int = budget) -> dict | None:  # r's metrics after `budget` steps
-            H = run_h(args, r)
-            return r["per_step"].get(budget // H) if budget % H == 0 else None
-
-        reading = {id(r): m for r in mine if (m := at_budget(r)) is not None}
-        at = [r for r in mine if id(r) in reading]
-        if not any(r["name"] == "allreduce" for r in at):  # this model did not run this budget
+        # (run, its metrics after `budget` inner steps) for every run whose H divides it
+        at = [(r, r["per_step"].get(budget // run_h(args, r))) for r in mine if budget % run_h(args, r) == 0]
+        at = [(r, m) for r, m in at if m is not None]
+        if not any(r["name"] == "allreduce" for r, _ in at):  # this model did not run this budget
             continue
-        base = [reading[id(r)]["eval_loss"] for r in at if r["name"] == "allreduce"]
-        sync = [reading[id(r)]["eval_loss"] for r in at if r["name"] == "diloco"]
-        ar_bpt = statistics.mean(reading[id(r)]["bytes_sent"] / reading[id(r)]["tokens"]
-                                 for r in at if r["name"] == "allreduce")
+        base = [m["eval_loss"] for r, m in at if r["name"] == "allreduce"]
+        sync = [m["eval_loss"] for r, m in at if r["name"] == "diloco"]
+        ar_bpt = statistics.mean(m["bytes_sent"] / m["tokens"] for r, m in at if r["name"] == "allreduce")
         first = ("allreduce", "diloco", "dilocox")  # then the others in the order they ran
-        for name in sorted(dict.fromkeys(r["name"] for r in at), key=lambda n: first.index(n) if n in first else 3):
-            group = [r for r in at if r["name"] == name]
-            ms = [reading[id(r)] for r in group]
+        for name in sorted(dict.fromkeys(r["name"] for r, _ in at), key=lambda n: first.index(n) if n in first else 3):
+            group = [r for r, _ in at if r["name"] == name]
+            ms = [m for r, m in at if r["name"] == name]
             losses = [m["eval_loss"] for m in ms]
             bpt = statistics.mean(m["bytes_sent"] / m["tokens"] for m in ms)
             H = run_h(args, group[0])
@@ -316,7 +313,7 @@ def targets(rows: list[dict], args) -> list[dict]:
             x = get(model, method, budget)
             if x is None:
                 continue
-            where = f"{model}, {budget} steps" if method == "dilocox" else f"{method}, {model}, {budget} steps"
+            where = f"{model}, {budget} steps" if method == TARGETED[0] else f"{method}, {model}, {budget} steps"
             out.append({"target": f"eval loss <= 1.01x synchronous DiLoCo ({where})", "value": x["loss_x_diloco"],
                         "met": x["loss_x_diloco"] <= 1.01})
             if budget == hi:
