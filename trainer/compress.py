@@ -114,6 +114,7 @@ from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.config import CHUNK_MAX, CompressionConfig
 
 __all__ = [
+    "CODEC_GAPS",
     "CODEC_LOWRANK",
     "CODEC_NONE",
     "CODEC_QUANT",
@@ -121,6 +122,8 @@ __all__ = [
     "Compressor",
     "decode_contribution",
     "dequantize_rows",
+    "gaps_decode",
+    "gaps_encode",
     "lowrank_reconstruct",
     "pack_bits",
     "payload_budget",
@@ -132,8 +135,9 @@ __all__ = [
     "unpack_bits",
 ]
 
-CODEC_NONE, CODEC_QUANT, CODEC_LOWRANK, CODEC_SPARSE = 0, 1, 2, 3
-_CODEC_NAMES = {CODEC_QUANT: "quantize", CODEC_LOWRANK: "lowrank", CODEC_SPARSE: "sparse"}
+CODEC_NONE, CODEC_QUANT, CODEC_LOWRANK, CODEC_SPARSE, CODEC_GAPS = 0, 1, 2, 3, 4
+_CODEC_NAMES = {CODEC_QUANT: "quantize", CODEC_LOWRANK: "lowrank", CODEC_SPARSE: "sparse",
+                CODEC_GAPS: "quantize"}
 MAX_CHUNK = CHUNK_MAX  # the largest sparse chunk (65536): 16-bit indices
 ONE_D_BITS = 8  # norms and biases: few values, quantised whole
 _EASE_STEP = 0.05
@@ -187,12 +191,80 @@ def quantize_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tenso
     if bits == 1:
         scale = x.abs().mean(dim=1)  # (rows,)
         return _pack((x >= 0).to(torch.uint8), 1), scale
+    q, scale = _round_rows(x, bits)
+    u = (q + _levels(bits)).to(torch.uint8)
+    return _pack(u, bits), scale
+
+
+def _round_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) float32, bits >= 2 -> (q: float32 integers in [-levels, levels], scale
+    per row): the rounding `quantize_rows` packs, and the gaps layout codes at 2 bits."""
     levels = _levels(bits)
     scale = x.abs().amax(dim=1) / levels  # (rows,)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(x / safe[:, None]).clamp_(-levels, levels)  # (rows, cols)
-    u = (q + levels).to(torch.uint8)
-    return _pack(u, bits), scale
+    return torch.round(x / safe[:, None]).clamp_(-levels, levels), scale  # (rows, cols)
+
+
+GAPS_MAX_WIDTH = 16  # the widest token the gaps layout tries (pack_bits' limit)
+
+
+def gaps_encode(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """Values in {-1, 0, +1} (any shape, read flat) -> (uint8 stream, w, T): the gaps layout.
+
+    Nonzero j at flat index p_j follows g_j = p_j - p_{j-1} - 1 zeros (p_{-1} = -1). With
+    E = 2**w - 1, g_j is floor(g_j / E) tokens E ("E zeros, no value") then the token
+    g_j mod E ("that many zeros, then a value"); zeros after the last value are implied. The
+    stream is the T tokens by `pack_bits` at w bits, then one bit per nonzero (1: +1, 0: -1)
+    by `pack_bits` at 1 bit, each zero-padded to whole bytes. w (1 to 16) is the one with
+    the fewest bytes, the smallest on a tie; never more than 2 bits per value (w = 1 codes
+    a zero as 1 bit, a value as 2)."""
+    flat = q.reshape(-1)
+    pos = torch.nonzero(flat).reshape(-1)  # ascending
+    n = pos.numel()
+    gaps = torch.diff(pos, prepend=torch.tensor([-1], dtype=pos.dtype)) - 1
+    best: tuple[int, int, int] | None = None  # (bytes, w, T)
+    for w in range(1, GAPS_MAX_WIDTH + 1):
+        T = int((gaps // ((1 << w) - 1)).sum()) + n
+        size = math.ceil(T * w / 8)
+        if best is None or size < best[0]:
+            best = (size, w, T)
+    _, w, T = best
+    E = (1 << w) - 1
+    tokens = torch.full((T,), E, dtype=torch.int32)
+    tokens[torch.cumsum(gaps // E + 1, 0) - 1] = (gaps % E).to(torch.int32)
+    signs = (flat[pos] > 0).to(torch.int32)
+    return torch.cat([pack_bits(tokens, w), pack_bits(signs, 1)]), w, T
+
+
+def gaps_decode(stream: torch.Tensor, w: int, T: int, numel: int) -> torch.Tensor:
+    """Inverse of `gaps_encode`: float32 (numel,) of -1, 0 and +1. ValueError unless the
+    stream is exactly T tokens of w bits and one sign bit per value, padding bits zero, the
+    last token a value (as the encoder writes it) and every value inside `numel`."""
+    if not 1 <= w <= GAPS_MAX_WIDTH or T < 0:
+        raise ValueError(f"token width {w} or count {T} out of range")
+    if stream.dtype != torch.uint8 or stream.dim() != 1:
+        raise ValueError(f"stream is {stream.dtype} {tuple(stream.shape)}, want uint8 1-D")
+    nt = math.ceil(T * w / 8)
+    if stream.numel() < nt:
+        raise ValueError(f"stream has {stream.numel()} bytes, fewer than {T} tokens of {w} bits")
+    E = (1 << w) - 1
+    tokens = unpack_bits(stream[:nt], w, T)
+    value = tokens != E
+    n = int(value.sum())
+    if stream.numel() != nt + math.ceil(n / 8):
+        raise ValueError(f"stream has {stream.numel()} bytes, want {nt + math.ceil(n / 8)} "
+                         f"for {T} tokens and {n} signs")
+    if T and not bool(value[-1]):
+        raise ValueError("the last token skips zeros without a value")
+    for used, last in ((T * w % 8, nt - 1), (n % 8, stream.numel() - 1)):
+        if used and int(stream[last]) >> used:
+            raise ValueError("nonzero padding bits")
+    pos = (torch.cumsum(torch.where(value, tokens + 1, E), 0) - 1)[value]
+    if n and int(pos[-1]) >= numel:
+        raise ValueError(f"a value at index {int(pos[-1])} of {numel}")
+    out = torch.zeros(numel)
+    out[pos] = unpack_bits(stream[nt:], 1, n).float() * 2 - 1
+    return out
 
 
 def dequantize_rows(packed: torch.Tensor, scale: torch.Tensor, bits: int, cols: int) -> torch.Tensor:
@@ -374,19 +446,29 @@ def _quant_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]]
     quantisation over their stacked rows): name -> (payload tensors, M - decoded). Row-wise
     operations only, so the bytes and the residual are those of `_encode` and `_decode_one`
     one tensor at a time (tested); it only saves the per-tensor overhead."""
-    groups: dict[tuple[int, int], list[str]] = {}
+    groups: dict[tuple[int, int, int], list[str]] = {}
     for n in sorted(plans):
         p = plans[n]
-        if p["codec"] == CODEC_QUANT:
-            groups.setdefault((p["bits"], p["M"].size(1)), []).append(n)
+        if p["codec"] in (CODEC_QUANT, CODEC_GAPS):
+            groups.setdefault((p["codec"], p["bits"], p["M"].size(1)), []).append(n)
     out: dict[str, tuple[dict, torch.Tensor]] = {}
-    for (bits, cols), names in groups.items():
+    for (codec, bits, cols), names in groups.items():
         if len(names) < 2:
             continue
         X = torch.cat([plans[n]["M"].float() for n in names])  # (rows, cols)
+        slices = _row_slices([plans[n]["M"].size(0) for n in names])
+        if codec == CODEC_GAPS:  # the stream is per tensor; the rounding is batched
+            q, scale = _round_rows(X, bits)
+            err = X - q * scale[:, None]
+            for n, rows in zip(names, slices, strict=True):
+                stream, w, T = gaps_encode(q[rows])
+                enc = {f"meta/{n}": torch.tensor([CODEC_GAPS, bits, w, T], dtype=torch.int32),
+                       f"g/{n}": stream, f"q_scale/{n}": scale[rows]}
+                out[n] = (enc, err[rows])
+            continue
         q, scale = quantize_rows(X, bits)
         err = X - dequantize_rows(q, scale, bits, cols)
-        for n, rows in zip(names, _row_slices([plans[n]["M"].size(0) for n in names]), strict=True):
+        for n, rows in zip(names, slices, strict=True):
             enc = {f"meta/{n}": torch.tensor([CODEC_QUANT, bits, 0], dtype=torch.int32),
                    f"q/{n}": q[rows], f"q_scale/{n}": scale[rows]}
             out[n] = (enc, err[rows])
@@ -443,6 +525,10 @@ def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None, spa
     out = {f"meta/{name}": torch.tensor([codec, bits, 0], dtype=torch.int32)}
     if codec == CODEC_QUANT:
         out[f"q/{name}"], out[f"q_scale/{name}"] = quantize_rows(M, bits)
+    elif codec == CODEC_GAPS:
+        q, out[f"q_scale/{name}"] = _round_rows(M.float(), bits)
+        out[f"g/{name}"], w, T = gaps_encode(q)
+        out[f"meta/{name}"] = torch.tensor([codec, bits, w, T], dtype=torch.int32)
     elif codec == CODEC_SPARSE:
         k, chunk = sparse
         out[f"meta/{name}"] = torch.tensor([codec, bits, k, chunk], dtype=torch.int32)
@@ -455,23 +541,44 @@ def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None, spa
     return out
 
 
-def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
-    if f"delta/{name}" in payload:
-        t = payload[f"delta/{name}"]
-        if t.shape != shape:
-            raise ValueError(f"contribution: delta/{name} has shape {tuple(t.shape)}, want {tuple(shape)}")
-        return t.float()
+def _gaps_tensor(name: str, payload: dict[str, torch.Tensor], m: int, n: int, w: int, T: int) -> torch.Tensor:
+    """A gaps-coded tensor (m, n): its values times its row's scale, as `dequantize_rows`
+    computes them at 2 bits (the same float32 product, so the same bits)."""
+    scale = payload[f"q_scale/{name}"]
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (m,):
+        raise ValueError(f"contribution: q_scale/{name} is {scale.dtype} {tuple(scale.shape)}, want float32 {(m,)}")
+    try:
+        q = gaps_decode(payload[f"g/{name}"], w, T, m * n)
+    except ValueError as exc:
+        raise ValueError(f"contribution: gaps {name}: {exc}") from None
+    return q.view(m, n) * scale[:, None]
+
+
+def _read_meta(name: str, payload: dict[str, torch.Tensor]) -> list[int]:
+    """``meta/<name>`` checked: [codec, bits, rank], or [codec, bits, k, C] (sparse) or
+    [codec, 2, w, T] (gaps)."""
     if f"meta/{name}" not in payload:
         raise ValueError(f"contribution: no delta/{name} or meta/{name}")
     meta = payload[f"meta/{name}"]
     if meta.dtype != torch.int32 or meta.dim() != 1 or meta.numel() not in (3, 4):
         raise ValueError(f"contribution: meta/{name} is {meta.dtype} {tuple(meta.shape)}, want int32 (3,) or (4,)")
     values = [int(v) for v in meta.tolist()]
-    codec, bits, rank = values[:3]
-    if (meta.numel() == 4) != (codec == CODEC_SPARSE):
+    codec, bits = values[:2]
+    if (meta.numel() == 4) != (codec in (CODEC_SPARSE, CODEC_GAPS)):
         raise ValueError(f"contribution: meta/{name} has {meta.numel()} entries for codec {codec}")
-    if bits not in BITS:
+    if bits not in BITS or (codec == CODEC_GAPS and bits != 2):
         raise ValueError(f"contribution: meta/{name} has bits {bits}")
+    return values
+
+
+def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    if f"delta/{name}" in payload:
+        t = payload[f"delta/{name}"]
+        if t.shape != shape:
+            raise ValueError(f"contribution: delta/{name} has shape {tuple(t.shape)}, want {tuple(shape)}")
+        return t.float()
+    values = _read_meta(name, payload)
+    codec, bits, rank = values[:3]
     m, n = _as_matrix_shape(shape)
     try:
         if codec == CODEC_SPARSE:
@@ -482,6 +589,8 @@ def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) 
                 raise ValueError(f"contribution: sparse {name}: {exc}") from None
         elif codec == CODEC_QUANT:
             M = dequantize_rows(payload[f"q/{name}"], payload[f"q_scale/{name}"], bits, n)
+        elif codec == CODEC_GAPS:
+            M = _gaps_tensor(name, payload, m, n, rank, values[3])
         elif codec == CODEC_LOWRANK:
             u = dequantize_rows(payload[f"u/{name}"], payload[f"u_scale/{name}"], bits, m)
             v = dequantize_rows(payload[f"v/{name}"], payload[f"v_scale/{name}"], bits, n)
@@ -642,7 +751,7 @@ class Compressor:
             elif plan["codec"] == CODEC_SPARSE:
                 enc = _encode(n, M, CODEC_SPARSE, plan["bits"], sparse=(plan["k"], plan["chunk"]))
             else:
-                enc = _encode(n, M, CODEC_QUANT, plan["bits"])
+                enc = _encode(n, M, plan["codec"], plan["bits"])
             if n not in plans_done:
                 payload.update(enc)
                 decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
@@ -717,7 +826,8 @@ class Compressor:
         m, n = M.shape
         if len(st.shape) < 2 or cfg.kind == "quantize" or M.numel() == 0:
             bits = ONE_D_BITS if (len(st.shape) < 2 and cfg.kind != "quantize") else cfg.bits
-            return {"M": M, "codec": CODEC_QUANT, "bits": bits}
+            gaps = cfg.kind == "quantize" and cfg.coding == "gaps"
+            return {"M": M, "codec": CODEC_GAPS if gaps else CODEC_QUANT, "bits": bits}
         if cfg.kind == "sparse":
             chunk = min(cfg.chunk, M.numel())
             return {"M": M, "codec": CODEC_SPARSE, "bits": cfg.bits, "chunk": chunk,
