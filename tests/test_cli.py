@@ -63,6 +63,10 @@ BAD_JOBS = {
                      "outer.compression.density: must be in (0, 1] (got 0"),
     "density_above_one": ("[outer.compression]\nkind = 'sparse'\ndensity = 1.5\n[outer]\nsteps = 2\ninner_steps = 3\n",
                           "outer.compression.density: must be in (0, 1] (got 1.5"),
+    "gaps_without_two_bits": ("[outer]\nsteps = 2\ninner_steps = 3\n[outer.compression]\nkind = 'quantize'\n"
+                              "coding = 'gaps'\n",
+                              "outer.compression: coding = 'gaps' needs kind = 'quantize' and bits = 2 "
+                              "(kind is 'quantize', bits 8)"),
     "unknown_overlap_rule": ("[outer]\nsteps = 2\ninner_steps = 3\ndelay = 1\noverlap = 'lazy'\n",
                              "outer.overlap: Input should be 'partial', 'eager' or 'restart'"),
     "alpha_above_one": ("[outer]\nsteps = 2\ninner_steps = 3\ndelay = 1\nalpha = 1.5\n",

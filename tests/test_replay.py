@@ -144,6 +144,7 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
 DELAYED = {
     "partial-auto-adaptive": ('overlap = "partial"\n', 'kind = "adaptive"\nmax_rank = 8\n'),
     "partial-tau1-int1": ('overlap = "partial"\ntau = 1\n', 'kind = "quantize"\nbits = 1\n'),
+    "partial-tau2-gaps": ('overlap = "partial"\ntau = 2\n', 'kind = "quantize"\nbits = 2\ncoding = "gaps"\n'),
     "partial-mix-none": ('overlap = "partial"\ntau = 2\nalpha = 0.5\n', 'kind = "none"\n'),
     "eager-sparse": ('overlap = "eager"\n', 'kind = "sparse"\ndensity = 0.1\nchunk = 64\nbits = 4\n'),
     "restart-lowrank": ('overlap = "restart"\n', 'kind = "lowrank"\nrank = 2\n'),

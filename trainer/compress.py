@@ -206,6 +206,7 @@ def _round_rows(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 GAPS_MAX_WIDTH = 16  # the widest token the gaps layout tries (pack_bits' limit)
+GAPS_STREAM, GAPS_META = "gaps/stream", "gaps/meta"  # a payload's one gaps stream
 
 
 def gaps_encode(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -222,13 +223,16 @@ def gaps_encode(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     pos = torch.nonzero(flat).reshape(-1)  # ascending
     n = pos.numel()
     gaps = torch.diff(pos, prepend=torch.tensor([-1], dtype=pos.dtype)) - 1
-    best: tuple[int, int, int] | None = None  # (bytes, w, T)
-    for w in range(1, GAPS_MAX_WIDTH + 1):
-        T = int((gaps // ((1 << w) - 1)).sum()) + n
-        size = math.ceil(T * w / 8)
-        if best is None or size < best[0]:
-            best = (size, w, T)
-    _, w, T = best
+    # Tokens at every width at once; past the longest gap's bit length a wider token only
+    # costs more, so the widths tried stop there.
+    top = min(GAPS_MAX_WIDTH, int(gaps.max()).bit_length() + 1) if n else 1
+    widths = torch.arange(1, top + 1)
+    counts = torch.bincount(gaps)  # (longest gap + 1,): how many gaps of each length
+    lengths = torch.arange(counts.numel())
+    tokens_at = (counts[:, None] * (lengths[:, None] // ((1 << widths) - 1))).sum(dim=0) + n  # (top,)
+    sizes = (tokens_at * widths + 7) // 8
+    i = int(torch.argmin(sizes))  # the first minimum: the smallest w on a tie
+    w, T = i + 1, int(tokens_at[i])
     E = (1 << w) - 1
     tokens = torch.full((T,), E, dtype=torch.int32)
     tokens[torch.cumsum(gaps // E + 1, 0) - 1] = (gaps % E).to(torch.int32)
@@ -446,32 +450,80 @@ def _quant_batch(plans: dict[str, dict]) -> dict[str, tuple[dict, torch.Tensor]]
     quantisation over their stacked rows): name -> (payload tensors, M - decoded). Row-wise
     operations only, so the bytes and the residual are those of `_encode` and `_decode_one`
     one tensor at a time (tested); it only saves the per-tensor overhead."""
-    groups: dict[tuple[int, int, int], list[str]] = {}
+    groups: dict[tuple[int, int], list[str]] = {}
     for n in sorted(plans):
         p = plans[n]
-        if p["codec"] in (CODEC_QUANT, CODEC_GAPS):
-            groups.setdefault((p["codec"], p["bits"], p["M"].size(1)), []).append(n)
+        if p["codec"] == CODEC_QUANT:
+            groups.setdefault((p["bits"], p["M"].size(1)), []).append(n)
     out: dict[str, tuple[dict, torch.Tensor]] = {}
-    for (codec, bits, cols), names in groups.items():
+    for (bits, cols), names in groups.items():
         if len(names) < 2:
             continue
         X = torch.cat([plans[n]["M"].float() for n in names])  # (rows, cols)
-        slices = _row_slices([plans[n]["M"].size(0) for n in names])
-        if codec == CODEC_GAPS:  # the stream is per tensor; the rounding is batched
-            q, scale = _round_rows(X, bits)
-            err = X - q * scale[:, None]
-            for n, rows in zip(names, slices, strict=True):
-                stream, w, T = gaps_encode(q[rows])
-                enc = {f"meta/{n}": torch.tensor([CODEC_GAPS, bits, w, T], dtype=torch.int32),
-                       f"g/{n}": stream, f"q_scale/{n}": scale[rows]}
-                out[n] = (enc, err[rows])
-            continue
         q, scale = quantize_rows(X, bits)
         err = X - dequantize_rows(q, scale, bits, cols)
-        for n, rows in zip(names, slices, strict=True):
+        for n, rows in zip(names, _row_slices([plans[n]["M"].size(0) for n in names]), strict=True):
             enc = {f"meta/{n}": torch.tensor([CODEC_QUANT, bits, 0], dtype=torch.int32),
                    f"q/{n}": q[rows], f"q_scale/{n}": scale[rows]}
             out[n] = (enc, err[rows])
+    return out
+
+
+def _gaps_batch(plans: dict[str, dict]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Encode every gaps plan: (payload tensors, name -> M - decoded). The values of all of
+    them, in name order, flattened and concatenated, are one `gaps_encode` stream
+    (``gaps/stream``, with ``gaps/meta`` int64 [w, T, values]); each tensor has its
+    ``meta/<name>`` [CODEC_GAPS, 2, 0] and its ``q_scale/<name>``. The rounding is batched
+    over tensors of equal columns (row-wise, so the values are those of one tensor alone)."""
+    names = sorted(n for n, p in plans.items() if p["codec"] == CODEC_GAPS)
+    if not names:
+        return {}, {}
+    by_cols: dict[int, list[str]] = {}
+    for n in names:
+        by_cols.setdefault(plans[n]["M"].size(1), []).append(n)
+    q_of, payload, errs = {}, {}, {}
+    for group in by_cols.values():
+        X = torch.cat([plans[n]["M"].float() for n in group])  # (rows, cols)
+        q, scale = _round_rows(X, 2)
+        err = X - q * scale[:, None]
+        for n, rows in zip(group, _row_slices([plans[n]["M"].size(0) for n in group]), strict=True):
+            q_of[n], errs[n] = q[rows], err[rows]
+            payload[f"meta/{n}"] = torch.tensor([CODEC_GAPS, 2, 0], dtype=torch.int32)
+            payload[f"q_scale/{n}"] = scale[rows]
+    values = torch.cat([q_of[n].reshape(-1) for n in names])
+    stream, w, T = gaps_encode(values)
+    payload[GAPS_STREAM] = stream
+    payload[GAPS_META] = torch.tensor([w, T, values.numel()], dtype=torch.int64)
+    return payload, errs
+
+
+def _gaps_decode_all(payload: dict[str, torch.Tensor], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """The gaps-coded tensors of `payload` (meta codec 4), decoded from its one stream."""
+    names = [n for n in sorted(shapes) if f"delta/{n}" not in payload and f"meta/{n}" in payload
+             and _read_meta(n, payload)[0] == CODEC_GAPS]
+    if not names and GAPS_STREAM not in payload and GAPS_META not in payload:
+        return {}
+    meta = payload.get(GAPS_META)
+    if GAPS_STREAM not in payload or meta is None or meta.dtype != torch.int64 or tuple(meta.shape) != (3,):
+        raise ValueError(f"contribution: gaps-coded tensors need {GAPS_STREAM} and {GAPS_META} int64 (3,)")
+    w, T, count = (int(v) for v in meta.tolist())
+    dims = [_as_matrix_shape(shapes[n]) for n in names]
+    if count != sum(m * c for m, c in dims):
+        raise ValueError(f"contribution: {GAPS_META} counts {count} values, the gaps-coded tensors "
+                         f"hold {sum(m * c for m, c in dims)}")
+    try:
+        values = gaps_decode(payload[GAPS_STREAM], w, T, count)
+    except ValueError as exc:
+        raise ValueError(f"contribution: {GAPS_STREAM}: {exc}") from None
+    out, at = {}, 0
+    for n, (m, c) in zip(names, dims, strict=True):
+        scale = payload.get(f"q_scale/{n}")
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != (m,):
+            got = "missing" if scale is None else f"{scale.dtype} {tuple(scale.shape)}"
+            raise ValueError(f"contribution: q_scale/{n} is {got}, want float32 {(m,)}")
+        # the product `dequantize_rows` computes at 2 bits: the same float32 bits
+        out[n] = (values[at: at + m * c].view(m, c) * scale[:, None]).reshape(shapes[n])
+        at += m * c
     return out
 
 
@@ -525,10 +577,6 @@ def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None, spa
     out = {f"meta/{name}": torch.tensor([codec, bits, 0], dtype=torch.int32)}
     if codec == CODEC_QUANT:
         out[f"q/{name}"], out[f"q_scale/{name}"] = quantize_rows(M, bits)
-    elif codec == CODEC_GAPS:
-        q, out[f"q_scale/{name}"] = _round_rows(M.float(), bits)
-        out[f"g/{name}"], w, T = gaps_encode(q)
-        out[f"meta/{name}"] = torch.tensor([codec, bits, w, T], dtype=torch.int32)
     elif codec == CODEC_SPARSE:
         k, chunk = sparse
         out[f"meta/{name}"] = torch.tensor([codec, bits, k, chunk], dtype=torch.int32)
@@ -541,22 +589,8 @@ def _encode(name: str, M: torch.Tensor, codec: int, bits: int, factors=None, spa
     return out
 
 
-def _gaps_tensor(name: str, payload: dict[str, torch.Tensor], m: int, n: int, w: int, T: int) -> torch.Tensor:
-    """A gaps-coded tensor (m, n): its values times its row's scale, as `dequantize_rows`
-    computes them at 2 bits (the same float32 product, so the same bits)."""
-    scale = payload[f"q_scale/{name}"]
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (m,):
-        raise ValueError(f"contribution: q_scale/{name} is {scale.dtype} {tuple(scale.shape)}, want float32 {(m,)}")
-    try:
-        q = gaps_decode(payload[f"g/{name}"], w, T, m * n)
-    except ValueError as exc:
-        raise ValueError(f"contribution: gaps {name}: {exc}") from None
-    return q.view(m, n) * scale[:, None]
-
-
 def _read_meta(name: str, payload: dict[str, torch.Tensor]) -> list[int]:
-    """``meta/<name>`` checked: [codec, bits, rank], or [codec, bits, k, C] (sparse) or
-    [codec, 2, w, T] (gaps)."""
+    """``meta/<name>`` checked: [codec, bits, rank], or [codec, bits, k, C] (sparse)."""
     if f"meta/{name}" not in payload:
         raise ValueError(f"contribution: no delta/{name} or meta/{name}")
     meta = payload[f"meta/{name}"]
@@ -564,7 +598,7 @@ def _read_meta(name: str, payload: dict[str, torch.Tensor]) -> list[int]:
         raise ValueError(f"contribution: meta/{name} is {meta.dtype} {tuple(meta.shape)}, want int32 (3,) or (4,)")
     values = [int(v) for v in meta.tolist()]
     codec, bits = values[:2]
-    if (meta.numel() == 4) != (codec in (CODEC_SPARSE, CODEC_GAPS)):
+    if (meta.numel() == 4) != (codec == CODEC_SPARSE):
         raise ValueError(f"contribution: meta/{name} has {meta.numel()} entries for codec {codec}")
     if bits not in BITS or (codec == CODEC_GAPS and bits != 2):
         raise ValueError(f"contribution: meta/{name} has bits {bits}")
@@ -590,7 +624,7 @@ def _decode_one(name: str, payload: dict[str, torch.Tensor], shape: torch.Size) 
         elif codec == CODEC_QUANT:
             M = dequantize_rows(payload[f"q/{name}"], payload[f"q_scale/{name}"], bits, n)
         elif codec == CODEC_GAPS:
-            M = _gaps_tensor(name, payload, m, n, rank, values[3])
+            raise ValueError(f"contribution: {name} is gaps-coded: decode the whole payload")
         elif codec == CODEC_LOWRANK:
             u = dequantize_rows(payload[f"u/{name}"], payload[f"u_scale/{name}"], bits, m)
             v = dequantize_rows(payload[f"v/{name}"], payload[f"v_scale/{name}"], bits, n)
@@ -617,7 +651,7 @@ def payload_budget(data: bytes) -> float | None:
 def decode_contribution(data: bytes, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """A published contribution (any kind) back to float32 pseudo-gradients by name."""
     payload = bytes_to_tensors(data)
-    batched = _dequant_batch(payload, shapes)
+    batched = {**_dequant_batch(payload, shapes), **_gaps_decode_all(payload, shapes)}
     return {name: batched[name] if name in batched else _decode_one(name, payload, shapes[name])
             for name in sorted(shapes)}
 
@@ -736,7 +770,10 @@ class Compressor:
         payload: dict[str, torch.Tensor] = {}
         if budget_bytes is not None and cfg.kind == "adaptive" and self._fit_budget(plans, budget_bytes):
             payload[BUDGET_KEY] = torch.tensor([budget_bytes], dtype=torch.float64)
-        batched = {**_sparse_batch(plans), **_quant_batch(plans)}
+        gaps_payload, gaps_err = _gaps_batch(plans)
+        payload.update(gaps_payload)
+        batched = {**_sparse_batch(plans), **_quant_batch(plans),
+                   **{n: ({}, e) for n, e in gaps_err.items()}}
         plans_done = set(batched)
         sq_err = sq_norm = 0.0
         for n in self.names:
