@@ -138,14 +138,14 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
 # --- one-step delay, adaptive compression with a budget that bites, and tampering ------------
 
 
-# Every overlap rule, and every compression kind under one of them. The partial rule with
-# tau = auto over this link (100 bit/s) merges after a round's last inner step; tau = 1
-# merges in the middle of one.
+# Every overlap rule, and every compression kind under one of them (`none`: the honest run
+# above). The partial rule with tau = auto over this link (100 bit/s) merges after a
+# round's last inner step; tau = 1 merges in the middle of one.
 DELAYED = {
     "partial-auto-adaptive": ('overlap = "partial"\n', 'kind = "adaptive"\nmax_rank = 8\n'),
     "partial-tau1-int1": ('overlap = "partial"\ntau = 1\n', 'kind = "quantize"\nbits = 1\n'),
-    "partial-tau2-gaps": ('overlap = "partial"\ntau = 2\n', 'kind = "quantize"\nbits = 2\ncoding = "gaps"\n'),
-    "partial-mix-none": ('overlap = "partial"\ntau = 2\nalpha = 0.5\n', 'kind = "none"\n'),
+    "partial-mix-gaps": ('overlap = "partial"\ntau = 2\nalpha = 0.5\n',
+                         'kind = "quantize"\nbits = 2\ncoding = "gaps"\n'),
     "eager-sparse": ('overlap = "eager"\n', 'kind = "sparse"\ndensity = 0.1\nchunk = 64\nbits = 4\n'),
     "restart-lowrank": ('overlap = "restart"\n', 'kind = "lowrank"\nrank = 2\n'),
 }

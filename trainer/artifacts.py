@@ -56,7 +56,8 @@ class Contribution:
       ``v_scale/<name>`` (rank,). A tensor is viewed as (shape[0], rest), a 1-D tensor as
       (1, n); b-bit values are stored offset by 2**(b-1)-1, 8/b per byte, low bits first;
       value = (stored - (2**(b-1)-1)) * scale of its row; a low-rank tensor is
-      sum_k outer(u_k, v_k), summed in k order.
+      sum_k outer(u_k, v_k), summed in k order. Codec 3 (sparse) and codec 4 (2-bit values
+      in the gaps layout, one ``gaps/stream`` per payload) are in docs/FORMATS.md.
     The new shard of step t is `apply_outer_step(shard of step t-1, [data of r = 0..R-1])`.
     With `outer.delay = 1` the round that produced step t's contribution started, under
     the restart rule, from the shard of step t-2 (genesis for t <= 2); under the eager and
