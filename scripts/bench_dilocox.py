@@ -134,9 +134,9 @@ PEERS: dict[str, tuple[str, dict]] = {
     "torchft-diloco": ("diloco", {}),
     "torchft-streaming": ("streaming", {"fragments": 2, "tau": 3, "alpha": 0.5}),
 }
-# The methods the issue's targets are checked for: the default, and the long-round setting
-# (H = 40, 2 bits) for slow links.
-TARGETED = ("dilocox", "dilocox-int2-h40")
+# The methods the issue's targets are checked for: the default, and the slow-link setting
+# of examples/slow-link.toml (H = 50, 2 bits in the gaps layout).
+TARGETED = ("dilocox", "dilocox-gaps-h50")
 LONG = ["allreduce", "diloco", "dilocox", "dilocox-no-compression", "dilocox-no-overlap", "dilocox@paper",
         "torchft-diloco", "torchft-streaming"]
 MODELS = {  # name: [model] table
@@ -403,7 +403,7 @@ def plot_svg(rows: list[dict], budget: int, model: str, y_cap: float = 1.15) -> 
     methods above `y_cap` sit on the top edge with their ratio, labels are placed clear of
     each other."""
     pts = [r for r in rows if r["budget"] == budget and r["model"] == model and r["name"] != "allreduce"]
-    W, Hh, pad = 820, 500, 60
+    W, Hh, pad = 900, 620, 60
     xs = [math.log10(r["bytes_per_token"]) for r in pts]
     ys = [min(r["loss_x_allreduce"], y_cap) for r in pts]
     x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
@@ -435,7 +435,7 @@ def plot_svg(rows: list[dict], budget: int, model: str, y_cap: float = 1.15) -> 
     out.append('<polyline fill="none" stroke="gray" stroke-dasharray="4 3" points="'
                + " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in front) + '"/>')
     boxes = [(px(x) - 4, py(y) - 4, px(x) + 4, py(y) + 4) for x, y in zip(xs, ys, strict=True)]
-    spots = [(side, dy) for dy in (-5, 12, -17, 24, -29, 36, -41, 48) for side in (1, -1)]
+    spots = [(side, dy) for dy in (-5, 12, -17, 24, -29, 36, -41, 48, -53, 60, -65, 72) for side in (1, -1)]
     for r, x, y in sorted(zip(pts, xs, ys, strict=True), key=lambda p: (p[0]["name"] != "dilocox", p[1], p[2])):
         colour = "crimson" if r["name"] == "dilocox" else ("steelblue" if r["name"].startswith("torchft") else "black")
         out.append(f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="4" fill="{colour}"/>')
@@ -447,6 +447,10 @@ def plot_svg(rows: list[dict], budget: int, model: str, y_cap: float = 1.15) -> 
             if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in boxes):
                 break
         boxes.append(box)
+        if abs(dy) > 17:  # a label placed away from its point gets a leader line to it
+            edge = box[0] if side > 0 else box[2]
+            out.append(f'<line x1="{px(x):.1f}" y1="{py(y):.1f}" x2="{edge:.1f}" y2="{box[3] - 5:.1f}" '
+                       'stroke="silver" stroke-width="0.8"/>')
         out.append(f'<text x="{box[0]:.1f}" y="{box[3] - 2:.1f}" fill="{colour}">{text}</text>')
     out.append("</svg>")
     return "\n".join(out)

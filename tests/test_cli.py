@@ -129,3 +129,7 @@ def test_the_example_job_file_is_valid():
     job = load_job_file(EXAMPLE)
     assert job.parallel.replicas == 2 and job.parallel.stages == 2
     assert job.outer.steps >= 4
+    for path in sorted(EXAMPLE.parent.glob("*.toml")):  # every example loads
+        assert load_job_file(path).name, path
+    slow = load_job_file(EXAMPLE.parent / "slow-link.toml")
+    assert (slow.outer.inner_steps, slow.outer.compression.coding, slow.transport.link) == (50, "gaps", "simulated")

@@ -16,10 +16,12 @@ from trainer.compress import (
     GAPS_META,
     GAPS_STREAM,
     Compressor,
+    _pack_bits_any,
     decode_contribution,
     gaps_decode,
     gaps_encode,
     pack_bits,
+    unpack_bits,
 )
 from trainer.config import CompressionConfig, ConfigError, load_job
 
@@ -41,6 +43,15 @@ def test_the_stream_decodes_to_its_values_in_at_most_two_bits_each(n: int, densi
     stream, w, T = gaps_encode(q)
     assert torch.equal(gaps_decode(stream, w, T, n), q)
     assert stream.numel() <= math.ceil(2 * n / 8) + 1  # w = 1 is 1 bit a zero, 2 a value
+
+
+@settings(max_examples=80, deadline=None)
+@given(width=st.integers(1, 16), count=st.integers(0, 200), seed=st.integers(0, 2**31))
+def test_bit_packing_at_whole_bytes_is_the_bit_by_bit_packing(width: int, count: int, seed: int) -> None:
+    values = torch.randint(0, 2**width, (count,), generator=torch.Generator().manual_seed(seed), dtype=torch.int32)
+    packed = pack_bits(values, width)
+    assert torch.equal(packed, _pack_bits_any(values, width))
+    assert torch.equal(unpack_bits(packed, width, count), values.long())
 
 
 def test_runs_longer_than_a_token_use_escapes_and_w_is_the_cheapest() -> None:

@@ -308,6 +308,13 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     v = values.reshape(-1).to(torch.int32)
     if v.numel() and (int(v.min()) < 0 or int(v.max()) >= 1 << width):
         raise ValueError(f"pack_bits: values outside [0, 2**{width})")
+    if 8 % width == 0 and v.numel():  # whole values per byte: the row packer's bytes, no bit matrix
+        return _pack(v.to(torch.uint8).view(1, -1), width).reshape(-1)
+    return _pack_bits_any(v, width)
+
+
+def _pack_bits_any(v: torch.Tensor, width: int) -> torch.Tensor:
+    """`pack_bits` of int32 values (count,) at any width, one bit at a time."""
     bits = ((v[:, None] >> torch.arange(width, dtype=torch.int32)) & 1).to(torch.uint8).reshape(-1)
     pad = (-bits.numel()) % 8
     if pad:
@@ -325,6 +332,8 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != want:
         raise ValueError(f"unpack_bits: want {want} uint8 bytes for {count} values of {width} bits, "
                          f"got {packed.dtype} {tuple(packed.shape)}")
+    if 8 % width == 0 and count:
+        return _unpack(packed.view(1, -1), width, count).reshape(-1).to(torch.int64)
     bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1  # (bytes, 8)
     bits = bits.reshape(-1)[: count * width].view(count, width)
     return (bits << torch.arange(width, dtype=torch.int32)).sum(dim=1, dtype=torch.int64)
