@@ -310,6 +310,11 @@ def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"pack_bits: values outside [0, 2**{width})")
     if 8 % width == 0 and v.numel():  # whole values per byte: the row packer's bytes, no bit matrix
         return _pack(v.to(torch.uint8).view(1, -1), width).reshape(-1)
+    if width < 8 and v.numel():  # 8 values fill `width` whole bytes: one int64 per 8 values
+        groups = torch.cat([v, v.new_zeros((-v.numel()) % 8)]).view(-1, 8).to(torch.int64)
+        word = (groups << (torch.arange(8) * width)).sum(dim=1)  # (G,): bits 0 .. 8 * width - 1
+        out = (word[:, None] >> (torch.arange(width) * 8)) & 0xFF  # (G, width) bytes
+        return out.to(torch.uint8).reshape(-1)[: math.ceil(v.numel() * width / 8)]
     return _pack_bits_any(v, width)
 
 
@@ -334,6 +339,10 @@ def unpack_bits(packed: torch.Tensor, width: int, count: int) -> torch.Tensor:
                          f"got {packed.dtype} {tuple(packed.shape)}")
     if 8 % width == 0 and count:
         return _unpack(packed.view(1, -1), width, count).reshape(-1).to(torch.int64)
+    if width < 8 and count:  # the inverse of pack_bits' int64 words
+        data = torch.cat([packed, packed.new_zeros((-packed.numel()) % width)]).view(-1, width).to(torch.int64)
+        word = (data << (torch.arange(width) * 8)).sum(dim=1)  # (G,)
+        return ((word[:, None] >> (torch.arange(8) * width)) & ((1 << width) - 1)).reshape(-1)[:count]
     bits = (packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1  # (bytes, 8)
     bits = bits.reshape(-1)[: count * width].view(count, width)
     return (bits << torch.arange(width, dtype=torch.int32)).sum(dim=1, dtype=torch.int64)
