@@ -125,7 +125,6 @@ OURS: dict[str, dict] = {
     # The 2-bit values in the gaps layout: the same training in 1.8x fewer bytes.
     "dilocox-gaps-h40": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 40}},
     "dilocox-gaps-h50": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
-    "dilocox-gaps-h80": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 80}},
     "dilocox-gaps-h50@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
