@@ -63,6 +63,11 @@ def test_runs_longer_than_a_token_use_escapes_and_w_is_the_cheapest() -> None:
     gaps = [0, 4999, 0, 4988]
     sizes = {v: math.ceil((sum(g // (2**v - 1) for g in gaps) + 4) * v / 8) for v in range(1, 17)}
     assert w == min(sizes, key=lambda v: (sizes[v], v)) and stream.numel() == sizes[w] + 1
+    # A run of zeros far longer than the values are many: counted without a histogram.
+    lone = torch.zeros(3_000_000)
+    lone[-1] = -1.0
+    stream, w, T = gaps_encode(lone)
+    assert (w, T) == (16, 2_999_999 // (2**16 - 1) + 1) and torch.equal(gaps_decode(stream, w, T, lone.numel()), lone)
     empty, w0, T0 = gaps_encode(torch.zeros(7))
     assert (empty.numel(), T0) == (0, 0) and torch.equal(gaps_decode(empty, w0, T0, 7), torch.zeros(7))
 

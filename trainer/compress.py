@@ -229,16 +229,23 @@ def gaps_encode(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     pos = torch.nonzero(flat).reshape(-1)  # ascending
     n = pos.numel()
     gaps = torch.diff(pos, prepend=torch.tensor([-1], dtype=pos.dtype)) - 1
-    # Tokens at every width at once; past the longest gap's bit length a wider token only
-    # costs more, so the widths tried stop there.
-    top = min(GAPS_MAX_WIDTH, int(gaps.max()).bit_length() + 1) if n else 1
-    widths = torch.arange(1, top + 1)
-    counts = torch.bincount(gaps)  # (longest gap + 1,): how many gaps of each length
-    lengths = torch.arange(counts.numel())
-    tokens_at = (counts[:, None] * (lengths[:, None] // ((1 << widths) - 1))).sum(dim=0) + n  # (top,)
-    sizes = (tokens_at * widths + 7) // 8
-    i = int(torch.argmin(sizes))  # the first minimum: the smallest w on a tie
-    w, T = i + 1, int(tokens_at[i])
+    # Past the longest gap's bit length a wider token only costs more: the widths tried stop
+    # there. Tokens are counted from the histogram of gap lengths when it is short (the
+    # usual case), else from the gaps themselves (a long run of zeros: no huge histogram).
+    longest = int(gaps.max()) if n else 0
+    top = min(GAPS_MAX_WIDTH, longest.bit_length() + 1)
+    if longest < 4 * n + 1024:
+        counts = torch.bincount(gaps)  # (longest + 1,): how many gaps of each length
+        lengths = torch.arange(counts.numel())
+
+        def escapes(E: int) -> int:
+            return int((counts * (lengths // E)).sum())
+    else:
+        def escapes(E: int) -> int:
+            return int((gaps // E).sum())
+    tokens_at = {w: n + escapes((1 << w) - 1) for w in range(1, top + 1)}
+    w = min(tokens_at, key=lambda v: (math.ceil(tokens_at[v] * v / 8), v))  # fewest bytes, then smallest w
+    T = tokens_at[w]
     E = (1 << w) - 1
     tokens = torch.full((T,), E, dtype=torch.int32)
     tokens[torch.cumsum(gaps // E + 1, 0) - 1] = (gaps % E).to(torch.int32)
