@@ -819,7 +819,7 @@ class Compressor:
             elif plan["codec"] == CODEC_SPARSE:
                 enc = _encode(n, M, CODEC_SPARSE, plan["bits"], sparse=(plan["k"], plan["chunk"]))
             else:
-                enc = _encode(n, M, plan["codec"], plan["bits"])
+                enc = _encode(n, M, CODEC_QUANT, plan["bits"])
             if n not in plans_done:
                 payload.update(enc)
                 decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
