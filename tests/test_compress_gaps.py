@@ -73,8 +73,8 @@ def test_runs_longer_than_a_token_use_escapes_and_w_is_the_cheapest() -> None:
 
 
 def test_gaps_train_exactly_as_the_fixed_layout_in_fewer_bytes() -> None:
-    """The same values and residuals step after step (error feedback included), through the
-    batched encoder (two tensors of 384 columns) and the one-tensor one."""
+    """The same values and residuals step after step (error feedback included), with the
+    rounding stacked over tensors of equal columns (two of 384) and alone (the others)."""
     shapes = {"a": torch.Size([96, 384]), "b": torch.Size([64, 384]), "c": torch.Size([384, 96]),
               "n": torch.Size([96])}
     fixed, gaps = Compressor(FIXED, shapes, 0), Compressor(GAPS, shapes, 0)
