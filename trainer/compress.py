@@ -114,6 +114,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
@@ -226,7 +227,8 @@ def gaps_encode(q: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     the fewest bytes, the smallest on a tie; never more than 2 bits per value (w = 1 codes
     a zero as 1 bit, a value as 2)."""
     flat = q.reshape(-1)
-    pos = torch.nonzero(flat).reshape(-1)  # ascending
+    # ascending; numpy's nonzero of a mask is several times faster than torch's on the CPU
+    pos = torch.from_numpy(np.flatnonzero((flat != 0).numpy()))
     n = pos.numel()
     gaps = torch.diff(pos, prepend=torch.tensor([-1], dtype=pos.dtype)) - 1
     # Past the longest gap's bit length a wider token only costs more: the widths tried stop

@@ -479,7 +479,8 @@ class OuterConfig(_Section):
         "auto",
         description="overlap = partial: inner steps of round t+1 the exchange may take, 0..H "
         "(0 waits at once: synchronous DiLoCo's result); auto: derived each round from the "
-        "measured exchange and inner-step times so that the exchange stays hidden, at most H/4 "
+        "measured exchange and inner-step times so that the exchange stays hidden (the ranks "
+        "agree on the largest estimate one round late, without waiting), at most H/4 "
         "(longer overlaps cost quality; a longer exchange makes the round wait) (a wall-clock "
         "decision, recorded in each round's start state so replay is exact; two runs of one job "
         "may merge at different steps, so fix tau where reruns must give the same CIDs).",

@@ -91,7 +91,6 @@ from trainer.artifacts import (
     StageShard,
     StepArtifacts,
     bytes_to_tensors,
-    param_tensors,
     tensors_to_bytes,
 )
 from trainer.compress import Compressor
@@ -635,14 +634,16 @@ def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: 
 class Round:
     """One round's bookkeeping: its number `t`, its first inner step of the run, the inner
     step before which it merges the previous round's exchange (the partial rule; None when
-    nothing is in flight), its serialised start state (what a replay starts from) and its
-    data shard."""
+    nothing is in flight), its serialised start state (what a replay starts from), its data
+    shard and, when it merges, its start weights (the merge's anchor: the ``param/``
+    tensors of the start state, copied rather than parsed back)."""
 
     t: int
     first_step: int
     merge_at: int | None
     start_state: bytes
     data: Any
+    anchor: dict[str, torch.Tensor] | None = None
 
 
 class _Regroup(Exception):
@@ -723,6 +724,7 @@ class RoundLoop:
         seed = derive_seed("compress", job.seed, topo.replica, topo.stage)
         self.rank = StageRank(job, pipeline, inner, Compressor(job.outer.compression, shapes, seed), self.corpus)
         self.transport = Transport(dp_group, topo.n, topo.position, job.transport)
+        self.tau_votes: list[tuple[Any, torch.Tensor]] = []  # tau = auto: agreements in flight
         self.diloco = DiLoCo(module, job.outer, self.transport, self.rank.compressor, self.hooks.publish(topo))
 
     def run(self) -> None:
@@ -751,6 +753,7 @@ class RoundLoop:
             self.round(t)
             if t < T:
                 self.grow_boundary()
+        self._settle_votes()
         applied = self.diloco.flush()
         if applied is not None:
             self.report(applied)
@@ -792,6 +795,7 @@ class RoundLoop:
             flag[0] = int(bool(grow and grow()))
         dist.broadcast(flag, src=0)
         if flag[0]:
+            self._settle_votes()
             applied = self.diloco.flush()
             if applied is not None:
                 self.report(applied)
@@ -842,6 +846,7 @@ class RoundLoop:
         held = vars(self)
         diloco, rank, transport = held.pop("diloco", None), held.pop("rank", None), held.pop("transport", None)
         held.pop("pipe_group", None)
+        held.pop("tau_votes", None)  # agreements of the broken world: nobody waits for them
         if diloco is not None:
             diloco.drop_pending()
             self.compress_before += diloco.decode_s
@@ -965,7 +970,9 @@ class RoundLoop:
         if self.control.regroup is not None and start_state:  # what a regroup restores
             self.kept[t] = start_state
             self.kept = {k: v for k, v in self.kept.items() if k > t - KEEP_STATES}
-        return Round(t, first_step, merge_at, start_state, data=None)
+        anchor = None if merge_at is None else {
+            n: p.detach().to("cpu", copy=True) for n, p in rank.module.named_parameters()}
+        return Round(t, first_step, merge_at, start_state, data=None, anchor=anchor)
 
     def inner_steps(self, rnd: Round) -> float:
         """The round's honest inner steps (with stops, the partial rule's merge and
@@ -1004,9 +1011,9 @@ class RoundLoop:
         compute counts none of them."""
         began = time.perf_counter()
         wait_before = self.transport.wait_s
-        anchor = param_tensors(rnd.start_state)
-        applied = self.diloco.merge(anchor)
-        del anchor
+        assert rnd.anchor is not None, "merge: the round has no anchor"
+        applied = self.diloco.merge(rnd.anchor)
+        rnd.anchor = None
         published = time.perf_counter()
         self.clock["merge_s"] += published - began - (self.transport.wait_s - wait_before)
         self.report(applied)
@@ -1028,14 +1035,25 @@ class RoundLoop:
         return applied
 
     def _next_tau(self, compute: float, payload_len: int) -> int:
-        """The tau of the next round; under `auto` every rank takes the largest estimate."""
+        """The tau of the next round. Under `auto` every rank takes the largest estimate,
+        agreed one round late so that no rank waits for another at a round's end: this
+        round's estimates go into an all-reduce (max) that completes in the background, and
+        round t + 1 merges at the agreement on round t - 1's. The first round of an epoch has
+        none earlier: it waits for its own (round 2 and round 3 merge at round 1's)."""
         H = self.job.outer.inner_steps
         if self.job.outer.tau != "auto":
             return int(self.job.outer.tau)
-        estimate = auto_tau(self.transport, payload_len, self.diloco.exchange_s, compute / H, H)
-        tau = torch.tensor([estimate], dtype=torch.int64)
-        dist.all_reduce(tau, op=dist.ReduceOp.MAX)
-        return int(tau.item())
+        vote = torch.tensor([auto_tau(self.transport, payload_len, self.diloco.exchange_s, compute / H, H)],
+                            dtype=torch.int64)
+        self.tau_votes.append((dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True), vote))
+        work, agreed = self.tau_votes.pop(0) if len(self.tau_votes) > 1 else self.tau_votes[0]
+        work.wait()
+        return int(agreed.item())
+
+    def _settle_votes(self) -> None:
+        """Wait for the tau agreements still in flight (a world that ends or regroups whole)."""
+        while self.tau_votes:
+            self.tau_votes.pop(0)[0].wait()
 
     def _gather(self, payload: Any) -> list[Any] | None:
         out = [None] * (self.topo.n * self.topo.S) if self.topo.rank == 0 else None

@@ -62,11 +62,12 @@ def encode(tensors: dict[str, torch.Tensor]) -> bytes:
     entries, blobs, offset = [], [], 0
     for _, name, code, t in items:
         t = t.detach().contiguous()
-        blob = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        # A view of the tensor's memory: the join below is the data's only copy.
+        blob = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         shape = ",".join(str(d) for d in t.shape)
-        entries.append(f'"{name}":{{"dtype":"{code}","shape":[{shape}],"data_offsets":[{offset},{offset + len(blob)}]}}')
+        entries.append(f'"{name}":{{"dtype":"{code}","shape":[{shape}],"data_offsets":[{offset},{offset + blob.nbytes}]}}')
         blobs.append(blob)
-        offset += len(blob)
+        offset += blob.nbytes
     header = ("{" + ",".join(entries) + "}").encode("ascii")
     header += b" " * (-len(header) % 8)
     return b"".join([len(header).to_bytes(8, "little"), header, *blobs])
