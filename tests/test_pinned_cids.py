@@ -7,9 +7,15 @@ how it is stored: it must say so, and update the pins on purpose.
 
 The job runs with the math libraries held to their portable code paths (`PORTABLE`:
 PyTorch's own kernels unvectorised, MKL in its conditional-numerical-reproducibility
-mode, oneDNN at SSE4.1), so the pins hold on any x86-64 machine: by default each library
-picks kernels by the CPU's instruction set (AVX2, AVX-512), and different kernels round
-differently."""
+mode, oneDNN at SSE4.1): by default each library picks kernels by the CPU's instruction
+set (AVX2, AVX-512, AMX), and different kernels round differently. That is not the
+whole story: the pins made on one AVX-512 machine (2026-12-02) did not match on a
+Sapphire Rapids one (AVX-512 FP16, AMX) from the same training code, and none of the
+settings tried there (each library's instruction-set cap, thread counts, glibc's hwcaps)
+gave the old values back. So the pins are those of the CI machine. On a new CPU, run
+`python tests/test_pinned_cids.py` (it prints the pins of the checkout's code) at the
+commit that last set them; where that commit gives the new values too, the machine moved
+them, not the code, and they may be re-pinned from it."""
 
 from __future__ import annotations
 
@@ -21,22 +27,22 @@ from lineage.store.blockstore import Blockstore
 from lineage.store.manifest import get_manifest
 
 PINNED_SHARDS = {  # step -> the stage shards' CIDs
-    1: ["bafkreihhq44jodgg7wlyy6q2626bgx3zrfujpa335xkniizk453qi2lphu", "bafkreigqflz3czf6zyowpcr2l6c6ir5cx4xksployslirhxwaqvszpv2se"],
-    2: ["bafkreibpcnnmz76ysv72a2g4n22k3vkah6sebpkf34lon7dvrr4grwuquq", "bafkreianorvov3vc63yq6fx23uruvbemf3akljzc2rjxksa5n5tupeg4ke"],
-    3: ["bafkreid6ljraby2nkvsix2hskvlr4hhqc65kwxfjpei6qi2xttxuht62au", "bafkreiaucicrdzkhihokfwv277p32p36dcvbicids3ekuf5r2chj6ehsue"],
+    1: ["bafkreig2lmtupzockxdz2t24a22gdl7zgk2xkbylzyeukogur4fz66y7a4", "bafkreif6gcw3l24ytdxoqsm42gayki3gf5urkz6gwf3ikjjnxevbef5s5q"],
+    2: ["bafkreiay7r4woawt7khco4kyxhhrz5xustmcurdhnzysgpctey5h7fgh6u", "bafkreigmodbuoluyoieavqsg3zhqdrdikkmf652skabon3e47m5imfis2u"],
+    3: ["bafkreianz2vyrjnvfxm7lpn5sktwlq4ldlw5gmk32olqi5x7ofql34po3m", "bafkreiaejoylyj4sooolvqpvavhyz2knvhgw4bt6g572etumkqoa2zbuc4"],
 }
 PINNED_CONTRIBUTIONS = {  # step -> [replica][stage] contribution CIDs
     1: [
-        ["bafkreiewxcgsoqoekfjw6nwzdqwlf5humfnyqsiwwvvxwcsmtp2cyl5fja", "bafkreihdiken7gxoqhfw25c7cnzo6kpzym5pqysqzdqh46x2o6w2kd2bxi"],
-        ["bafkreic7z5yry4275ghzwiqpfos7ppjyonxjwrp5nge62sudvtv7nipsya", "bafkreicg7nqhr5x6tccs5a5tkemli4la5h356c635ryhvgty57rsxixrbm"],
+        ["bafkreicifwn6c4jdta63g57nvwwawd7zwq74ygnlsb76jd5elhz3no75de", "bafkreialrgx7rsov36iprf7x4obrmzkxoutnnsqiac3e3ho6ddjzuncwsi"],
+        ["bafkreie7w2dv237d6wyiz3aywvnd4al3gcjb3ekrvjumntdx2x3gkdowvi", "bafkreic7rizvuqp7ea2vgpnwe6c7upxinncgv4cx5btc47r7gqwo3u45vu"],
     ],
     2: [
-        ["bafkreidlawnpufsyjmqrh3w6m2qtowtl7y3y7ni45jyp373i43lfx6sapy", "bafkreiayuqdjlkcq32etzpl5vzouxb5onpearib4hfsmdx4q56cigt5qqe"],
-        ["bafkreibwmq2a636w75aixpi7ktfe4dpa4sdxcrjy5rdhx6yfwritjaqiue", "bafkreihaizmyfo3iqubrtsr76zudqqrs4nr2rssdnwnrqgcll4u3ap3mtm"],
+        ["bafkreic37trxebw4rg5tblgeh3qvtiarsabmdwlba5ijrghd2qdxsotv2m", "bafkreihnlyugygqd6ig6uhgnknglzyvaku5f4agtirniuiaqbhbj7ofc5e"],
+        ["bafkreid4i26wlxxfaqvqbu43254yvzoj5nb5jk27vmcj4l27badkpaikyy", "bafkreibgjd475x45xk3d7jbgzjwv4hlu3pzcm2idfum6vpzm25mjjej3ea"],
     ],
     3: [
-        ["bafkreicypjkcjxyesci2nuw4oua5je3jkl5dpxieskewgut7i3gj26hw2e", "bafkreidsgv47xhyvfppumhholcowwt2qamispsdpiwacgitxytfc7gtmbu"],
-        ["bafkreihovykzrifbspq7nh6j3mcbrimq7qafxywufxq3ahgspnmw2cmaba", "bafkreidjwmlxiieyj7izez7u42ams3jgontgxwi7ykmgtsildtto7l3joa"],
+        ["bafkreihct7exrbq2yx2dabxwftao2ryzhjlwq6s2dlhvceoybl4s6zy3ri", "bafkreidhmpgcxnpob3wmmvej6tl52lhxslbius64vqr3fxrla63n5rnquy"],
+        ["bafkreidsmdzoz2o3rekstwfgzz5tl7wgbjwappjlbej2maa5f7c4owbueq", "bafkreiffdxvr5fufpuiw7mgrorw2wzqrw4ki63fm6p6omygf72cmb4q72i"],
     ],
 }
 
@@ -62,9 +68,24 @@ def portable_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_the_small_job_gives_the_pinned_shards_and_contributions(portable_run):
-    run_dir = portable_run
+    pins = _pins(portable_run)
+    assert pins["PINNED_SHARDS"] == PINNED_SHARDS
+    assert pins["PINNED_CONTRIBUTIONS"] == PINNED_CONTRIBUTIONS
+
+
+def _pins(run_dir) -> dict[str, dict]:
     history = _history(run_dir)
-    shards = {t: [str(c) for c in m.stages] for t, m in sorted(history.items())}
-    contributions = {t: [[str(c) for c in row] for row in m.contributions] for t, m in sorted(history.items())}
-    assert shards == PINNED_SHARDS
-    assert contributions == PINNED_CONTRIBUTIONS
+    return {"PINNED_SHARDS": {t: [str(c) for c in m.stages] for t, m in sorted(history.items())},
+            "PINNED_CONTRIBUTIONS": {t: [[str(c) for c in row] for row in m.contributions]
+                                     for t, m in sorted(history.items())}}
+
+
+if __name__ == "__main__":  # print the pins this checkout's code gives on this machine
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    pins = _pins(train_small(Path(tempfile.mkdtemp()), env=PORTABLE)[0])
+    for name, table in pins.items():
+        sys.stdout.write(f"{name} = {json.dumps(table, indent=4)}\n")
