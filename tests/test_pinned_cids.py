@@ -81,11 +81,11 @@ def _pins(run_dir) -> dict[str, dict]:
 
 
 if __name__ == "__main__":  # print the pins this checkout's code gives on this machine
-    import json
+    import pprint
     import sys
     import tempfile
     from pathlib import Path
 
     pins = _pins(train_small(Path(tempfile.mkdtemp()), env=PORTABLE)[0])
-    for name, table in pins.items():
-        sys.stdout.write(f"{name} = {json.dumps(table, indent=4)}\n")
+    for name, table in pins.items():  # Python literals: the tables above, integer steps
+        sys.stdout.write(f"{name} = {pprint.pformat(table, width=160)}\n")
