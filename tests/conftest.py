@@ -47,7 +47,7 @@ def ledger(anvil, accounts):
 DLX = str(Path(sys.executable).parent / "dlx")
 
 def small_job_toml(name: str, *, seed: int = 7, steps: int = 3, inner_steps: int = 4,
-                   replicas: int = 2, stages: int = 2, extra: str = "") -> str:
+                   replicas: int = 2, stages: int = 2, n_layers: int = 2, extra: str = "") -> str:
     """A job small enough for tests (a 2-layer d=32 GPT), with `extra` TOML appended."""
     return f"""
 name = "{name}"
@@ -55,7 +55,7 @@ seed = {seed}
 
 [model]
 d_model = 32
-n_layers = 2
+n_layers = {n_layers}
 n_heads = 2
 seq_len = 32
 

@@ -79,6 +79,14 @@ BAD_JOBS = {
                               "overlap needs delay = 1"),
     "tau_without_partial": ("[outer]\nsteps = 2\ninner_steps = 3\ndelay = 1\noverlap = 'restart'\ntau = 2\n",
                             'tau is a setting of overlap = "partial"'),
+    "fragments_zero": ("[outer]\nsteps = 2\ninner_steps = 3\ndelay = 1\nfragments = 0\n", "outer.fragments"),
+    "fragments_without_delay": ("[outer]\nsteps = 2\ninner_steps = 3\nfragments = 2\n",
+                                "fragments needs delay = 1"),
+    "fragments_without_partial": ("[outer]\nsteps = 2\ninner_steps = 3\ndelay = 1\noverlap = 'eager'\nfragments = 2\n",
+                                  'fragments is a setting of overlap = "partial"'),
+    "fragments_above_blocks": ("[model]\nn_layers = 4\n[parallel]\nstages = 2\nmicrobatches = 2\n[outer]\nsteps = 2\n"
+                               "inner_steps = 3\ndelay = 1\nfragments = 3\n",
+                               "outer.fragments (3) exceeds the blocks per stage (2"),
     "init_without_dir": ("[model]\nfamily = 'llama'\ninit = 'no-such-dir'\n[outer]\nsteps = 2\ninner_steps = 3\n",
                          "no-such-dir"),
 }

@@ -8,16 +8,26 @@ what is committed, and what a verifier can re-derive.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from trainer.compress import Compressor, decode_contribution
 from trainer.config import CompressionConfig, load_job
-from trainer.diloco import DiLoCo, OuterOptimizer, apply_outer_step, eager_start
+from trainer.diloco import (
+    DiLoCo,
+    OuterOptimizer,
+    apply_outer_step,
+    eager_start,
+    fragment_groups,
+    fragment_of,
+)
 from trainer.transport import Pending
 
 R, T, H = 3, 4, 5
@@ -151,6 +161,7 @@ RULES = [
     ({"delay": 1, "overlap": "partial", "tau": 2}, "partial"),
     ({"delay": 1, "overlap": "partial", "tau": H}, "partial"),
     ({"delay": 1, "overlap": "partial", "tau": 3, "alpha": 0.5}, "partial"),
+    ({"delay": 1, "overlap": "partial", "tau": 2, "fragments": 2}, "partial"),
 ]
 
 
@@ -175,7 +186,7 @@ def test_every_rule_commits_the_ordered_mean_step_and_applies_each_round_once(ou
     for t in range(1, T + 1):
         assert len({log.shards[t] for log in logs}) == 1
         parent = logs[0].genesis if t == 1 else logs[0].shards[t - 1]
-        assert apply_outer_step(parent, [log.payloads[t] for log in logs], cfg) == logs[0].shards[t]
+        assert apply_outer_step(parent, [log.payloads[t] for log in logs], cfg, t) == logs[0].shards[t]
     # flush leaves the local weights at the committed outer ones.
     final = OuterOptimizer.from_bytes(logs[0].shards[T], cfg).params
     for log in logs:
@@ -220,3 +231,73 @@ def test_partial_start_weights_continue_the_previous_round() -> None:
         assert not all(torch.equal(logs[0].starts[t][n], committed[n]) for n in committed)
         s_committed = OuterOptimizer.from_bytes(sync[0].shards[t - 1], cfg).params
         assert all(torch.equal(sync[0].starts[t][n], s_committed[n]) for n in s_committed)
+
+
+@pytest.mark.parametrize("kind", ["none", "quantize"])
+def test_fragments_exchange_one_group_a_round_and_step_only_it(kind) -> None:
+    """Streaming DiLoCo's fragments: round t's payload carries group (t - 1) mod F and
+    nothing else, outer step t moves that group's weights and momentum only (the other
+    groups are byte for byte the parent's), and the groups are whole tensors in order."""
+    cfg = outer_cfg(delay=1, overlap="partial", tau=2, fragments=2)
+    logs = run_all(cfg, kind)
+    shapes = {n: p.shape for n, p in model().named_parameters()}
+    groups = fragment_groups(shapes, 2)
+    assert groups == [["0.bias", "0.weight"], ["1.bias", "1.weight"]]
+    for t in range(1, T + 1):
+        mine = {n: shapes[n] for n in fragment_of(t, groups)}
+        other = {n: shapes[n] for n in shapes if n not in mine}
+        for log in logs:
+            decode_contribution(log.payloads[t], mine, exact_keys=True)
+            with pytest.raises(ValueError, match="contribution: no delta/|contribution: no "):
+                decode_contribution(log.payloads[t], other)
+        before = OuterOptimizer.from_bytes(logs[0].genesis if t == 1 else logs[0].shards[t - 1], cfg)
+        after = OuterOptimizer.from_bytes(logs[0].shards[t], cfg)
+        for n in shapes:
+            same = torch.equal(before.params[n], after.params[n]) and torch.equal(
+                before.momentum()[n], after.momentum()[n])
+            assert same == (n in other), (t, n)
+    with pytest.raises(ValueError, match="needs its step number"):
+        apply_outer_step(logs[0].genesis, [log.payloads[1] for log in logs], cfg)
+    # A contribution holding another group's tensors is refused, not silently ignored.
+    with pytest.raises(ValueError, match="not in the round's fragment"):
+        apply_outer_step(logs[0].shards[1], [log.payloads[1] for log in logs], cfg, 2)
+
+
+def test_fragments_of_one_group_are_the_partial_rule_bit_for_bit() -> None:
+    one = run_all(outer_cfg(delay=1, overlap="partial", tau=2), "quantize")
+    explicit = run_all(outer_cfg(delay=1, overlap="partial", tau=2, fragments=1), "quantize")
+    for a, b in zip(one, explicit, strict=True):
+        assert a.shards == b.shards and a.payloads == b.payloads
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=40), st.data())
+@settings(max_examples=300, deadline=None)
+def test_fragment_groups_cover_the_stage_in_contiguous_nonempty_groups(sizes, data) -> None:
+    F = data.draw(st.integers(1, len(sizes)))
+    shapes = {f"blocks.{i}.w": (n,) for i, n in enumerate(sizes)}
+    groups = fragment_groups(shapes, F)
+    assert len(groups) == F and all(groups)
+    flat = [n for g in groups for n in sorted(g, key=lambda n: int(n.split(".")[1]))]
+    assert flat == [f"blocks.{i}.w" for i in range(len(sizes))]  # contiguous, in depth order (10 after 9)
+    assert groups == fragment_groups(dict(reversed(shapes.items())), F)  # names and shapes alone
+    if len(set(sizes)) == 1 and len(sizes) % F == 0:  # equal tensors split evenly
+        assert {len(g) for g in groups} == {len(sizes) // F}
+    with pytest.raises(ValueError, match="fragments"):
+        fragment_groups(shapes, len(sizes) + 1)
+
+
+def test_auto_tau_hides_the_exchange_up_to_a_quarter_of_the_sync_period() -> None:
+    """tau = auto: the steps the modelled exchange takes (padded), at most a quarter of the
+    period between two syncs of the same weights: H / 4, or with F fragments F H / 4, never
+    past the next round's end."""
+    from types import SimpleNamespace
+
+    from trainer.engine import TAU_MARGIN, auto_tau
+    from trainer.transport import LinkModel
+
+    wire = SimpleNamespace(R=2, link=LinkModel(bandwidth=1000.0))  # 1 kB/s: 992 bytes + header = 1 s
+    assert auto_tau(wire, 992, 0.0, 0.1, 80) == math.ceil(TAU_MARGIN / 0.1)  # 13 steps of 0.1 s
+    assert auto_tau(wire, 992, 0.0, 0.01, 40) == 10  # 125 steps wanted: H / 4
+    assert auto_tau(wire, 992, 0.0, 0.01, 40, fragments=2) == 20  # F H / 4
+    assert auto_tau(wire, 992, 0.0, 0.01, 10, fragments=8) == 10  # at most H
+    assert auto_tau(wire, 992, 5.0, 0.1, 400) == math.ceil(5.0 * TAU_MARGIN / 0.1)  # the measured, if longer

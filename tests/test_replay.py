@@ -146,6 +146,7 @@ DELAYED = {
     "partial-tau1-int1": ('overlap = "partial"\ntau = 1\n', 'kind = "quantize"\nbits = 1\n'),
     "partial-mix-gaps": ('overlap = "partial"\ntau = 2\nalpha = 0.5\n',
                          'kind = "quantize"\nbits = 2\ncoding = "gaps"\n'),
+    "partial-fragments-int4": ('overlap = "partial"\ntau = 2\nfragments = 2\n', 'kind = "quantize"\nbits = 4\n'),
     "eager-sparse": ('overlap = "eager"\n', 'kind = "sparse"\ndensity = 0.1\nchunk = 64\nbits = 4\n'),
     "restart-lowrank": ('overlap = "restart"\n', 'kind = "lowrank"\nrank = 2\n'),
 }
@@ -158,8 +159,9 @@ def delayed_run(request, tmp_path_factory, small_job):
     rule, kind = DELAYED[request.param]
     root = tmp_path_factory.mktemp("replay")
     job = root / "job.toml"
-    job.write_text(small_job("replay", extra=f"delay = 1\n{rule}[outer.compression]\n{kind}"
-                                             "[transport]\nbandwidth_mbps = 0.0001\n"))
+    job.write_text(small_job("replay", n_layers=4 if "fragments" in request.param else 2,  # 2 blocks a stage
+                             extra=f"delay = 1\n{rule}[outer.compression]\n{kind}"
+                                   "[transport]\nbandwidth_mbps = 0.0001\n"))
     run_dir = root / "run"
     res = dlx("train", str(job), "--run-dir", str(run_dir))
     assert res.returncode == 0, res.stderr[-3000:]
@@ -248,5 +250,29 @@ def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run,
     check_continuity(tampered, replica0_step2, str(cp3))
     assert not replica0_step2.ok and "is not the state this round leaves" in replica0_step2.stages[1].reason
 
+    if "fragments" in name:  # round 1 sent group 0: the rest of step 2's start is bound by continuity
+        _fragment_continuity(store, tampered, steps, cps)
+
     # The replay used the run's recorded configuration (no cheat, the job's own settings).
     assert job_of(store, m2.config).outer.delay == 1
+
+
+def _fragment_continuity(store, tampered, steps, cps) -> None:
+    """With fragments a round's start weights are mostly weights no round has sent yet: a
+    replay of round 1 ends at them (its end state holds the weights), and a step 2 that
+    publishes other ones, in a group round 1 did not send, is caught by continuity."""
+    from trainer.diloco import fragment_groups, fragment_of
+
+    m2 = steps[2]
+    start = bytes_to_tensors(read_bytes(store, m2.replay[1][0]))
+    shapes = {k.removeprefix("param/"): v.shape for k, v in start.items() if k.startswith("param/")}
+    unsent = next(n for n in sorted(shapes) if n not in fragment_of(1, fragment_groups(shapes, 2)))
+    cp = put_manifest(tampered, _with(m2, replay={(1, 0): _put_tensors(
+        tampered, {**start, f"param/{unsent}": start[f"param/{unsent}"] + 1e-3})}))
+    (round1,) = replay_many(tampered, [(str(cps[1]), 1)])
+    assert round1.ok and all(s.exact for s in round1.stages)
+    assert any(k.startswith("param/") for k in bytes_to_tensors(round1.end_states[0]))
+    check_continuity(tampered, round1, str(cps[2]))
+    assert round1.ok, round1.failure()  # the honest step 2 starts where round 1 ended
+    check_continuity(tampered, round1, str(cp))
+    assert not round1.ok and "is not the state this round leaves" in round1.stages[0].reason

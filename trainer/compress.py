@@ -681,9 +681,16 @@ def payload_budget(data: bytes) -> float | None:
     return None if t is None else float(t.double().reshape(-1)[0])
 
 
-def decode_contribution(data: bytes, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """A published contribution (any kind) back to float32 pseudo-gradients by name."""
+def decode_contribution(data: bytes, shapes: dict[str, torch.Size], *, exact_keys: bool = False) -> dict[str, torch.Tensor]:
+    """A published contribution (any kind) back to float32 pseudo-gradients by name.
+    `exact_keys`: also refuse a payload holding a tensor `shapes` does not name (a
+    fragment's contribution carries its fragment and nothing else)."""
     payload = bytes_to_tensors(data)
+    if exact_keys:
+        stray = sorted({k.split("/", 1)[1] for k in payload if k not in (BUDGET_KEY, GAPS_STREAM, GAPS_META)}
+                       - set(shapes))
+        if stray:
+            raise ValueError(f"contribution: holds {stray[0]}, which is not in the round's fragment")
     batched = {**_dequant_batch(payload, shapes), **_gaps_decode_all(payload, shapes)}
     return {name: batched[name] if name in batched else _decode_one(name, payload, shapes[name])
             for name in sorted(shapes)}
@@ -716,6 +723,7 @@ class Compressor:
     def __init__(self, cfg: CompressionConfig, shapes: dict[str, torch.Size], seed: int):
         self.cfg = cfg
         self.names = sorted(shapes)
+        self._names = self.names  # the tensors of the latest compress() (a fragment, or all)
         keep = cfg.kind != "none" and cfg.error_feedback
         self.state = {
             n: _TensorState(shapes[n], torch.zeros(shapes[n] if keep else (0,))) for n in self.names
@@ -789,14 +797,15 @@ class Compressor:
         """Compress this round's pseudo-gradient (with error feedback); the bytes to send."""
         start = time.perf_counter()
         cfg = self.cfg
+        names = self._names = sorted(delta)  # a fragment, or every tensor
         if cfg.kind == "none":
-            data = tensors_to_bytes({f"delta/{n}": delta[n].float() for n in self.names})
+            data = tensors_to_bytes({f"delta/{n}": delta[n].float() for n in names})
             self.last_stats = {"compress_s": time.perf_counter() - start, "rel_error": 0.0}
             self.total_s += self.last_stats["compress_s"]
             return data
         tau = self._energy_target(step, loss)
         plans = {}
-        for n in self.names:
+        for n in names:
             st = self.state[n]
             M = delta[n].float() + st.residual if cfg.error_feedback else delta[n].float()
             plans[n] = self._plan(n, M.reshape(_as_matrix_shape(st.shape)), tau)
@@ -809,7 +818,7 @@ class Compressor:
                    **{n: ({}, e) for n, e in gaps_err.items()}}
         plans_done = set(batched)
         sq_err = sq_norm = 0.0
-        for n in self.names:
+        for n in names:
             st, plan = self.state[n], plans[n]
             M = plan["M"]
             if n in batched:
@@ -857,9 +866,10 @@ class Compressor:
 
     def _summary(self, seconds: float, sq_err: float, sq_norm: float, tau: float) -> dict[str, float]:
         """`last_stats` of a compression that took `seconds`."""
-        ranks = [self.state[n].last["rank"] for n in self.names if self.state[n].last["rank"]]
-        bits = [self.state[n].last["bits"] for n in self.names if len(self.state[n].shape) >= 2]
-        densities = [self.state[n].last["density"] for n in self.names if "density" in self.state[n].last]
+        names = self._names
+        ranks = [self.state[n].last["rank"] for n in names if self.state[n].last["rank"]]
+        bits = [self.state[n].last["bits"] for n in names if len(self.state[n].shape) >= 2]
+        densities = [self.state[n].last["density"] for n in names if "density" in self.state[n].last]
         return {
             "compress_s": seconds,
             "rel_error": math.sqrt(sq_err / sq_norm) if sq_norm > 0 else 0.0,
@@ -876,7 +886,7 @@ class Compressor:
         """Codec ("quantize", "lowrank" or "sparse"), rank (0 unless low rank), bits,
         relative compression error and, for sparse tensors, density (k / chunk) of each
         tensor at the latest step."""
-        return {n: dict(self.state[n].last) for n in self.names}
+        return {n: dict(self.state[n].last) for n in self._names}
 
     # -- the rule ------------------------------------------------------------------------
 

@@ -491,6 +491,15 @@ class OuterConfig(_Section):
         "progress made since the send); a value in [0, 1] mixes instead, as Streaming DiLoCo "
         "does: local <- alpha * local + (1 - alpha) * new outer weights.",
     )
+    fragments: int = Field(
+        1,
+        ge=1,
+        description="overlap = partial: F, Streaming DiLoCo's fragments. Each stage's parameters "
+        "are cut into F contiguous groups of about equal size (`trainer.diloco.fragment_groups`) "
+        "and round t exchanges only group (t - 1) mod F, measured since that group's previous "
+        "exchange: each group syncs every F rounds, staggered, and each exchange is 1/F of the "
+        "stage (1: every round exchanges everything).",
+    )
     compression: CompressionConfig = Field(
         default_factory=CompressionConfig, description="Pseudo-gradient compression."
     )
@@ -526,12 +535,12 @@ class OuterConfig(_Section):
     def _overlap_settings(self) -> OuterConfig:
         given = self.model_fields_set
         if self.delay == 0:
-            for name in ("overlap", "tau", "alpha"):
+            for name in ("overlap", "tau", "alpha", "fragments"):
                 if name in given:
                     raise ValueError(f"{name} needs delay = 1 (an overlapped exchange); "
                                      "delay = 0 is synchronous")
             return self
-        for name in ("tau", "alpha"):
+        for name in ("tau", "alpha", "fragments"):
             if name in given and self.overlap != "partial":
                 raise ValueError(f"{name} is a setting of overlap = \"partial\" "
                                  f"(overlap is \"{self.overlap}\")")
@@ -551,6 +560,8 @@ class OuterConfig(_Section):
             drop |= {"tau", "alpha"}
         if self.alpha is None:
             drop.add("alpha")
+        if self.fragments == 1:  # jobs from before fragments existed hash as they did
+            drop.add("fragments")
         return {k: v for k, v in data.items() if k not in drop}
 
     @property
@@ -625,6 +636,11 @@ class JobConfig(_Section):
             raise ValueError(
                 f"model.vocab_size ({m.vocab_size}) is smaller than the tokenizer's vocabulary "
                 f"({d.min_vocab}: {what})"
+            )
+        if self.outer.fragments > max(1, m.n_layers // p.stages):
+            raise ValueError(
+                f"outer.fragments ({self.outer.fragments}) exceeds the blocks per stage "
+                f"({m.n_layers // p.stages}: model.n_layers / parallel.stages)"
             )
         c = self.outer.compression
         smallest = m.smallest_side

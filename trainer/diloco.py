@@ -22,8 +22,10 @@ Pieces here are small and swappable:
 
 from __future__ import annotations
 
+import math
+import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +47,8 @@ __all__ = [
     "apply_outer_step",
     "contribution",
     "eager_start",
+    "fragment_groups",
+    "fragment_of",
     "mean_in_order",
     "merge_weights",
 ]
@@ -64,13 +68,49 @@ def contribution(
     loss: float | None,
     budget: float | None,
     publish: DeltaHook = unchanged,
+    names: Iterable[str] | None = None,
 ) -> bytes:
     """A round's contribution payload: delta = reference - theta_local (on the CPU, by
-    sorted name), passed through `publish`, compressed under `budget` bytes. The one
-    function training (`DiLoCo.end_round`), an exact resume and a replay
-    (`trainer.engine.rerun_round`) all call, so their payloads agree bit for bit."""
-    delta = {n: reference[n] - local[n].detach().cpu() for n in sorted(reference)}
+    sorted name; over `names`, the round's fragment, or every parameter), passed through
+    `publish`, compressed under `budget` bytes. The one function training
+    (`DiLoCo.end_round`), an exact resume and a replay (`trainer.engine.rerun_round`) all
+    call, so their payloads agree bit for bit."""
+    delta = {n: reference[n] - local[n].detach().cpu() for n in sorted(reference if names is None else names)}
     return compressor.compress(publish(round_t, delta), round_t, loss, budget)
+
+
+def _natural_key(name: str) -> tuple:
+    """Sort key reading digit runs as numbers: blocks.2 before blocks.10."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def fragment_groups(shapes: Mapping[str, Sequence[int]], fragments: int) -> list[list[str]]:
+    """Streaming DiLoCo's fragments of one stage (Douillard et al. 2025, arXiv 2501.18512):
+    its parameter names in natural order (block 2 before block 10, so blocks stay whole
+    and in depth order) cut into `fragments` contiguous groups of about equal element
+    count, none empty: a tensor joins the group its middle element falls in, by
+    cumulative size, but never skips a group and always leaves a tensor for each group
+    still empty. Each group's names come sorted. A function of names and shapes alone, so
+    a verifier derives the same groups from a shard."""
+    names = sorted(shapes, key=_natural_key)
+    if not 1 <= fragments <= len(names):
+        raise ValueError(f"fragments ({fragments}) must be in [1, {len(names)}] (the stage's tensors)")
+    sizes = [math.prod(shapes[n]) for n in names]
+    total = max(1, sum(sizes))
+    groups: list[list[str]] = [[] for _ in range(fragments)]
+    g, seen = 0, 0
+    for i, (n, size) in enumerate(zip(names, sizes, strict=True)):
+        middle = fragments * (2 * seen + size) // (2 * total)  # the group its middle element falls in
+        want = max(g, min(fragments - 1, middle), fragments - (len(names) - i))
+        g = min(want, g + 1) if groups[g] else g
+        groups[g].append(n)
+        seen += size
+    return [sorted(group) for group in groups]
+
+
+def fragment_of(round_t: int, groups: list[list[str]]) -> list[str]:
+    """The fragment round `round_t` exchanges: group (t - 1) mod F."""
+    return groups[(round_t - 1) % len(groups)]
 
 
 def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -133,10 +173,12 @@ class OuterOptimizer:
 
     @torch.no_grad()
     def step(self, mean_delta: dict[str, torch.Tensor]) -> None:
-        """One outer step with gradient = the replicas' mean pseudo-gradient."""
-        assert sorted(mean_delta) == self.names, "delta names do not match the outer params"
+        """One outer step with gradient = the replicas' mean pseudo-gradient, on the
+        parameters it names (a fragment, or all); the others and their momentum stay."""
+        assert set(mean_delta) <= set(self.params), "delta names are not outer params"
         lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
-        for n, p in self.params.items():
+        for n in sorted(mean_delta):
+            p = self.params[n]
             grad = mean_delta[n].to(p.dtype)
             if mu != 0:  # torch.optim.sgd._single_tensor_sgd, dampening 0
                 buf = self._momentum[n]
@@ -176,18 +218,25 @@ class OuterOptimizer:
         return cls(params, cfg, momentum, adopt=True)  # bytes_to_tensors gives writable copies
 
 
-def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig) -> bytes:
-    """Recompute a stage's new shard from its parent shard and the replicas' published
-    contributions (any compression kind; see `trainer.artifacts.Contribution`), in replica
-    order. Bit-identical to what training ran: the same decoder, the same ordered mean."""
+def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig, step: int | None = None) -> bytes:
+    """Recompute a stage's new shard (outer step `step`) from its parent shard and the
+    replicas' published contributions (any compression kind; see
+    `trainer.artifacts.Contribution`), in replica order, over the step's fragment
+    (`cfg.fragments`; all parameters when 1). Bit-identical to what training ran: the same
+    decoder, the same ordered mean. ValueError if a contribution holds other tensors."""
     outer = OuterOptimizer.from_bytes(shard, cfg)
     shapes = {n: p.shape for n, p in outer.params.items()}
+    if cfg.fragments > 1 and step is None:
+        raise ValueError("the outer step of a run with fragments needs its step number")
+    names = fragment_of(step, fragment_groups(shapes, cfg.fragments)) if step is not None and cfg.fragments > 1 \
+        else outer.names
+    mine = {n: shapes[n] for n in names}
     per_replica = []
     for data in contributions:
-        deltas = decode_contribution(data, shapes)
-        per_replica.append([deltas[n] for n in outer.names])
+        deltas = decode_contribution(data, mine, exact_keys=cfg.fragments > 1)
+        per_replica.append([deltas[n] for n in names])
     mean = mean_in_order(per_replica)
-    outer.step(dict(zip(outer.names, mean, strict=True)))
+    outer.step(dict(zip(names, mean, strict=True)))
     return outer.to_bytes()
 
 
@@ -213,13 +262,16 @@ def eager_start(
 def merge_weights(
     local: Mapping[str, torch.Tensor], outer: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor],
     alpha: float | None,
+    names: Iterable[str] | None = None,
 ) -> None:
     """The partial rule's merge, in place on `local` (its tensors may live on any device; the
-    arithmetic runs in float32 on the CPU, so a replay anywhere gets the same bits):
+    arithmetic runs in float32 on the CPU, so a replay anywhere gets the same bits), over
+    `names` (the exchanged fragment; None: every tensor):
     alpha None: local <- outer + (local - anchor), the new outer weights plus the progress
     made since the send (`anchor`: the weights the round's pseudo-gradient was sent from);
     alpha a number: local <- alpha * local + (1 - alpha) * outer (Streaming DiLoCo's mix)."""
-    for n, p in local.items():
+    for n in (local if names is None else names):
+        p = local[n]
         here = p.detach().to("cpu", torch.float32)
         if alpha is None:
             merged = outer[n] + (here - anchor[n])
@@ -278,6 +330,12 @@ class DiLoCo:
       only the first tau of them ran from stale weights; or with `alpha`, Streaming
       DiLoCo's mix local <- alpha * local + (1 - alpha) * theta_t. tau = 0 is synchronous
       DiLoCo bit for bit (the merge adds local - L_t = 0).
+      With `cfg.fragments` = F > 1 (Streaming DiLoCo's fragments): the stage's parameters
+      are F groups (`fragment_groups`) and round t exchanges only group f = (t - 1) mod F:
+      delta_t = theta[f] - L_t[f], measured since the group's own previous merge F rounds
+      earlier; outer step t moves theta[f] and its momentum only; the merge touches L[f]
+      only. Each group syncs every F rounds, staggered, and each exchange is 1/F of the
+      stage, so a short overlap hides it where a whole-stage exchange would not.
 
     Round 1 (and the first round after a resume) has no exchange in flight: it applies
     nothing. `flush()` after the last round applies the last exchange and leaves the local
@@ -306,6 +364,7 @@ class DiLoCo:
         self.local = dict(module.named_parameters())
         self.outer = OuterOptimizer(self.local, cfg)
         self.shapes = {n: p.shape for n, p in self.outer.params.items()}
+        self.groups = fragment_groups(self.shapes, cfg.fragments) if cfg.fragments > 1 else None
         self._pending: tuple[Pending, int, bytes, Any] | None = None
         self._reference: dict[str, torch.Tensor] | None = None  # eager: the round's start weights
         self.merge_step: int | None = None  # partial: the inner step of this round to merge before
@@ -352,9 +411,9 @@ class DiLoCo:
         t's; restart and eager: round t-1's, so round 1 returns None; partial: None, its
         steps are applied by `merge` during the next round)."""
         payload = contribution(self.compressor, self.reference(), self.local, round_t, loss,
-                               budget_bytes, self.publish)
+                               budget_bytes, self.publish, self.fragment(round_t))
         if self.rule == "sync":
-            self._step(self.transport.all_gather(payload))
+            self._step(self.transport.all_gather(payload), round_t)
             self.reset_local()
             return AppliedStep(round_t, payload, tag)
         if self.rule == "partial":
@@ -380,7 +439,7 @@ class DiLoCo:
         was measured from, this round's start weights)."""
         applied, _ = self._wait_and_step()
         assert applied is not None, "merge: no exchange in flight"
-        merge_weights(self.local, self.outer.params, anchor, self.cfg.alpha)
+        merge_weights(self.local, self.outer.params, anchor, self.cfg.alpha, self.fragment(applied.round))
         self.merge_step = None
         return applied
 
@@ -405,14 +464,19 @@ class DiLoCo:
         blobs = pending.wait()
         self.transport.wait_s += time.perf_counter() - start
         self.exchange_s = pending.seconds
-        decoded = self._step(blobs)
+        decoded = self._step(blobs, round_t)
         return AppliedStep(round_t, payload, tag), decoded
 
-    def _step(self, blobs: list[bytes]) -> list[dict[str, torch.Tensor]]:
+    def fragment(self, round_t: int) -> list[str] | None:
+        """The parameter names round `round_t` exchanges (None: all of them)."""
+        return None if self.groups is None else fragment_of(round_t, self.groups)
+
+    def _step(self, blobs: list[bytes], round_t: int) -> list[dict[str, torch.Tensor]]:
         start = time.perf_counter()
-        decoded = [decode_contribution(b, self.shapes) for b in blobs]
+        names = self.fragment(round_t) or self.outer.names
+        shapes = self.shapes if self.groups is None else {n: self.shapes[n] for n in names}
+        decoded = [decode_contribution(b, shapes, exact_keys=self.groups is not None) for b in blobs]
         self.decode_s += time.perf_counter() - start
-        names = self.outer.names
         mean = mean_in_order([[d[n] for n in names] for d in decoded])
         self.outer.step(dict(zip(names, mean, strict=True)))
         return decoded

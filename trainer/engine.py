@@ -97,7 +97,15 @@ from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.control import Membership, RankControl, ResumePoint
 from trainer.data import derive_seed, load_corpus
-from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer, contribution, merge_weights
+from trainer.diloco import (
+    AppliedStep,
+    DiLoCo,
+    OuterOptimizer,
+    contribution,
+    fragment_groups,
+    fragment_of,
+    merge_weights,
+)
 from trainer.errors import Cancelled, DlxError, TrainingError
 from trainer.hooks import RankHooks
 from trainer.model import build_stage
@@ -604,29 +612,36 @@ def rerun_round(rank: StageRank, replica: int, round_t: int, first_step: int, bu
     start = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
     reference = start if outer is None else outer
     local = dict(module.named_parameters())
+    groups = fragment_groups({n: p.shape for n, p in start.items()}, job.outer.fragments) \
+        if job.outer.fragments > 1 else None
 
     def merge(h: int) -> None:
         if h == merge_step:
             assert outer is not None
-            merge_weights(local, outer, start, job.outer.alpha)
+            merge_weights(local, outer, start, job.outer.alpha,
+                          None if groups is None else fragment_of(round_t - 1, groups))
 
     data = rank.corpus.shard(job.seed, replica, round_t, H, B, L)
     loss = inner_round(rank, replica, round_t, data.tokens, first_step,
                        before_step=merge if merge_step is not None else None)
     if merge_step == H:
         merge(H)
-    return contribution(rank.compressor, reference, local, round_t, loss, budget), loss, data.digest
+    return contribution(rank.compressor, reference, local, round_t, loss, budget,
+                        names=None if groups is None else fragment_of(round_t, groups)), loss, data.digest
 
 
-def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: float, H: int) -> int:
+def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: float, H: int,
+             fragments: int = 1) -> int:
     """tau = auto: enough inner steps to hide the exchange just started, from the link model
     of its ring all-gather and the latest measured exchange (padded by `TAU_MARGIN`), but
-    at most a quarter of the round (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality,
-    README "DiLoCoX benchmark"; past that the round waits)."""
+    at most a quarter of the period between two syncs of the same weights
+    (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, README "DiLoCoX benchmark"; past
+    that the round waits): a quarter of the round, or with F fragments (each synced every
+    F rounds) a quarter of F rounds, at most the whole next round."""
     R = transport.R
     modelled = transport.link.seconds(all_gather_bytes_sent([payload_len] * R, 0), R - 1)
     estimate = max(modelled, measured_s) * TAU_MARGIN
-    cap = max(1, int(H * TAU_AUTO_MAX_FRACTION))
+    cap = max(1, min(H, int(fragments * H * TAU_AUTO_MAX_FRACTION)))
     return min(cap, max(1, math.ceil(estimate / max(step_s, 1e-9))))
 
 
@@ -1043,7 +1058,8 @@ class RoundLoop:
         H = self.job.outer.inner_steps
         if self.job.outer.tau != "auto":
             return int(self.job.outer.tau)
-        vote = torch.tensor([auto_tau(self.transport, payload_len, self.diloco.exchange_s, compute / H, H)],
+        vote = torch.tensor([auto_tau(self.transport, payload_len, self.diloco.exchange_s, compute / H, H,
+                                      self.job.outer.fragments)],
                             dtype=torch.int64)
         self.tau_votes.append((dist.all_reduce(vote, op=dist.ReduceOp.MAX, async_op=True), vote))
         work, agreed = self.tau_votes.pop(0) if len(self.tau_votes) > 1 else self.tau_votes[0]

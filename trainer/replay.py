@@ -222,7 +222,10 @@ def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple) -> tup
     if bad.item():
         return b"", b"", b"", 0.0, 0.0, error or f"step {step} replica {replica}: another stage's start state is invalid"
     payload, loss, digest = rerun_round(rank, replica, step, first_step, budget, outer=outer, merge_step=merge_step)
-    end = round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H, weights=False)
+    # With fragments the next round starts from these weights, most of them never sent:
+    # the end state keeps them, for the continuity check to bind the next start to them.
+    end = round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H,
+                      weights=job.outer.fragments > 1)
     return payload, end, digest, loss, time.perf_counter() - began, ""
 
 
@@ -248,13 +251,14 @@ def _load_item(job: JobConfig, rank: Any, item: tuple) -> tuple[int, float | Non
     return first_step, budget, outer, merge_step
 
 
-def state_core(state: bytes) -> bytes:
+def state_core(state: bytes, weights: bool = False) -> bytes:
     """A round state without its weights (the part one round hands to the next), as bytes
-    comparable with a replay's `end_states`."""
+    comparable with a replay's `end_states`; `weights`: with them (a run with fragments,
+    whose end states keep the weights)."""
     from trainer.artifacts import MERGE_STEP_KEY, bytes_to_tensors, tensors_to_bytes
 
     return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items()
-                             if not k.startswith("param/") and k != MERGE_STEP_KEY})
+                             if (weights or not k.startswith("param/")) and k != MERGE_STEP_KEY})
 
 
 def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> bytes:
@@ -306,12 +310,15 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     `prev_reference`'s weights (the previous round's reference, its committed parent
     shard) minus W from the previous round's published compressor state must give exactly
     the contribution it published (`prev_claimed`) and exactly the compressor state this
-    round published. "" when both hold, else why not."""
+    round published. "" when both hold, else why not. With fragments only the fragment
+    the previous round sent is bound so; a replay of that round binds the rest
+    (`lineage.audit.replay.check_continuity`: its end state holds the weights)."""
     import torch
 
     from trainer.artifacts import bytes_to_tensors, param_tensors, same_tensors
     from trainer.compress import Compressor, payload_budget
     from trainer.data import derive_seed
+    from trainer.diloco import fragment_groups, fragment_of
 
     reference = param_tensors(prev_reference)
     weights = param_tensors(start_state)
@@ -327,11 +334,14 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     prev_loss = mine.get("compress/prev_loss")
     loss = None if prev_loss is None else float(prev_loss.reshape(-1)[0])
     step = int(bytes_to_tensors(prev_state)["round/outer_step"][0])
+    names = sorted(reference)
+    if job.outer.fragments > 1:  # round `step` sent its fragment; the rest is checked by continuity
+        names = fragment_of(step, fragment_groups(shapes, job.outer.fragments))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks compress: a matmul's bits follow the thread count
     try:
         with torch.no_grad():
-            delta = {n: reference[n] - weights[n] for n in sorted(reference)}
+            delta = {n: reference[n] - weights[n] for n in names}
             payload = compressor.compress(delta, step, loss, payload_budget(prev_claimed))
     finally:
         torch.set_num_threads(threads)

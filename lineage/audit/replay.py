@@ -297,6 +297,7 @@ def _rel_l2(replayed: bytes, claimed: bytes, shapes: dict[str, Any]) -> float:
 
 def _judge(p: _Prepared, out: Any) -> None:
     from trainer.artifacts import bytes_to_tensors
+    from trainer.diloco import fragment_groups, fragment_of
 
     r, m = p.result, p.manifest
     assert m is not None
@@ -306,9 +307,12 @@ def _judge(p: _Prepared, out: Any) -> None:
         return
     r.end_states = list(out.end_states)
     shard_reason = "" if out.data_shard == m.data[p.row] else "replayed data shard differs from the attested one"
+    fragments = p.job.outer.fragments if p.job is not None else 1
     for s, (payload, claimed) in enumerate(zip(out.payloads, p.claimed, strict=True)):
         shapes = {k.removeprefix("param/"): v.shape for k, v in bytes_to_tensors(p.starts[s]).items()
                   if k.startswith("param/")}
+        if fragments > 1 and len(shapes) >= fragments:  # the round sent its fragment
+            shapes = {n: shapes[n] for n in fragment_of(m.step, fragment_groups(shapes, fragments))}
         exact = payload == claimed
         r.stages.append(StageReplay(
             stage=s, claimed=str(m.contributions[p.row][s]), replayed=str(file_cid(payload)), exact=exact,
@@ -333,16 +337,29 @@ def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | s
     if result.replica not in nxt.replica_ids(job.parallel.replicas):
         return  # the replica left the set: no next round of its to continue
     row = nxt.row(result.replica)
+    weights = job.outer.fragments > 1  # the end states hold the weights, most never sent
     for s, stage in enumerate(result.stages):
         if stage.reason:
             continue
-        published = state_core(read_bytes(store, nxt.replay[row][s]))
-        if _same_state(published, result.end_states[s], result.tolerance):
+        start = read_bytes(store, nxt.replay[row][s])
+        if _same_state(state_core(start, weights), result.end_states[s], result.tolerance):
             continue
-        if published == fresh_state_core(job, result.replica, s, nxt.step):
+        if state_core(start) == fresh_state_core(job, result.replica, s, nxt.step) and (
+                not weights or _fresh_weights(store, nxt, s, start)):
             continue
         stage.reason = (f"the start state step {nxt.step} published ({nxt.replay[row][s]}) is not "
                         f"the state this round leaves")
+
+
+def _fresh_weights(store: Any, nxt: Manifest, stage: int, start: bytes) -> bool:
+    """Whether a start state's weights are the committed shard the step builds on (a
+    fresh start: a resume, or a replica back in the set)."""
+    from trainer.artifacts import param_tensors, same_tensors
+
+    if nxt.parent is None:
+        return False
+    parent = get_manifest(store, nxt.parent)
+    return same_tensors(param_tensors(start), param_tensors(read_bytes(store, parent.stages[stage])))
 
 
 def _same_state(a: bytes, b: bytes, tolerance: float) -> bool:

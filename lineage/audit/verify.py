@@ -405,7 +405,7 @@ def _shards_of(work: _Work, i: int, outer_cfg: Any) -> list[bytes]:
     for k in range(j + 1, i + 1):
         m = get_manifest(work.store, work.checkpoints[k])
         shards = [apply_outer_step(shards[s], [read_bytes(work.store, row[s], workers=0) for row in m.contributions],
-                                   outer_cfg) for s in range(work.S)]
+                                   outer_cfg, m.step) for s in range(work.S)]
     return shards
 
 
@@ -652,7 +652,7 @@ def _verify_aggregate(work: _Work, m: Manifest, parent_shards: list[bytes], oute
     shards = []
     for s in range(S):
         contributions = [get(m.contributions[row][s]) for row in range(len(replicas))]
-        expected = apply_outer_step(parent_shards[s], contributions, outer_cfg)
+        expected = apply_outer_step(parent_shards[s], contributions, outer_cfg, m.step)
         if pruned and block_name(m.stages[s])[0] in pruned:
             _check(file_cid(expected) == m.stages[s],
                    lambda s=s: f"stage {s}: recomputed shard is not {m.stages[s]} (removed by retention)")
