@@ -126,6 +126,13 @@ OURS: dict[str, dict] = {
     "dilocox-gaps-h40": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 40}},
     "dilocox-gaps-h50": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
     "dilocox-gaps-h50@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
+    # Streaming DiLoCo's fragments: F groups, one sent a round, so each group syncs every F x H
+    # steps (gaps-h40's and gaps-h50's bytes per token) in exchanges 1/F the size, which a
+    # short overlap hides even on the paper-regime link.
+    "dilocox-gaps-f4-h10": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
+    "dilocox-gaps-f2-h25": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
+    "dilocox-gaps-f4-h10@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
+    "dilocox-gaps-f2-h25@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
@@ -134,8 +141,9 @@ PEERS: dict[str, tuple[str, dict]] = {
     "torchft-streaming": ("streaming", {"fragments": 2, "tau": 3, "alpha": 0.5}),
 }
 # The methods the targets are checked for: the default, and the slow-link settings
-# (2 bits in the gaps layout at H = 40, and at H = 50 as in examples/slow-link.toml).
-TARGETED = ("dilocox", "dilocox-gaps-h40", "dilocox-gaps-h50")
+# (2 bits in the gaps layout at H = 40, and at H = 50 as in examples/slow-link.toml), and
+# the same bytes per token sent as fragments (each group every 40 or 50 steps).
+TARGETED = ("dilocox", "dilocox-gaps-h40", "dilocox-gaps-h50", "dilocox-gaps-f4-h10", "dilocox-gaps-f2-h25")
 LONG = ["allreduce", "diloco", "dilocox", "dilocox-no-compression", "dilocox-no-overlap", "dilocox@paper",
         "torchft-diloco", "torchft-streaming"]
 MODELS = {  # name: [model] table
@@ -213,6 +221,7 @@ def run_ours(args, model: str, name: str, seed: int, rounds: int, paper_mbps: fl
     return {"name": name, "model": model, "seed": seed, "rounds": rounds, "H": cfg.outer.inner_steps,
             "per_step": per_step, "outer": outer_of(cfg), "rule": cfg.outer.rule, "tau": cfg.outer.tau if cfg.outer.rule == "partial" else 0,
             "tau_mean": last.get("tau_mean", 0.0), "link_mbps": cfg.transport.bandwidth_mbps,
+            "fragments": cfg.outer.fragments,
             "extra_memory_x": last["extra_memory_bytes"] / last["param_bytes"],
             "param_bytes": last["param_bytes"], "process_s": time.perf_counter() - started}
 

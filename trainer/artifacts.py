@@ -47,7 +47,9 @@ class Contribution:
     """What replica r's stage s contributed to outer step t: exactly the bytes it sent.
 
     `data` is safetensors (sorted keys, no metadata), one key family per parameter <name>
-    (the decoder is `trainer.compress.decode_contribution`; shapes come from the shard):
+    (with `outer.fragments` > 1, per parameter of step t's fragment only:
+    `trainer.diloco.fragment_groups`) (the decoder is `trainer.compress.decode_contribution`;
+    shapes come from the shard):
     - compression `none`: ``delta/<name>`` float32, theta_outer - theta_local as is;
     - otherwise ``meta/<name>`` int32 [codec, bits, rank] (codec 1 = quantised, 2 = low
       rank), plus for codec 1 ``q/<name>`` uint8 (rows, ceil(cols*bits/8)) and
@@ -58,7 +60,7 @@ class Contribution:
       value = (stored - (2**(b-1)-1)) * scale of its row; a low-rank tensor is
       sum_k outer(u_k, v_k), summed in k order. Codec 3 (sparse) and codec 4 (2-bit values
       in the gaps layout, one ``gaps/stream`` per payload) are in docs/FORMATS.md.
-    The new shard of step t is `apply_outer_step(shard of step t-1, [data of r = 0..R-1])`.
+    The new shard of step t is `apply_outer_step(shard of step t-1, [data of r = 0..R-1], cfg, t)`.
     With `outer.delay = 1` the round that produced step t's contribution started, under
     the restart rule, from the shard of step t-2 (genesis for t <= 2); under the eager and
     partial rules from weights derived from committed data (trainer/diloco.py; the
