@@ -51,6 +51,7 @@ __all__ = [
     "fragment_of",
     "mean_in_order",
     "merge_weights",
+    "step_names",
 ]
 
 
@@ -111,6 +112,12 @@ def fragment_groups(shapes: Mapping[str, Sequence[int]], fragments: int) -> list
 def fragment_of(round_t: int, groups: list[list[str]]) -> list[str]:
     """The fragment round `round_t` exchanges: group (t - 1) mod F."""
     return groups[(round_t - 1) % len(groups)]
+
+
+def step_names(shapes: Mapping[str, Sequence[int]], fragments: int, round_t: int) -> list[str]:
+    """The parameter names round `round_t` exchanges, sorted: every one, or with
+    `fragments` > 1 the round's group."""
+    return sorted(shapes) if fragments == 1 else fragment_of(round_t, fragment_groups(shapes, fragments))
 
 
 def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -228,8 +235,7 @@ def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig,
     shapes = {n: p.shape for n, p in outer.params.items()}
     if cfg.fragments > 1 and step is None:
         raise ValueError("the outer step of a run with fragments needs its step number")
-    names = fragment_of(step, fragment_groups(shapes, cfg.fragments)) if step is not None and cfg.fragments > 1 \
-        else outer.names
+    names = outer.names if step is None else step_names(shapes, cfg.fragments, step)
     mine = {n: shapes[n] for n in names}
     per_replica = []
     for data in contributions:

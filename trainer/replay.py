@@ -318,7 +318,7 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     from trainer.artifacts import bytes_to_tensors, param_tensors, same_tensors
     from trainer.compress import Compressor, payload_budget
     from trainer.data import derive_seed
-    from trainer.diloco import fragment_groups, fragment_of
+    from trainer.diloco import step_names
 
     reference = param_tensors(prev_reference)
     weights = param_tensors(start_state)
@@ -334,9 +334,7 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     prev_loss = mine.get("compress/prev_loss")
     loss = None if prev_loss is None else float(prev_loss.reshape(-1)[0])
     step = int(bytes_to_tensors(prev_state)["round/outer_step"][0])
-    names = sorted(reference)
-    if job.outer.fragments > 1:  # round `step` sent its fragment; the rest is checked by continuity
-        names = fragment_of(step, fragment_groups(shapes, job.outer.fragments))
+    names = step_names(shapes, job.outer.fragments, step)  # with fragments the rest is checked by continuity
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks compress: a matmul's bits follow the thread count
     try:

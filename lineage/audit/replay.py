@@ -297,7 +297,7 @@ def _rel_l2(replayed: bytes, claimed: bytes, shapes: dict[str, Any]) -> float:
 
 def _judge(p: _Prepared, out: Any) -> None:
     from trainer.artifacts import bytes_to_tensors
-    from trainer.diloco import fragment_groups, fragment_of
+    from trainer.diloco import step_names
 
     r, m = p.result, p.manifest
     assert m is not None
@@ -311,8 +311,8 @@ def _judge(p: _Prepared, out: Any) -> None:
     for s, (payload, claimed) in enumerate(zip(out.payloads, p.claimed, strict=True)):
         shapes = {k.removeprefix("param/"): v.shape for k, v in bytes_to_tensors(p.starts[s]).items()
                   if k.startswith("param/")}
-        if fragments > 1 and len(shapes) >= fragments:  # the round sent its fragment
-            shapes = {n: shapes[n] for n in fragment_of(m.step, fragment_groups(shapes, fragments))}
+        if len(shapes) >= fragments:  # the round sent its fragment (all of them when 1)
+            shapes = {n: shapes[n] for n in step_names(shapes, fragments, m.step)}
         exact = payload == claimed
         r.stages.append(StageReplay(
             stage=s, claimed=str(m.contributions[p.row][s]), replayed=str(file_cid(payload)), exact=exact,
