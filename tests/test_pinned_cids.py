@@ -73,6 +73,21 @@ PINS = {  # arithmetic fingerprint -> {"shards": step -> CIDs, "contributions": 
                 ["bafkreihovykzrifbspq7nh6j3mcbrimq7qafxywufxq3ahgspnmw2cmaba", "bafkreidjwmlxiieyj7izez7u42ams3jgontgxwi7ykmgtsildtto7l3joa"]],
         },
     },
+    "41e644a7ce906c67": {  # Intel Xeon (family 6 model 167, AVX-512 with AMX), torch 2.13.0 CPU; pinned 2026-12-03
+        "shards": {
+            1: ["bafkreig2lmtupzockxdz2t24a22gdl7zgk2xkbylzyeukogur4fz66y7a4", "bafkreif6gcw3l24ytdxoqsm42gayki3gf5urkz6gwf3ikjjnxevbef5s5q"],
+            2: ["bafkreiay7r4woawt7khco4kyxhhrz5xustmcurdhnzysgpctey5h7fgh6u", "bafkreigmodbuoluyoieavqsg3zhqdrdikkmf652skabon3e47m5imfis2u"],
+            3: ["bafkreianz2vyrjnvfxm7lpn5sktwlq4ldlw5gmk32olqi5x7ofql34po3m", "bafkreiaejoylyj4sooolvqpvavhyz2knvhgw4bt6g572etumkqoa2zbuc4"],
+        },
+        "contributions": {
+            1: [["bafkreicifwn6c4jdta63g57nvwwawd7zwq74ygnlsb76jd5elhz3no75de", "bafkreialrgx7rsov36iprf7x4obrmzkxoutnnsqiac3e3ho6ddjzuncwsi"],
+                ["bafkreie7w2dv237d6wyiz3aywvnd4al3gcjb3ekrvjumntdx2x3gkdowvi", "bafkreic7rizvuqp7ea2vgpnwe6c7upxinncgv4cx5btc47r7gqwo3u45vu"]],
+            2: [["bafkreic37trxebw4rg5tblgeh3qvtiarsabmdwlba5ijrghd2qdxsotv2m", "bafkreihnlyugygqd6ig6uhgnknglzyvaku5f4agtirniuiaqbhbj7ofc5e"],
+                ["bafkreid4i26wlxxfaqvqbu43254yvzoj5nb5jk27vmcj4l27badkpaikyy", "bafkreibgjd475x45xk3d7jbgzjwv4hlu3pzcm2idfum6vpzm25mjjej3ea"]],
+            3: [["bafkreihct7exrbq2yx2dabxwftao2ryzhjlwq6s2dlhvceoybl4s6zy3ri", "bafkreidhmpgcxnpob3wmmvej6tl52lhxslbius64vqr3fxrla63n5rnquy"],
+                ["bafkreidsmdzoz2o3rekstwfgzz5tl7wgbjwappjlbej2maa5f7c4owbueq", "bafkreiffdxvr5fufpuiw7mgrorw2wzqrw4ki63fm6p6omygf72cmb4q72i"]],
+        },
+    },
 }
 
 
