@@ -127,12 +127,21 @@ OURS: dict[str, dict] = {
     "dilocox-gaps-h50": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
     "dilocox-gaps-h50@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 50}},
     # Streaming DiLoCo's fragments: F groups, one sent a round, so each group syncs every F x H
-    # steps (gaps-h40's and gaps-h50's bytes per token) in exchanges 1/F the size, which a
-    # short overlap hides even on the paper-regime link.
+    # steps (F x H = 40, 48 or 50: about gaps-h40's and gaps-h50's bytes per token) in exchanges
+    # 1/F the size, which a short overlap hides even on the paper-regime link.
     "dilocox-gaps-f4-h10": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
     "dilocox-gaps-f2-h25": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
+    "dilocox-gaps-f3-h16": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 16, "fragments": 3}},
     "dilocox-gaps-f4-h10@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
     "dilocox-gaps-f2-h25@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
+    "dilocox-gaps-f3-h16@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 16, "fragments": 3}},
+    "dilocox-gaps-f2-h20@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 20, "fragments": 2}},
+    # Streaming DiLoCo's mix (alpha = 0.5, as torchft's row runs it) in place of the corrected merge.
+    "dilocox-mix0.5": {"outer": {**DILOCOX_OUTER, "alpha": 0.5}},
+    "dilocox-gaps-f2-h25-mix0.5": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2,
+                                             "alpha": 0.5}},
+    "dilocox-gaps-f2-h10-mix0.5": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 2,
+                                             "alpha": 0.5}},
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
@@ -141,9 +150,10 @@ PEERS: dict[str, tuple[str, dict]] = {
     "torchft-streaming": ("streaming", {"fragments": 2, "tau": 3, "alpha": 0.5}),
 }
 # The methods the targets are checked for: the default, and the slow-link settings
-# (2 bits in the gaps layout at H = 40, and at H = 50 as in examples/slow-link.toml), and
-# the same bytes per token sent as fragments (each group every 40 or 50 steps).
-TARGETED = ("dilocox", "dilocox-gaps-h40", "dilocox-gaps-h50", "dilocox-gaps-f4-h10", "dilocox-gaps-f2-h25")
+# (2 bits in the gaps layout at H = 40 and 50), and the same bytes per token sent as
+# fragments (each group every 40, 48 or 50 steps; f2-h25 is examples/slow-link.toml).
+TARGETED = ("dilocox", "dilocox-gaps-h40", "dilocox-gaps-h50", "dilocox-gaps-f4-h10", "dilocox-gaps-f2-h25",
+            "dilocox-gaps-f3-h16")
 LONG = ["allreduce", "diloco", "dilocox", "dilocox-no-compression", "dilocox-no-overlap", "dilocox@paper",
         "torchft-diloco", "torchft-streaming"]
 MODELS = {  # name: [model] table
