@@ -140,4 +140,5 @@ def test_the_example_job_file_is_valid():
     for path in sorted(EXAMPLE.parent.glob("*.toml")):  # every example loads
         assert load_job_file(path).name, path
     slow = load_job_file(EXAMPLE.parent / "slow-link.toml")
-    assert (slow.outer.inner_steps, slow.outer.compression.coding, slow.transport.link) == (50, "gaps", "simulated")
+    assert (slow.outer.inner_steps, slow.outer.fragments, slow.outer.compression.coding, slow.transport.link) == (
+        25, 2, "gaps", "simulated")
