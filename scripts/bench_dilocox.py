@@ -61,6 +61,12 @@ INT2 = {"kind": "quantize", "bits": 2}
 GAPS = {**INT2, "coding": "gaps"}  # the same 2-bit values, zero runs coded as gaps
 DILOCOX_OUTER = {**OVERLAP, "compression": INT4}
 
+
+def _fragments(F: int, H: int, **outer) -> dict:
+    """A fragment row: the gaps values under the partial rule, F groups sent in turn, rounds of H."""
+    return {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": H, "fragments": F, **outer}}
+
+
 OURS: dict[str, dict] = {
     "allreduce": {"parallel": {"sync": "allreduce"}},
     "diloco": {},
@@ -129,19 +135,12 @@ OURS: dict[str, dict] = {
     # Streaming DiLoCo's fragments: F groups, one sent a round, so each group syncs every F x H
     # steps (F x H = 40, 48 or 50: about gaps-h40's and gaps-h50's bytes per token) in exchanges
     # 1/F the size, which a short overlap hides even on the paper-regime link.
-    "dilocox-gaps-f4-h10": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
-    "dilocox-gaps-f2-h25": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
-    "dilocox-gaps-f3-h16": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 16, "fragments": 3}},
-    "dilocox-gaps-f4-h10@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 4}},
-    "dilocox-gaps-f2-h25@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2}},
-    "dilocox-gaps-f3-h16@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 16, "fragments": 3}},
-    "dilocox-gaps-f2-h20@paper": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 20, "fragments": 2}},
+    **{f"dilocox-gaps-f{F}-h{H}{at}": _fragments(F, H) for at in ("", "@paper") for F, H in ((4, 10), (2, 25), (3, 16))},
+    "dilocox-gaps-f2-h20@paper": _fragments(2, 20),
     # Streaming DiLoCo's mix (alpha = 0.5, as torchft's row runs it) in place of the corrected merge.
     "dilocox-mix0.5": {"outer": {**DILOCOX_OUTER, "alpha": 0.5}},
-    "dilocox-gaps-f2-h25-mix0.5": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 25, "fragments": 2,
-                                             "alpha": 0.5}},
-    "dilocox-gaps-f2-h10-mix0.5": {"outer": {**OVERLAP, "compression": GAPS, "inner_steps": 10, "fragments": 2,
-                                             "alpha": 0.5}},
+    "dilocox-gaps-f2-h25-mix0.5": _fragments(2, 25, alpha=0.5),
+    "dilocox-gaps-f2-h10-mix0.5": _fragments(2, 10, alpha=0.5),
 }
 # torchft's own: (variant, settings). Streaming DiLoCo as its paper runs it: fragments,
 # the exchange overlapped with tau inner steps, merged with alpha = 0.5.
