@@ -241,14 +241,18 @@ def test_adaptive_is_more_aggressive_early_and_respects_the_byte_budget() -> Non
     assert comp.last_stats["energy_target"] == pytest.approx(0.95)
 
 
+@pytest.mark.parametrize("arithmetic", ["float32", "float64"])
 @pytest.mark.parametrize(("momentum", "nesterov"), [(0.9, True), (0.5, False), (0.0, False)])
-def test_outer_step_is_torch_sgd_bit_for_bit(momentum: float, nesterov: bool) -> None:
+def test_outer_step_is_torch_sgd(momentum: float, nesterov: bool, arithmetic: str) -> None:
     """OuterOptimizer writes SGD's update out by hand (no torch.optim, so no torch._dynamo
-    import in a verifier); runs trained with either must agree to the bit."""
+    import in a verifier). In the float32 arithmetic of older runs it is SGD bit for bit;
+    in the float64 one (hardware-independent, tests/test_portable_audit.py) it is SGD's
+    update rounded once, so within a float32 rounding of it."""
     from trainer.config import OuterConfig
     from trainer.diloco import OuterOptimizer
 
-    cfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov, steps=1, inner_steps=1)
+    cfg = OuterConfig(lr=0.7, momentum=momentum, nesterov=nesterov, steps=1, inner_steps=1,
+                      arithmetic=arithmetic)
     g = torch.Generator().manual_seed(7)
     params = {"a": torch.randn(33, 17, generator=g), "b": torch.randn(5, generator=g)}
     ours = OuterOptimizer(params, cfg)
@@ -257,6 +261,8 @@ def test_outer_step_is_torch_sgd_bit_for_bit(momentum: float, nesterov: bool) ->
     if momentum:
         for p in ref.values():
             sgd.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    same = torch.equal if arithmetic == "float32" else (
+        lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-6))
     for _ in range(4):
         delta = {n: torch.randn(t.shape, generator=g) for n, t in params.items()}
         ours.step(delta)
@@ -264,9 +270,9 @@ def test_outer_step_is_torch_sgd_bit_for_bit(momentum: float, nesterov: bool) ->
             p.grad = delta[n].clone()
         sgd.step()
         for n in params:
-            assert torch.equal(ours.params[n], ref[n]), n
+            assert same(ours.params[n], ref[n]), n
             if momentum:
-                assert torch.equal(ours.momentum()[n], sgd.state[ref[n]]["momentum_buffer"]), n
+                assert same(ours.momentum()[n], sgd.state[ref[n]]["momentum_buffer"]), n
     again = OuterOptimizer.from_bytes(ours.to_bytes(), cfg)  # what a shard carries round-trips
     assert again.to_bytes() == ours.to_bytes()
 

@@ -568,8 +568,8 @@ def test_live_code_matches_the_document(doc):
     """The project's own implementations give the values FORMATS.md documents."""
     from lineage.chain.attest import ContributionClaim, Domain
     from lineage.store.manifest import Manifest
+    from lineage.store.runconfig import RunConfig
     from lineage.store.unixfs_dir import import_tree
-    from trainer.config import OuterConfig
     from trainer.data import derive_seed as live_seed
     from trainer.diloco import apply_outer_step
 
@@ -591,7 +591,8 @@ def test_live_code_matches_the_document(doc):
     tree = [(f, (root / f).read_bytes()) for f in dataset_files()]
     assert str(import_tree(tree)) == doc["dataset-dir"]["cid"]
     agg = doc["aggregate"]
-    cfg = OuterConfig(**doc["config"]["node"]["job"]["outer"])
+    # a record from before `outer.arithmetic`: it reads as the float32 arithmetic it ran
+    cfg = RunConfig(job=doc["config"]["node"]["job"], code=b"").training_job().outer
     new = apply_outer_step(file_bytes(agg["parent_shard"]), [file_bytes(c) for c in agg["contributions"]], cfg)
     assert cid_text(RAW, new) == agg["new_shard"]
 

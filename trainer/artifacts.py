@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are: a launcher handles onl
     import torch
 
 __all__ = [
+    "KERNELS_KEY",
     "MERGE_STEP_KEY",
     "Contribution",
     "GenesisArtifacts",
@@ -154,6 +155,7 @@ class StepSink(Protocol):
 
 
 MERGE_STEP_KEY = "round/merge_step"  # a partial-rule round state: the inner step it merged before
+KERNELS_KEY = "round/kernels"  # a round state: the trainer's kernel fingerprint, UTF-8 (trainer/kernels.py)
 
 
 def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:

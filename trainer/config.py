@@ -203,6 +203,16 @@ class ParallelConfig(_Section):
         "the weights with zero momentum and empty contributions, not a verifiable outer step).",
     )
 
+    numerics: Literal["native", "portable"] = Field(
+        "native",
+        description="How the inner steps compute. native: PyTorch's kernels for this CPU (fast; "
+        "a replay on another kind of CPU differs in the last bits, so the verifier compares "
+        "within a tolerance). portable: kernels whose bits do not depend on the CPU, its "
+        "instruction set, the math libraries' dispatch or the thread count "
+        "(trainer/portable.py: matmuls by exact integer slices, our own exp/log/tanh/erf, "
+        "fixed-order reductions), so a replay anywhere is bit for bit and a challenge exact; "
+        "float32 only, and compression kinds none, quantize and sparse.",
+    )
     min_replicas: int | None = Field(
         None, ge=1,
         description="The fewest replicas an outer step may average (elastic training, "
@@ -239,6 +249,8 @@ class ParallelConfig(_Section):
                 del data["device"]
             if data.get("min_replicas", None) in (None, self.replicas):
                 data.pop("min_replicas", None)
+            if data.get("numerics") == "native":  # jobs from before it hash as they did
+                del data["numerics"]
         return data
 
 
@@ -503,6 +515,16 @@ class OuterConfig(_Section):
     compression: CompressionConfig = Field(
         default_factory=CompressionConfig, description="Pseudo-gradient compression."
     )
+    arithmetic: Literal["float64", "float32"] = Field(
+        "float64",
+        description="Recorded by a run, not a setting: how the outer step and the merge compute "
+        "(trainer/diloco.py). float64: each elementwise formula in float64, separate correctly "
+        "rounded operations, rounded to float32 once: the same bits on every IEEE-754 machine, "
+        "kernel set and thread count. float32: the arithmetic of runs recorded before "
+        "2026-12-04 (float32 kernels, fused multiply-adds where the CPU's kernels use them): "
+        "such a run's record has no `arithmetic` and reads as float32, so it keeps verifying "
+        "on machines of its class.",
+    )
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> OuterConfig:
@@ -562,6 +584,8 @@ class OuterConfig(_Section):
             drop.add("alpha")
         if self.fragments == 1:  # jobs from before fragments existed hash as they did
             drop.add("fragments")
+        if self.arithmetic == "float32":  # a record from before the field re-dumps as it was
+            drop.add("arithmetic")
         return {k: v for k, v in data.items() if k not in drop}
 
     @property
@@ -643,6 +667,10 @@ class JobConfig(_Section):
                 f"({m.n_layers // p.stages}: model.n_layers / parallel.stages)"
             )
         c = self.outer.compression
+        if p.numerics == "portable" and m.dtype != "float32":
+            raise ValueError(f'parallel.numerics = "portable" computes in float32 (model.dtype is "{m.dtype}")')
+        if p.numerics == "portable":
+            _portable_settings(self)
         smallest = m.smallest_side
         if c.kind == "lowrank" and c.rank > smallest:
             raise ValueError(
@@ -669,6 +697,19 @@ class JobConfig(_Section):
         return json.dumps(
             self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"), ensure_ascii=False
         ).encode()
+
+
+def _portable_settings(job: JobConfig) -> None:
+    """What `parallel.numerics = "portable"` cannot compute portably yet: ValueError."""
+    c = job.outer.compression
+    if c.kind in ("lowrank", "adaptive"):
+        raise ValueError(f'outer.compression.kind = "{c.kind}" is not portable yet (its power '
+                         'iteration and SVD): use none, quantize or sparse with parallel.numerics = "portable"')
+    if c.kind != "none" and c.bits == 1:
+        raise ValueError('outer.compression.bits = 1 is not portable yet (its scale is a mean): '
+                         'use 2, 4 or 8 with parallel.numerics = "portable"')
+    if job.model.family == "gpt" and job.model.dropout > 0:
+        raise ValueError('model.dropout must be 0 with parallel.numerics = "portable"')
 
 
 def stage_layers(n_layers: int, stage: int, stages: int) -> range:
@@ -707,6 +748,10 @@ def load_job(data: Any, cls: type[Any] = JobConfig) -> Any:
     """Validate a parsed job file (a dict) into `cls`; raise ConfigError with one line."""
     if not isinstance(data, dict):
         raise ConfigError(f"job: expected a table of sections, got {type(data).__name__}")
+    outer = data.get("outer")
+    if isinstance(outer, dict) and outer.get("arithmetic", "float64") != "float64":
+        raise ConfigError('outer.arithmetic: a new run computes in "float64" ("float32" is how '
+                          "runs recorded before 2026-12-04 read)")
     try:
         return cls.model_validate(data)
     except ValidationError as err:

@@ -143,9 +143,10 @@ def mean_in_order(per_replica: list[list[torch.Tensor]]) -> list[torch.Tensor]:
 class OuterOptimizer:
     """theta_outer and its Nesterov momentum for one stage; the content of a StageShard.
 
-    The step is torch.optim.SGD's single-tensor update (lr, momentum, nesterov; no
-    dampening, no weight decay), written out with the same tensor operations in the same
-    order, so it is bit for bit what `SGD(..., foreach=False)` computes. The momentum
+    The step is torch.optim.SGD's update (lr, momentum, nesterov; no dampening, no weight
+    decay), written out in the run's arithmetic (`_moved`): float64 formulas rounded once,
+    the same bits on every machine, or for runs recorded before that existed the float32
+    single-tensor update of `SGD(..., foreach=False)`. The momentum
     buffer is always present (zeros at genesis), so the first step takes the same path as
     every later one and a verifier can replay any step from a shard. Written out rather
     than constructed: building a torch optimizer imports torch._dynamo (about 1.5 s), which
@@ -183,30 +184,40 @@ class OuterOptimizer:
         """One outer step with gradient = the replicas' mean pseudo-gradient, on the
         parameters it names (a fragment, or all); the others and their momentum stay."""
         assert set(mean_delta) <= set(self.params), "delta names are not outer params"
-        lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
         for n in sorted(mean_delta):
-            p = self.params[n]
-            grad = mean_delta[n].to(p.dtype)
-            if mu != 0:  # torch.optim.sgd._single_tensor_sgd, dampening 0
-                buf = self._momentum[n]
-                buf.mul_(mu).add_(grad, alpha=1)
-                grad = grad.add(buf, alpha=mu) if nesterov else buf
-            p.add_(grad, alpha=-lr)
+            p, buf = self._moved(n, mean_delta[n])
+            self.params[n].copy_(p)
+            self._momentum[n].copy_(buf)
 
     @torch.no_grad()
     def lookahead(self, mean_delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights `step(mean_delta)` would give, without moving this optimizer: the
-        same operations out of place, so the same bits."""
+        same operations, so the same bits."""
         assert sorted(mean_delta) == self.names, "delta names do not match the outer params"
+        return {n: self._moved(n, mean_delta[n])[0] for n in self.names}
+
+    def _moved(self, n: str, mean_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, momentum) of parameter `n` after one step with gradient `mean_delta`,
+        new tensors (float32), in the run's arithmetic (`OuterConfig.arithmetic`):
+        float64: each formula in float64 by separate correctly rounded operations (no fused
+        multiply-add, whatever the CPU), rounded to float32 once, so every IEEE-754 machine
+        gets the same bits; float32: torch.optim.SGD's single-tensor update as runs before
+        2026-12-04 computed it (its `alpha=` adds fuse a multiply-add on CPUs whose kernels
+        do, so the bits follow the kernel set)."""
         lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
-        out = {}
-        for n, p in self.params.items():
-            grad = mean_delta[n].to(p.dtype)
-            if mu != 0:
-                buf = self._momentum[n].mul(mu).add(grad, alpha=1)
+        p, buf = self.params[n], self._momentum[n]
+        if self.cfg.arithmetic == "float32":
+            grad = mean_delta.to(p.dtype)
+            if mu != 0:  # torch.optim.sgd._single_tensor_sgd, dampening 0
+                buf = buf.mul(mu).add(grad, alpha=1)
                 grad = grad.add(buf, alpha=mu) if nesterov else buf
-            out[n] = p.add(grad, alpha=-lr)
-        return out
+            return p.add(grad, alpha=-lr), buf
+        g = mean_delta.double()
+        if mu == 0:
+            return (p.double() - g * lr).float(), buf.clone()
+        b = buf.double() * mu + g  # momentum: b <- mu b + g
+        step = g + b * mu if nesterov else b
+        return (p.double() - step * lr).float(), b.float()
 
     def to_bytes(self) -> bytes:
         tensors = {f"param/{n}": p for n, p in self.params.items()}
@@ -269,20 +280,24 @@ def merge_weights(
     local: Mapping[str, torch.Tensor], outer: Mapping[str, torch.Tensor], anchor: Mapping[str, torch.Tensor],
     alpha: float | None,
     names: Iterable[str] | None = None,
+    arithmetic: str = "float64",
 ) -> None:
     """The partial rule's merge, in place on `local` (its tensors may live on any device; the
     arithmetic runs in float32 on the CPU, so a replay anywhere gets the same bits), over
     `names` (the exchanged fragment; None: every tensor):
     alpha None: local <- outer + (local - anchor), the new outer weights plus the progress
     made since the send (`anchor`: the weights the round's pseudo-gradient was sent from);
-    alpha a number: local <- alpha * local + (1 - alpha) * outer (Streaming DiLoCo's mix)."""
+    alpha a number: local <- alpha * local + (1 - alpha) * outer (Streaming DiLoCo's mix).
+    `arithmetic`: the run's `OuterConfig.arithmetic` (how the mix computes)."""
     for n in (local if names is None else names):
         p = local[n]
         here = p.detach().to("cpu", torch.float32)
-        if alpha is None:
+        if alpha is None:  # correctly rounded float32 operations: the same bits everywhere
             merged = outer[n] + (here - anchor[n])
-        else:
+        elif arithmetic == "float32":  # runs before 2026-12-04 (a fused multiply-add where the kernels fuse)
             merged = here.mul(alpha).add(outer[n], alpha=1.0 - alpha)
+        else:  # float64, rounded once: the same bits on any IEEE-754 machine
+            merged = (here.double() * alpha + outer[n].double() * (1.0 - alpha)).float()
         p.copy_(merged)
 
 
@@ -445,7 +460,8 @@ class DiLoCo:
         was measured from, this round's start weights)."""
         applied, _ = self._wait_and_step()
         assert applied is not None, "merge: no exchange in flight"
-        merge_weights(self.local, self.outer.params, anchor, self.cfg.alpha, self.fragment(applied.round))
+        merge_weights(self.local, self.outer.params, anchor, self.cfg.alpha, self.fragment(applied.round),
+                      self.cfg.arithmetic)
         self.merge_step = None
         return applied
 

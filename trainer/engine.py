@@ -84,6 +84,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.artifacts import (
+    KERNELS_KEY,
     MERGE_STEP_KEY,
     Contribution,
     GenesisArtifacts,
@@ -108,6 +109,7 @@ from trainer.diloco import (
 )
 from trainer.errors import Cancelled, DlxError, TrainingError
 from trainer.hooks import RankHooks
+from trainer.kernels import kernel_fingerprint
 from trainer.model import build_stage
 from trainer.supervisor import error_line, peer_loss
 from trainer.transport import Transport, all_gather_bytes_sent
@@ -193,6 +195,24 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), target.flatten())  # (B*T, V) vs (B*T,)
 
 
+def loss_fn(job: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The job's language-model loss: `lm_loss`, or under `parallel.numerics = "portable"`
+    its portable twin (trainer/portable.py: the same mean cross-entropy, exact reductions)."""
+    if job.parallel.numerics == "portable":
+        from trainer import portable
+
+        return portable.lm_loss
+    return lm_loss
+
+
+def mean_loss(losses: list[torch.Tensor], job: JobConfig) -> float:
+    """The mean of a step's microbatch losses: torch's mean, or under portable numerics the
+    correctly rounded mean of their values (math.fsum: the same bits on every machine)."""
+    if job.parallel.numerics == "portable":
+        return math.fsum(loss.item() for loss in losses) / len(losses)
+    return torch.stack([loss.detach() for loss in losses]).mean().item()
+
+
 def warmup_lr(base: float, warmup: int, step: int) -> float:
     """Linear warmup over `warmup` inner steps (0-based `step`), then constant."""
     return base * min(1.0, (step + 1) / warmup) if warmup > 0 else base
@@ -206,6 +226,12 @@ def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.Opti
     groups = [{"params": decay, "weight_decay": job.inner.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
+    if job.parallel.numerics == "portable":  # the same updates in float64, rounded once
+        from trainer import portable
+
+        if job.inner.optimizer == "sgd":
+            return portable.SGD(groups, lr=job.inner.lr)
+        return portable.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
     if job.inner.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=job.inner.lr, foreach=False)
     return torch.optim.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
@@ -213,25 +239,46 @@ def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.Opti
 
 @torch.no_grad()
 def clip_pipeline_grad_norm(
-    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None, stages: int
+    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None, stages: int,
+    portable: bool = False,
 ) -> float:
     """Clip by the global grad norm over the whole pipeline (all stages' params).
 
     Each stage knows only its own params, so the squared norms are summed over the
-    pipeline group first: one scalar all-reduce per inner step.
+    pipeline group first: one scalar all-reduce per inner step. `portable`: each stage's
+    sum of squares exact (`trainer.portable.grad_sq_norm`), gathered and summed in stage
+    order, so the norm has the same bits on every machine.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else None)
-    for g in grads:
-        sq += g.double().pow(2).sum()
-    if stages > 1:
-        dist.all_reduce(sq, group=group)
-    total = math.sqrt(sq.item())
+    if portable:
+        total = math.sqrt(_stage_sum(_portable_sq(grads), group, stages))
+    else:
+        sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else None)
+        for g in grads:
+            sq += g.double().pow(2).sum()
+        if stages > 1:
+            dist.all_reduce(sq, group=group)
+        total = math.sqrt(sq.item())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
     return total
+
+
+def _portable_sq(grads: list[torch.Tensor]) -> float:
+    from trainer import portable
+
+    return float(portable.grad_sq_norm(grads)) if grads else 0.0
+
+
+def _stage_sum(value: float, group: dist.ProcessGroup | None, stages: int) -> float:
+    """The stages' values summed in stage order (math.fsum: correctly rounded)."""
+    if stages == 1:
+        return value
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(stages)]
+    dist.all_gather(out, torch.tensor([value], dtype=torch.float64), group=group)
+    return math.fsum(float(t.item()) for t in out)
 
 
 def autocast(job: JobConfig, device: torch.device) -> Any:
@@ -256,7 +303,7 @@ class Pipeline:
             stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
             schedule_cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[job.parallel.schedule]
             self.schedule = schedule_cls(
-                stage, n_microbatches=job.parallel.microbatches, loss_fn=lm_loss
+                stage, n_microbatches=job.parallel.microbatches, loss_fn=loss_fn(job)
             )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -275,7 +322,7 @@ class Pipeline:
             else:
                 self.schedule.step(return_outputs=False)
         if self.topo.is_last:
-            return torch.stack([loss.detach() for loss in losses]).mean().item()
+            return mean_loss(losses, self.job)
         return None
 
     def _lone_stage_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -286,14 +333,14 @@ class Pipeline:
         losses = []
         with autocast(self.job, self.device):
             for xm, ym in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
-                loss = lm_loss(self.module(xm), ym)
+                loss = loss_fn(self.job)(self.module(xm), ym)
                 loss.backward()
                 losses.append(loss.detach())
         if M > 1:  # as PipelineStage.scale_grads
             for p in self.module.parameters():
                 if p.grad is not None:
                     p.grad.div_(M)
-        return torch.stack(losses).mean().item()
+        return mean_loss(losses, self.job)
 
     @torch.no_grad()
     def eval_loss(self, batches: torch.Tensor) -> float | None:
@@ -315,7 +362,7 @@ class Pipeline:
                     dist.recv(h, src=topo.global_rank(topo.position, topo.stage - 1), group=self.group)
                     h = self.module(h)
             if topo.is_last:
-                total += lm_loss(h.float(), y).item()
+                total += loss_fn(self.job)(h.float(), y).item()
             else:
                 dist.send(
                     h.contiguous(),
@@ -388,7 +435,8 @@ def inner_round(
         loss = pipeline.train_step(x, y)
         if sync_grads is not None:
             sync_grads([p.grad for p in params if p.grad is not None])
-        clip_pipeline_grad_norm(params, job.inner.clip, pipeline.group, topo.S)
+        clip_pipeline_grad_norm(params, job.inner.clip, pipeline.group, topo.S,
+                                job.parallel.numerics == "portable")
         inner.step()
         if loss is not None:
             losses.append(loss)
@@ -419,10 +467,13 @@ def round_state(
     compressor's state, ``round/outer_step`` and ``round/inner_step`` (the warmup counter).
     `weights=False` leaves the weights out (the state a round leaves for the next one).
     `merge_step` (the partial overlap rule only): ``round/merge_step``, the inner step
-    before which the round merges the previous round's exchange (-1: none in flight)."""
+    before which the round merges the previous round's exchange (-1: none in flight).
+    ``round/kernels``: the kernel fingerprint of the process (`trainer.kernels`), UTF-8
+    bytes, which a verifier prints beside its own."""
     tensors: dict[str, torch.Tensor] = {
         "round/outer_step": torch.tensor([round_t], dtype=torch.int64),
         "round/inner_step": torch.tensor([first_step], dtype=torch.int64),
+        KERNELS_KEY: torch.frombuffer(bytearray(kernel_fingerprint().encode()), dtype=torch.uint8),
     }
     if merge_step is not None:
         tensors[MERGE_STEP_KEY] = torch.tensor([merge_step], dtype=torch.int64)
@@ -619,7 +670,7 @@ def rerun_round(rank: StageRank, replica: int, round_t: int, first_step: int, bu
         if h == merge_step:
             assert outer is not None
             merge_weights(local, outer, start, job.outer.alpha,
-                          None if groups is None else fragment_of(round_t - 1, groups))
+                          None if groups is None else fragment_of(round_t - 1, groups), job.outer.arithmetic)
 
     data = rank.corpus.shard(job.seed, replica, round_t, H, B, L)
     loss = inner_round(rank, replica, round_t, data.tokens, first_step,

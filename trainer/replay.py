@@ -224,8 +224,9 @@ def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple) -> tup
     payload, loss, digest = rerun_round(rank, replica, step, first_step, budget, outer=outer, merge_step=merge_step)
     # With fragments the next round starts from these weights, most of them never sent:
     # the end state keeps them, for the continuity check to bind the next start to them.
-    end = round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H,
-                      weights=job.outer.fragments > 1)
+    keep = job.outer.fragments > 1
+    end = state_core(round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H,
+                                 weights=keep), keep)  # less the replayer's kernel fingerprint
     return payload, end, digest, loss, time.perf_counter() - began, ""
 
 
@@ -255,10 +256,10 @@ def state_core(state: bytes, weights: bool = False) -> bytes:
     """A round state without its weights (the part one round hands to the next), as bytes
     comparable with a replay's `end_states`; `weights`: with them (a run with fragments,
     whose end states keep the weights)."""
-    from trainer.artifacts import MERGE_STEP_KEY, bytes_to_tensors, tensors_to_bytes
+    from trainer.artifacts import KERNELS_KEY, MERGE_STEP_KEY, bytes_to_tensors, tensors_to_bytes
 
     return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items()
-                             if (weights or not k.startswith("param/")) and k != MERGE_STEP_KEY})
+                             if (weights or not k.startswith("param/")) and k not in (MERGE_STEP_KEY, KERNELS_KEY)})
 
 
 def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> bytes:
@@ -276,7 +277,8 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
     compressor = Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage))
     inner = build_inner_optimizer(module, job)
     with torch.no_grad():
-        return round_state(module, inner, compressor, round_t, (round_t - 1) * job.outer.inner_steps, weights=False)
+        return state_core(round_state(module, inner, compressor, round_t, (round_t - 1) * job.outer.inner_steps,
+                                      weights=False))
 
 
 def eager_start_matches(job: JobConfig, replica: int, start_state: bytes, shard_before: bytes,

@@ -72,6 +72,10 @@ class RunConfig:
         from trainer.config import JobConfig
 
         job = {k: v for k, v in self.job.items() if k not in NOT_TRAINING}
+        outer = job.get("outer")
+        if isinstance(outer, dict) and "arithmetic" not in outer:
+            # recorded before the outer arithmetic was: it ran the float32 one
+            job["outer"] = {**outer, "arithmetic": "float32"}
         return JobConfig.model_validate(job)
 
     @property
