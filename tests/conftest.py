@@ -92,13 +92,15 @@ def trained_run(tmp_path_factory):
     return train_small(tmp_path_factory.mktemp("e2e"))
 
 
-def train_small(root: Path, env: dict[str, str] | None = None) -> tuple[Path, subprocess.CompletedProcess[str]]:
-    """`dlx train` of the small job in `root` (with `env` added to the environment):
-    (run directory, the finished process)."""
-    job = root / "job.toml"
-    job.write_text(small_job_toml("e2e"))
+def train_small(root: Path, env: dict[str, str] | None = None,
+                job: str | None = None) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """`dlx train` of the small job (or the TOML `job`) in `root` (with `env` added to the
+    environment): (run directory, the finished process)."""
+    path = root / "job.toml"
+    path.write_text(small_job_toml("e2e") if job is None else job)
+    job = str(path)
     run_dir = root / "run"
-    res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)], capture_output=True, text=True,
+    res = subprocess.run([DLX, "train", job, "--run-dir", str(run_dir)], capture_output=True, text=True,
                          timeout=600, env=None if env is None else {**os.environ, **env})
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir, res

@@ -148,3 +148,31 @@ def test_an_honest_native_run_passes_the_aggregate_levels_under_another_kernel_s
     assert report["ok"] and len(report["steps"]) == 3
     for step in report["steps"]:
         assert {"chain", "content", "aggregate"} <= set(step["passed"]), step
+
+
+PORTABLE_JOB = AGGREGATE_JOB.replace("microbatches = 2", 'microbatches = 2\nnumerics = "portable"').replace(
+    "fragments = 2\nalpha = 0.5\n", "")
+
+
+@pytest.fixture(scope="module")
+def portable_run(tmp_path_factory) -> Path:
+    """A portable run of examples/tiny.toml's shape (2 replicas x 2 stages, partial overlap,
+    4-bit), trained under this machine's own kernels."""
+    root = tmp_path_factory.mktemp("portable")
+    (root / "job.toml").write_text(PORTABLE_JOB)
+    res = _run([DLX, "train", str(root / "job.toml"), "--run-dir", str(root / "run")], {}, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return root / "run"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernels", sorted(KERNEL_SETS))
+def test_a_portable_run_replays_bit_for_bit_under_another_kernel_set(portable_run, kernels):
+    res = _run([DLX, "verify", "--run-dir", str(portable_run), "--replay", "1.0", "--json"],
+               KERNEL_SETS[kernels], timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    report = json.loads(res.stdout)
+    assert report["ok"] and len(report["steps"]) == 3
+    assert len(report["replay"]) == 6, report  # every (step, replica) of 3 steps x 2 replicas
+    for r in report["replay"]:
+        assert r["ok"] and all(s["exact"] for s in r["stages"]), r

@@ -770,7 +770,7 @@ class RoundLoop:
     def _build_module(self, device: torch.device) -> nn.Module:
         """This rank's stage, seeded (or the imported weights at genesis), on `device`."""
         job, topo = self.job, self.topo
-        module = build_stage(job.model, topo.stage, topo.S, job.seed)
+        module = build_stage(job.model, topo.stage, topo.S, job.seed, job.parallel.numerics)
         if job.model.init is not None and self.control.start is None:  # genesis = the imported weights
             from trainer.hf import load_init_weights
 

@@ -12,41 +12,35 @@ same "rotate half" form, so converting a checkpoint either way is a rename
 
 `LlamaStage` is a contiguous slice of layers; the first stage holds the embeddings, the
 last the final norm and head. `KVCache` lets `generate` feed one token at a time.
+
+Modules compute through an `Ops` namespace (trainer/model.py): torch's own kernels
+(native), or trainer/portable.py's (the same bits on every CPU); the RMSNorm and rotary
+table formulas live there, one per numerics.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, stage_layers
+from trainer.ops import Ops
 
 __all__ = ["KVCache", "Llama", "LlamaStage"]
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 whatever the input's dtype (as HF does)."""
+    """x / rms(x) * weight (native: in float32 whatever the input's dtype, as HF does)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_tables(head_dim: int, theta: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables, (T, hs) each, for the given positions (T,)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hs/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs): the two halves rotate together
-    return emb.cos(), emb.sin()
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +69,9 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str):
+    def __init__(self, cfg: ModelConfig, name: str, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.name = name  # the cache key
         self.n_heads, self.n_kv = cfg.n_heads, cfg.kv_heads
         self.head_dim = cfg.d_model // cfg.n_heads
@@ -89,10 +84,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        hs = self.head_dim
-        q = self.q_proj(x).view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_kv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.v_proj(x).view(B, T, self.n_kv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        hs, ops = self.head_dim, self.ops
+        q = ops.linear(self.q_proj, x).view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = ops.linear(self.k_proj, x).view(B, T, self.n_kv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = ops.linear(self.v_proj, x).view(B, T, self.n_kv, hs).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
@@ -100,41 +95,44 @@ class Attention(nn.Module):
             k, v = cache.extend(self.name, k, v)  # (B, nkv, past + T, hs)
         if self.n_kv != self.n_heads:  # each kv head serves n_heads / n_kv query heads
             rep = self.n_heads // self.n_kv
-            k = k.repeat_interleave(rep, dim=1)  # (B, nh, S, hs)
-            v = v.repeat_interleave(rep, dim=1)
+            k = ops.repeat_kv(k, rep)  # (B, nh, S, hs)
+            v = ops.repeat_kv(v, rep)
         if past == 0:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
+            y = ops.attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
         else:  # query i (position past + i) sees keys 0 .. past + i
             S = k.size(2)
             mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = ops.attention(q, k, v, mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * hs)  # (B, T, nh*hs)
-        return self.o_proj(y)
+        return ops.linear(self.o_proj, y)
 
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         d, f = cfg.d_model, cfg.ffn_size
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # (B, T, C)
+        ops = self.ops
+        h = ops.silu(ops.linear(self.gate_proj, x)) * ops.linear(self.up_proj, x)  # (B, T, F)
+        return ops.linear(self.down_proj, h)  # (B, T, C)
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, index: int):
+    def __init__(self, cfg: ModelConfig, index: int, ops: Ops):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, str(index))
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, str(index), ops)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | None = None) -> torch.Tensor:
@@ -150,9 +148,11 @@ class LlamaStage(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, embed_tokens: nn.Embedding | None,
-                 layers: dict[str, nn.Module], norm: RMSNorm | None, lm_head: nn.Linear | None):
+                 layers: dict[str, nn.Module], norm: RMSNorm | None, lm_head: nn.Linear | None,
+                 ops: Ops | None = None):
         super().__init__()
         assert (norm is None) == (lm_head is None), "final norm and head go together"
+        self.ops = ops if ops is not None else Ops()
         self.cfg = cfg
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleDict(layers)  # keys: global layer indices, stable across splits
@@ -161,12 +161,13 @@ class LlamaStage(nn.Module):
         self.checkpointing = cfg.activation_checkpointing
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        ops = self.ops
         if self.embed_tokens is not None:
-            x = self.embed_tokens(x)  # (B, T) -> (B, T, C)
+            x = ops.embedding(self.embed_tokens, x)  # (B, T) -> (B, T, C)
         T = x.size(1)
         start = cache.pos if cache is not None else 0
         positions = torch.arange(start, start + T, device=x.device)  # (T,)
-        cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta, positions)
+        cos, sin = ops.rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta, positions)
         for layer in self.layers.values():
             if self.checkpointing and self.training and cache is None:
                 # Keep only each layer's input; recompute its activations in backward.
@@ -177,31 +178,33 @@ class LlamaStage(nn.Module):
             cache.pos += T
         if self.lm_head is not None:
             assert self.norm is not None
-            x = self.lm_head(self.norm(x))  # (B, T, V)
+            x = ops.linear(self.lm_head, self.norm(x))  # (B, T, V)
         return x
 
 
 class Llama(LlamaStage):
     """The whole model: a LlamaStage holding every part."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+        ops = ops if ops is not None else Ops()
         embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         super().__init__(
             cfg,
             embed_tokens=embed,
-            layers={str(i): DecoderLayer(cfg, i) for i in range(cfg.n_layers)},
-            norm=RMSNorm(cfg.d_model, cfg.rms_norm_eps),
+            layers={str(i): DecoderLayer(cfg, i, ops) for i in range(cfg.n_layers)},
+            norm=RMSNorm(cfg.d_model, cfg.rms_norm_eps, ops),
             lm_head=head,
+            ops=ops,
         )
         # HF's initialisation: normal(0, initializer_range = 0.02), biases zero, norms one.
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                ops.normal_(module.weight, mean=0.0, std=0.02)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+                ops.normal_(module.weight, mean=0.0, std=0.02)
         if cfg.tie_embeddings:  # one matrix reads tokens in and scores them out
             head.weight = embed.weight
 
@@ -214,4 +217,5 @@ class Llama(LlamaStage):
             layers={str(i): self.layers[str(i)] for i in stage_layers(self.cfg.n_layers, stage, stages)},
             norm=self.norm if last else None,
             lm_head=self.lm_head if last else None,
+            ops=self.ops,
         )

@@ -5,6 +5,12 @@ trainer/llama.py); `build_stage` cuts one pipeline stage out of it. Every family
 model has `.stage(stage, stages)`; a stage maps tokens (first stage) or activations to
 activations or logits (last stage), and its parameter names do not depend on the split.
 
+Numerics (`build_model(cfg, seed, numerics=...)`): modules compute through an `Ops`
+namespace. `native` (the default) is torch's own kernels, today's bits (pinned checkpoint
+CIDs depend on them), which differ between CPUs; `portable` computes every forward and
+backward through trainer/portable.py, the same bits on every CPU, with the same modules and
+parameter names.
+
 The GPT:
 
 Pre-LN transformer blocks with causal self-attention and a GELU MLP, learned positional
@@ -21,18 +27,22 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, stage_layers
+from trainer.ops import NUMERICS, Ops, PortableOps, ops_for
 
-__all__ = ["GPT", "Block", "GPTStage", "build_model", "build_stage", "stage_layers"]
+__all__ = [
+    "GPT", "NUMERICS", "Block", "GPTStage", "Ops", "PortableOps", "build_model", "build_stage",
+    "ops_for", "stage_layers",
+]
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.n_heads = cfg.n_heads
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)  # q, k, v in one matmul
@@ -41,43 +51,48 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = self.ops.linear(self.c_attn, x).split(C, dim=2)  # 3 x (B, T, C)
         hs = C // self.n_heads
         q = q.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_heads, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(
+        y = self.ops.attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side
-        return self.resid_dropout(self.c_proj(y))
+        return self.ops.dropout(self.resid_dropout, self.ops.linear(self.c_proj, y))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.c_fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
         self.gelu = nn.GELU()
         self.c_proj = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))  # (B, T, C)
+        ops = self.ops
+        h = ops.gelu(self.gelu, ops.linear(self.c_fc, x))  # (B, T, 4C)
+        return ops.dropout(self.dropout, ops.linear(self.c_proj, h))  # (B, T, C)
 
 
 class Block(nn.Module):
     """Pre-LN: normalise, transform, add back to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops):
         super().__init__()
+        self.ops = ops
         self.ln_1 = nn.LayerNorm(cfg.d_model)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, ops)
         self.ln_2 = nn.LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        # Same-shape adds are portable as they are (forward and backward).
+        x = x + self.attn(self.ops.layer_norm(self.ln_1, x))
+        return x + self.mlp(self.ops.layer_norm(self.ln_2, x))
 
 
 class GPTStage(nn.Module):
@@ -97,8 +112,10 @@ class GPTStage(nn.Module):
         lm_head: nn.Linear | None,
         drop: nn.Dropout | None = None,
         checkpointing: bool = False,
+        ops: Ops | None = None,
     ):
         super().__init__()
+        self.ops = ops if ops is not None else Ops()
         self.checkpointing = checkpointing  # recompute each block's activations in backward
         assert (wte is None) == (wpe is None), "token and position embeddings go together"
         assert (ln_f is None) == (lm_head is None), "final norm and head go together"
@@ -116,7 +133,8 @@ class GPTStage(nn.Module):
             assert self.wpe is not None
             assert T <= self.wpe.num_embeddings, f"sequence length {T} > {self.wpe.num_embeddings}"
             pos = torch.arange(T, device=x.device)  # (T,)
-            x = self.drop(self.wte(x) + self.wpe(pos))  # (B, T, C) + (T, C)
+            ops = self.ops
+            x = ops.dropout(self.drop, ops.add(ops.embedding(self.wte, x), ops.embedding(self.wpe, pos)))  # (B, T, C) + (T, C)
         for block in self.blocks.values():
             if self.checkpointing and self.training:
                 x = checkpoint(block, x, use_reentrant=False)  # (B, T, C); keeps only the input
@@ -124,22 +142,24 @@ class GPTStage(nn.Module):
                 x = block(x)  # (B, T, C)
         if self.lm_head is not None:
             assert self.ln_f is not None
-            x = self.lm_head(self.ln_f(x))  # (B, T, V)
+            x = self.ops.linear(self.lm_head, self.ops.layer_norm(self.ln_f, x))  # (B, T, V)
         return x
 
 
 class GPT(GPTStage):
     """The whole model: a GPTStage that holds every part."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+        ops = ops if ops is not None else Ops()
         super().__init__(
             wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
             wpe=nn.Embedding(cfg.seq_len, cfg.d_model),
-            blocks={str(i): Block(cfg) for i in range(cfg.n_layers)},
+            blocks={str(i): Block(cfg, ops) for i in range(cfg.n_layers)},
             ln_f=nn.LayerNorm(cfg.d_model),
             lm_head=nn.Linear(cfg.d_model, cfg.vocab_size, bias=False),
             drop=nn.Dropout(cfg.dropout),
             checkpointing=cfg.activation_checkpointing,
+            ops=ops,
         )
         self.cfg = cfg
         self.apply(self._init_weights)
@@ -147,16 +167,15 @@ class GPT(GPTStage):
         # stream's variance does not grow with depth.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+                self.ops.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            self.ops.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            self.ops.normal_(module.weight, mean=0.0, std=0.02)
 
     def stage(self, stage: int, stages: int) -> GPTStage:
         """The part of this model that pipeline stage `stage` of `stages` holds (shared modules)."""
@@ -171,23 +190,28 @@ class GPT(GPTStage):
             lm_head=self.lm_head if last else None,
             drop=self.drop if first else None,
             checkpointing=self.cfg.activation_checkpointing,
+            ops=self.ops,
         )
 
 
-def build_model(cfg: ModelConfig, seed: int) -> nn.Module:
+def build_model(cfg: ModelConfig, seed: int, numerics: str = "native") -> nn.Module:
     """The full model of `cfg.family` (`GPT` or `trainer.llama.Llama`), initialised from
-    `seed` without touching the caller's RNG state. Either has `.stage(stage, stages)`."""
+    `seed` without touching the caller's RNG state. Either has `.stage(stage, stages)`.
+    `numerics`: "native" (torch's kernels) or "portable" (trainer/portable.py: the same
+    initial weights and training bits on every CPU; other weights than native's)."""
+    ops = ops_for(numerics)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if cfg.family == "llama":
             from trainer.llama import Llama
 
-            return Llama(cfg)
-        return GPT(cfg)
+            return Llama(cfg, ops)
+        return GPT(cfg, ops)
 
 
-def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int) -> nn.Module:
+def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int,
+                numerics: str = "native") -> nn.Module:
     """Pipeline stage `stage` of `stages`, cut from the full model built under `seed`."""
-    model: Any = build_model(cfg, seed)  # GPT or Llama: nn.Module's type hides `.stage`
+    model: Any = build_model(cfg, seed, numerics)  # GPT or Llama: nn.Module's type hides `.stage`
     stage_module: nn.Module = model.stage(stage, stages)
     return stage_module

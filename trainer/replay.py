@@ -187,7 +187,7 @@ def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig,
         from trainer.data import load_corpus
 
         corpus = load_corpus(job.data, job.model.vocab_size)
-        module = build_stage(job.model, rank, S, job.seed).to(device)
+        module = build_stage(job.model, rank, S, job.seed, job.parallel.numerics).to(device)
         pipeline = Pipeline(module, topo, group, job, device)
         for i, item in enumerate(items):
             emit("result", (i, *_replay_item(job, pipeline, corpus, item)))
@@ -272,7 +272,7 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
     from trainer.engine import build_inner_optimizer, round_state
     from trainer.model import build_stage
 
-    module = build_stage(job.model, stage, job.parallel.stages, job.seed)
+    module = build_stage(job.model, stage, job.parallel.stages, job.seed, job.parallel.numerics)
     shapes = {n: p.shape for n, p in module.named_parameters()}
     compressor = Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage))
     inner = build_inner_optimizer(module, job)
