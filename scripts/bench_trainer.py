@@ -6,6 +6,7 @@
     .venv/bin/python scripts/bench_trainer.py --family gpt --steps 60 --repeat 5
     .venv/bin/python scripts/bench_trainer.py --variant new=/tmp/scratch   # + rows from another tree
     .venv/bin/python scripts/bench_trainer.py --mode runs      # whole train_local runs, compute_s
+    .venv/bin/python scripts/bench_trainer.py --family gpt-small llama-4x --no-s2   # portable rows
 
 Rows (every one its own fresh process, or R x S of them, on this machine):
   plain     a single-process loop over `trainer.model.build_model(cfg, seed)`: AdamW with the
@@ -18,6 +19,9 @@ Rows (every one its own fresh process, or R x S of them, on this machine):
             launcher runs) with 1 replica x 1 stage and m microbatches.
   R1xS2 Mm  the same with 2 pipeline stages (two processes on two cores): the pipeline's
             cost; the "x S=1" column compares it with R1xS1 at the same m.
+  R1xS1 Mm portable  the R1xS1 row under `parallel.numerics = "portable"` (trainer/portable.py:
+            kernels whose bits do not depend on the CPU); "x native" is its speed over the
+            native row's at the same m (1.0: as fast; 0.5: half the tokens per second).
 
 --mode lockstep (default): all rows of a family are alive at once and take turns, one round
 of H inner steps each, the order rotating every round, so a change in machine load (this
@@ -63,6 +67,10 @@ FAMILIES = {
     # llama-small.toml's is 11M: --llama-toml examples/llama-small.toml).
     "llama": {"family": "llama", "d_model": 256, "n_layers": 6, "n_heads": 8, "n_kv_heads": 4,
               "seq_len": 128},
+    # The models of scripts/bench_dilocox.py.
+    "gpt-small": {"family": "gpt", "d_model": 96, "n_layers": 4, "n_heads": 4, "seq_len": 128},
+    "llama-4x": {"family": "llama", "d_model": 192, "n_layers": 5, "n_heads": 4, "n_kv_heads": 2,
+                 "seq_len": 128},
 }
 QUICK = {
     "gpt": {"d_model": 64, "n_layers": 2, "n_heads": 4, "seq_len": 64, "mlp_ratio": 4},
@@ -77,7 +85,8 @@ def job_dict(spec: dict) -> dict:
         "seed": 0,
         "model": spec["model"],
         "parallel": {"replicas": 1, "stages": spec.get("stages", 1),
-                     "microbatches": spec.get("microbatches", 1), "schedule": "1F1B"},
+                     "microbatches": spec.get("microbatches", 1), "schedule": "1F1B",
+                     "numerics": spec.get("numerics", "native")},
         "data": {"batch_size": spec["batch"], "eval_batches": 1, "max_bytes": 4_000_000},
         "inner": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "clip": 1.0,
                   "warmup": 10},
@@ -342,12 +351,12 @@ def run_one(row: dict) -> dict:
 
 
 def rows_for(args: argparse.Namespace) -> list[dict]:
-    families = ["gpt", "llama"] if args.family == "both" else [args.family]
+    families = ["gpt", "llama"] if args.family == ["both"] else args.family
     rounds = 1 + max(1, -(-args.steps // args.inner_steps))
     rows = []
     for fam in families:
-        model = dict((QUICK if args.quick else FAMILIES)[fam])
-        path = args.llama_toml if fam == "llama" else args.gpt_toml
+        model = dict((QUICK if args.quick and fam in QUICK else FAMILIES)[fam])
+        path = args.llama_toml if fam == "llama" else args.gpt_toml if fam == "gpt" else None
         if path:
             with open(path, "rb") as fh:
                 model = {k: v for k, v in tomllib.load(fh)["model"].items()
@@ -364,6 +373,11 @@ def rows_for(args: argparse.Namespace) -> list[dict]:
             for m in args.s1_microbatches:
                 rows.append({**base, "kind": "engine", "stages": 1, "microbatches": m,
                              "layout": f"R1xS1 M{m}{suffix}", "root": str(Path(root).resolve())})
+            if not suffix and not args.no_portable:
+                m = args.s1_microbatches[-1]
+                rows.append({**base, "kind": "engine", "stages": 1, "microbatches": m, "numerics": "portable",
+                             "layout": f"R1xS1 M{m} portable", "native": f"R1xS1 M{m}",
+                             "root": str(Path(root).resolve())})
             if not args.no_s2:
                 m = args.s2_microbatches
                 rows.append({**base, "kind": "engine", "stages": 2, "microbatches": m,
@@ -389,17 +403,20 @@ def summarise(rows: list[dict], reps: list[dict[str, dict]], args) -> list[dict]
         plain = [rep[f"{r['family']} plain"] for rep in reps]
         ms = [run["step_s"] * 1e3 for run in runs]
         ratios = [paired_ratio(p, run) for run, p in zip(runs, plain, strict=True)]
-        vs_s1 = None
+        vs_s1 = vs_native = None
         s1 = f"{r['family']} {r.get('s1')}"
         if r.get("s1") and s1 in reps[0]:
             vs_s1 = statistics.median(paired_ratio(rep[s1], rep[r["label"]]) for rep in reps)
+        native = f"{r['family']} {r.get('native')}"
+        if r.get("native") and native in reps[0]:
+            vs_native = statistics.median(paired_ratio(rep[native], rep[r["label"]]) for rep in reps)
         med = statistics.median(ms)
         out.append({
             "family": r["family"], "layout": r["layout"],
             "ms": med, "ms_min": min(ms), "ms_max": max(ms),
             "tokens_per_s": args.batch * r["model"]["seq_len"] / (med / 1e3),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-            "vs_s1": vs_s1,
+            "vs_s1": vs_s1, "vs_native": vs_native,
             "peak_rss_mb": statistics.median(run["peak_rss_mb"] for run in runs),
             "runs_ms": ms,
         })
@@ -427,14 +444,15 @@ def render(summary: list[dict], rows: list[dict], args) -> str:
         f"{args.repeat} repetitions, {how}; ms = median (min-max over repetitions); "
         f"torch {torch_version()}, {os.cpu_count()} cores, 1 thread per process")
     lines += ["",
-              "| family | layout | ms / inner step | tokens/s | x plain | x S=1 | peak RSS MB / rank |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+              "| family | layout | ms / inner step | tokens/s | x plain | x S=1 | x native | peak RSS MB / rank |",
+              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for s in summary:
         vs = f"{s['vs_s1']:.2f}" if s["vs_s1"] is not None else ""
+        nat = f"{s['vs_native']:.2f}" if s["vs_native"] is not None else ""
         lines.append(
             f"| {s['family']} | {s['layout']} | {s['ms']:.1f} ({s['ms_min']:.1f}-{s['ms_max']:.1f}) "
             f"| {s['tokens_per_s']:.0f} | {s['ratio']:.3f} ({s['ratio_min']:.3f}-{s['ratio_max']:.3f}) "
-            f"| {vs} | {s['peak_rss_mb']:.0f} |")
+            f"| {vs} | {nat} | {s['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
 
 
@@ -451,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small models, few steps: < 1 minute")
-    ap.add_argument("--family", choices=["gpt", "llama", "both"], default=None,
-                    help="model family (default both; --quick: gpt)")
+    ap.add_argument("--family", nargs="+", choices=[*FAMILIES, "both"], default=None,
+                    help="models (default both: gpt and llama; --quick: gpt; gpt-small and "
+                    "llama-4x are scripts/bench_dilocox.py's)")
     ap.add_argument("--steps", type=int, default=None, help="measured inner steps per run (default 40)")
     ap.add_argument("--inner-steps", type=int, default=None, help="H: inner steps per round (default 10)")
     ap.add_argument("--repeat", type=int, default=None, help="repetitions of every measurement (default 3)")
@@ -463,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="microbatch counts of the R1xS1 rows (default 1 4; 4 is examples/tiny.toml's)")
     ap.add_argument("--s2-microbatches", type=int, default=4, help="microbatches of the R1xS2 row")
     ap.add_argument("--no-s2", action="store_true", help="skip the R1xS2 rows")
+    ap.add_argument("--no-portable", action="store_true", help="skip the portable-numerics rows")
     ap.add_argument("--nondet", action="store_true", help="add a plain row without deterministic algorithms")
     ap.add_argument("--plain-fused", action="store_true", help="add a plain row with fused AdamW")
     ap.add_argument("--llama-toml", help="take the llama model from this job file's [model]")
@@ -475,11 +495,11 @@ def main(argv: list[str] | None = None) -> int:
         return worker_main(args.worker)
     args.variant = [tuple(v.split("=", 1)) for v in args.variant]
     if args.quick:
-        args.family = args.family or "gpt"
+        args.family = args.family or ["gpt"]
         args.steps = args.steps or 12
         args.inner_steps = args.inner_steps or 4
         args.repeat = args.repeat or 1
-    args.family = args.family or "both"
+    args.family = args.family or ["both"]
     args.steps = args.steps or 40
     args.inner_steps = args.inner_steps or 10
     args.repeat = args.repeat or 3
