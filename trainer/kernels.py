@@ -10,7 +10,8 @@ of the aggregate levels (trainer/diloco.py computes those in float64, rounded on
 
 The capability is ATen's kernel set (`ATEN_CPU_CAPABILITY` may lower it), the probe a
 hash of float32 kernels whose bits move with the instruction set, the math libraries'
-dispatch and the thread count: a matmul, a softmax, exp and tanh, on fixed inputs drawn
+dispatch and the thread count: a matmul, a softmax, exp, tanh, a row sum, GELU (oneDNN's
+under some settings) and a layer norm, on fixed inputs drawn
 with torch.rand (whose bits do not depend on the kernels)."""
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def kernel_fingerprint() -> str:
     g = torch.Generator().manual_seed(0)
     a, b = torch.rand(128, 256, generator=g) - 0.5, torch.rand(256, 192, generator=g) - 0.5
     with torch.no_grad():
-        outs = [a @ b, torch.softmax(a, dim=1), torch.exp(a), torch.tanh(b), a.sum(dim=1)]
+        outs = [a @ b, torch.softmax(a, dim=1), torch.exp(a), torch.tanh(b), a.sum(dim=1),
+                torch.nn.functional.gelu(a), torch.nn.functional.layer_norm(a, (256,))]
     digest = hashlib.sha256()
     for t in outs:
         digest.update(t.contiguous().numpy().tobytes())

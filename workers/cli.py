@@ -125,7 +125,7 @@ def verify(
     as_json: JsonOption = False,
     rpc: ReadRpcOption = None,
     replay: Annotated[float, typer.Option("--replay", metavar="FRACTION", help="Also replay this fraction (0..1) of the (step, replica) pairs from their start states (at least one when > 0).")] = 0.0,
-    tolerance: Annotated[float, typer.Option("--tolerance", help="Relative L2 a replayed contribution may differ by (default 0: bit for bit, as on the machine class that trained).")] = 0.0,
+    tolerance: Annotated[float | None, typer.Option("--tolerance", help="How a native run's replays are judged: 0 bit for bit, X > 0 the flip-aware comparison within relative X (default: bit for bit where this machine's kernel fingerprint is the trainer's, else flip-aware within the calibrated tolerance). A portable run replays bit for bit whatever it says.")] = None,
     queue: Annotated[bool, typer.Option("--queue", help="Fan the replays out to the workers' `verify` queue (Redis from --stack or DLX_REDIS_URL) instead of replaying here.")] = False,
     stack_dir: Annotated[Path, typer.Option("--stack", help="The local stack's directory (`dlx up`), for --queue.")] = Path(".dlx"),
     data_full: Annotated[bool, typer.Option("--data-full", help="Also re-tokenize the stored dataset with the recorded tokenizer and check it gives the token file's CID.")] = False,
@@ -170,6 +170,7 @@ def verify(
             exact = sum(all(st.exact for st in r.stages) and r.ok for r in report.replay)
             console.print(f"replayed {len(report.replay)} (step, replica) rounds in {report.replay_seconds:.1f} s: "
                           f"{sum(r.ok for r in report.replay)} ok, {exact} bit for bit")
+            _print_kernels(console, report.kernels)
         for failure in report.run_failures:
             console.print(f"[red]run:[/] {failure}")
         console.print("[green]all steps verified[/]" if report.ok else "[red]verification failed[/]")
@@ -177,12 +178,29 @@ def verify(
         raise typer.Exit(EXIT_FAILED)
 
 
+def _print_kernels(console: Any, kernels: dict[str, Any]) -> None:
+    """The kernel fingerprints of the replays (`lineage.audit.replay.kernels_summary`): the
+    trainer's (with its slots when they differ), the replaying processes', and how they
+    were judged."""
+    from rich.markup import escape
+
+    trained = kernels.get("trained_on", {})
+    numerics = "/".join(kernels.get("numerics", [])) or "?"
+    for fp, slots in trained.items():
+        where = "" if len(trained) == 1 else " (slots " + ", ".join(f"({r}, {s})" for r, s in slots) + ")"
+        console.print(escape(f"trained on   {fp}{where} [{numerics}]"))
+    for fp in kernels.get("replayed_on", []):
+        console.print(escape(f"replayed on  {fp}"))
+    for note in kernels.get("notes", []):
+        console.print(escape(note))
+
+
 def _ticking(ticker: Any, replayer: Any) -> Any:
     """A replayer (default: here, `lineage.audit.replay.replay_many`) that tells `ticker` how many
     rounds it replays and when they are done."""
     from lineage.audit.replay import replay_many
 
-    def replay(store: Any, items: list[Any], tolerance: float) -> list[Any]:
+    def replay(store: Any, items: list[Any], tolerance: float | None) -> list[Any]:
         ticker.update(0, f"replaying {len(items)} (step, replica) rounds", total=len(items))
         results = (replayer or replay_many)(store, items, tolerance)
         ticker.update(len(items), f"replayed {len(items)} (step, replica) rounds")
@@ -206,8 +224,8 @@ def _queue_replayer(run_dir: Path, stack_dir: Path):
     record = RunRecord.load(run_dir)
     spec = record.ipfs_api or str(record.blocks_dir(run_dir).resolve())
 
-    def replayer(store, items, tolerance):
-        return [ReplicaReplay.from_json(d) for d in replay_via_queue(broker, spec, items, tolerance)]
+    def replayer(store, items, tolerance):  # the workers' results are judged again by verify_run
+        return [ReplicaReplay.from_json(d) for d in replay_via_queue(broker, spec, items, tolerance or 0.0)]
 
     return replayer
 

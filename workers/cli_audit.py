@@ -62,7 +62,7 @@ from .cli_common import (
 from .cli_node import JsonOpt, chain_time, fmt_wei, load_key, parse_amount
 
 UpholdOpt = Annotated[bool | None, typer.Option("--uphold/--dismiss", help="The verdict: uphold the challenge (slash) or dismiss it.", show_default=False)]
-ToleranceOpt = Annotated[float, typer.Option("--tolerance", min=0.0, help="Relative L2 difference a replay may show and still match (0: bit for bit).")]
+ToleranceOpt = Annotated[float | None, typer.Option("--tolerance", min=0.0, help="How a native run's replay is judged: 0 bit for bit, X > 0 the flip-aware comparison within relative X (default: as dlx verify: bit for bit where this machine's kernel fingerprint is the trainer's, else flip-aware within the calibrated tolerance, so an honest node is never slashable because this CPU differs from its). A portable run is judged bit for bit whatever it says.")]
 
 
 def _verdict(upheld: bool | None) -> bool:
@@ -307,7 +307,7 @@ def challenge(
     run: Annotated[int, typer.Argument(min=1, help="The run id.")],
     step: Annotated[int, typer.Argument(min=1, help="The challenged outer step.")],
     node: Annotated[str, typer.Option("--node", help="The node whose slot(s) at STEP to replay.")],
-    tolerance: ToleranceOpt = 0.0,
+    tolerance: ToleranceOpt = None,
     bond: Annotated[str | None, typer.Option("--bond", help="The bond, e.g. 1eth (default: the run's minimum stake).")] = None,
     as_json: JsonOpt = False,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
@@ -315,6 +315,7 @@ def challenge(
 ) -> None:
     """Replay a node's work at STEP; if the replay contradicts its claim, store the
     evidence and open an on-chain challenge (the node key, staked, posts the bond)."""
+    from lineage.audit.replay import judging_notes
     from lineage.store.cid import DAG_CBOR, cid_from_digest
 
     who = address(node, "--node")
@@ -327,12 +328,16 @@ def challenge(
         replicas = sorted({r for r, _ in slots_of(record, who)})
         _err(f"replaying replica(s) {', '.join(map(str, replicas))} of run {run} step {step} ...")
         replays = replay_slots(blocks, cid_from_digest(record.checkpoint, DAG_CBOR), replicas, tolerance)
+        for note in judging_notes(replays, tolerance):
+            _err(note)
         done = open_replay_challenge(lg, blocks, challenger, Accused(run, step, who), replays, tolerance, wei)
     if as_json:
         sys.stdout.write(json.dumps(done, indent=2) + "\n")
         return
     _out(f"challenge {done['challenge']} opened against {who}: run {run} step {step} slot "
          f"({done['replica']}, {done['stage']}), replay differs (relative L2 {done['rel_l2']:.3g})")
+    if done.get("judging"):
+        _out(f"judged    {done['judging']}: {done['failure']}" if done.get("failure") else f"judged    {done['judging']}")
     _out(f"evidence  {done['evidence']}")
     _out(f"bond      {fmt_wei(int(done['bond_wei']))} from {done['challenger']}")
     _out(f"tx        {done['tx']}")
@@ -395,7 +400,7 @@ def vote(
     out: Annotated[Path | None, typer.Option("--out", help="Write the verdict (JSON) to this file instead of printing the signature.")] = None,
     replay: Annotated[bool, typer.Option("--replay", help="Replay the challenged slot first; refuse a verdict it contradicts.")] = False,
     recompute: Annotated[bool, typer.Option("--recompute", help="An aggregate challenge: recompute the outer step from --run-dir first; refuse a verdict it contradicts.")] = False,
-    tolerance: ToleranceOpt = 0.0,
+    tolerance: ToleranceOpt = None,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
     run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:

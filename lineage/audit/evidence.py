@@ -4,8 +4,19 @@ runs before signing a verdict.
 A replay challenge's evidence is content-addressed: the replayed contribution as a UnixFS
 file and a DAG-CBOR node `{version, kind: "replay-mismatch", run, step, node, replica,
 stage, checkpoint, claimed, replayed, rel_l2, tolerance, chainId, ledger}` (CIDs as
-links) whose digest goes on chain, so an arbiter can fetch both contributions and replay
-the same round. An aggregate challenge's node is `{version, kind: "aggregate-mismatch",
+links; also `judged`, `numerics`, `trainedOn`, `replayedOn`, `flips`, `maxFlip` and
+`failure`: how the challenger judged the replay) whose digest goes on chain, so an arbiter
+can fetch both contributions and replay the same round.
+
+Challenges and verdicts judge a replay as `dlx verify` does (lineage/audit/replay.py): a
+portable run's exactly; a native run's bit for bit where the replaying kernels' fingerprint
+is the trainer's, else by the flip-aware comparison within the calibrated tolerance
+(`default_tolerance`), unless an explicit tolerance is given (not the CLI's old default 0).
+An honest node must never be slashable because the challenger's or an arbiter's CPU differs:
+an arbiter never signs an uphold of a native run whose replay, on another kernel set than
+the trainer's, the calibrated rule accepts, whatever tolerance it was given.
+
+An aggregate challenge's node is `{version, kind: "aggregate-mismatch",
 run, step, stage, checkpoint, cosigned, failure, chainId, ledger}`: the step's outer step
 recomputed (`dlx verify`'s aggregate level) shows the co-signed shard wrong.
 """
@@ -38,8 +49,9 @@ class AuditError(DlxError, ValueError):
     """An audit command was asked for something the chain or the store contradicts."""
 
 
-def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: float) -> list[Any]:
-    """`lineage.audit.replay.replay_checkpoint` for `replicas` of `checkpoint`."""
+def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: float | None) -> list[Any]:
+    """`lineage.audit.replay.replay_checkpoint` for `replicas` of `checkpoint` (`tolerance`
+    None: judged by the run's numerics and the fingerprints)."""
     try:
         from .replay import replay_checkpoint
     except ImportError:
@@ -47,15 +59,29 @@ def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: fl
     return list(replay_checkpoint(store, checkpoint, replicas=replicas, tolerance=tolerance))
 
 
-def differs(stage_replay: Any, tolerance: float) -> bool:
+def differs(stage_replay: Any, tolerance: float | None) -> bool:
     """Whether a replayed stage contradicts its claim: a failed state check (its start
-    weights are no committed checkpoint's, say), any byte at tolerance 0, otherwise a
-    relative L2 difference above the tolerance."""
+    weights are no committed checkpoint's, say), else what its judging finds
+    (`StageReplay.failure_detail`); a stage not judged: any byte at tolerance 0, otherwise
+    a relative L2 difference above the tolerance."""
     if getattr(stage_replay, "reason", ""):
         return True
     if stage_replay.exact:
         return False
-    return tolerance == 0 or not stage_replay.rel_l2 <= tolerance  # NaN differs
+    if getattr(stage_replay, "judged", ""):
+        return bool(stage_replay.failure_detail(tolerance or 0.0))
+    return not tolerance or not stage_replay.rel_l2 <= tolerance  # NaN differs
+
+
+def judging_line(rr: Any, st: Any) -> str:
+    """How a replayed stage was judged, for a challenger or an arbiter to read."""
+    judged = getattr(st, "judged", "")
+    if not judged:
+        return ""
+    rule = "bit for bit" if judged == "exact" else f"flip-aware within {st.tolerance:g}"
+    flips = f", {st.flips} code(s) flipped (max {st.max_flip} level)" if getattr(st, "compare", None) else ""
+    return (f"{rr.numerics or 'native'} run judged {rule}{flips}; trained on {st.trained_on or 'unrecorded'}, "
+            f"replayed on {rr.replayed_on}")
 
 
 def _replayed(replays: list[Any]) -> list[Any]:
@@ -66,10 +92,11 @@ def _replayed(replays: list[Any]) -> list[Any]:
     return replays
 
 
-def store_evidence(store: Any, lg: Any, accused: Accused, replica: int, checkpoint: Any, claimed: Any,
-                   stage_replay: Any, tolerance: float) -> Any:
-    """Store the replayed contribution of slot (`replica`, `stage_replay.stage`) and the
-    evidence node (naming `lg`'s chain and ledger); returns the evidence CID."""
+def store_evidence(store: Any, lg: Any, accused: Accused, replay: Any, stage_replay: Any, checkpoint: Any,
+                   claimed: Any, tolerance: float | None) -> Any:
+    """Store the replayed contribution of slot (`replay.replica`, `stage_replay.stage`)
+    (`replay` its ReplicaReplay) and the evidence node (naming `lg`'s chain and ledger, and
+    how the replay was judged); returns the evidence CID."""
     import dag_cbor
 
     from lineage.store.cid import DAG_CBOR, parse_cid
@@ -81,12 +108,19 @@ def store_evidence(store: Any, lg: Any, accused: Accused, replica: int, checkpoi
     rel = float(stage_replay.rel_l2)
     node_doc = {
         "version": EVIDENCE_VERSION, "kind": "replay-mismatch", "run": accused.run_id, "step": accused.step,
-        "node": accused.node, "replica": replica, "stage": stage_replay.stage, "checkpoint": checkpoint,
+        "node": accused.node, "replica": replay.replica, "stage": stage_replay.stage, "checkpoint": checkpoint,
         "claimed": claimed, "replayed": replayed, "rel_l2": rel if math.isfinite(rel) else None,
-        "tolerance": float(tolerance), "chainId": lg.chain.chain_id, "ledger": lg.ledger.address,
+        "tolerance": float(getattr(stage_replay, "tolerance", 0.0) if getattr(stage_replay, "judged", "")
+                           else tolerance or 0.0),
+        "chainId": lg.chain.chain_id, "ledger": lg.ledger.address,
     }
     if getattr(stage_replay, "reason", ""):
         node_doc["reason"] = stage_replay.reason
+    if getattr(stage_replay, "judged", ""):
+        node_doc.update({"judged": stage_replay.judged, "numerics": replay.numerics or "native",
+                         "trainedOn": stage_replay.trained_on, "replayedOn": replay.replayed_on,
+                         "flips": stage_replay.flips, "maxFlip": stage_replay.max_flip,
+                         "failure": stage_replay.failure_detail(tolerance or 0.0)})
     return store.put(dag_cbor.encode(node_doc), DAG_CBOR)
 
 
@@ -106,7 +140,7 @@ def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
 
 
 def open_replay_challenge(lg: Any, store: Any, challenger: Any, accused: Accused, replays: list[Any],
-                          tolerance: float, bond: int | None) -> dict[str, Any]:
+                          tolerance: float | None, bond: int | None) -> dict[str, Any]:
     """Turn `replays` of the accused node's slots into an on-chain challenge against the
     first slot whose replay contradicts the claim; returns what was done."""
     from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of
@@ -117,21 +151,24 @@ def open_replay_challenge(lg: Any, store: Any, challenger: Any, accused: Accused
     slots = slots_of(record, node)
     checkpoint = cid_from_digest(record.checkpoint, DAG_CBOR)
     manifest = get_manifest(store, checkpoint)
-    bad = [(rr.replica, st) for rr in _replayed(replays) for st in rr.stages
+    bad = [(rr, st) for rr in _replayed(replays) for st in rr.stages
            if (rr.replica, st.stage) in slots and differs(st, tolerance)]
     if not bad:
         raise AuditError("replay matches the claim; nothing to challenge")
-    replica, st = bad[0]
+    rr, st = bad[0]
+    replica = rr.replica
     if bond is None:
         bond = max(lg.run_params(run_id).min_stake or 0, 1)
-    evidence = store_evidence(store, lg, accused, replica, checkpoint,
-                              manifest.contributions[manifest.row(replica)][st.stage], st, tolerance)
+    evidence = store_evidence(store, lg, accused, rr, st, checkpoint,
+                              manifest.contributions[manifest.row(replica)][st.stage], tolerance)
     challenge_id, tx = lg.open_challenge_tx(challenger, run_id=run_id, step=step, replica=replica,
                                             stage=st.stage, bond=bond, evidence=digest_of(evidence))
     return {"challenge": challenge_id, "run": run_id, "step": step, "node": node, "replica": replica,
             "stage": st.stage, "rel_l2": st.rel_l2, "evidence": str(evidence), "bond_wei": str(bond),
             "challenger": challenger.address, "tx": tx,
-            "mismatched_slots": [[r, s.stage] for r, s in bad]}
+            "mismatched_slots": [[r.replica, s.stage] for r, s in bad],
+            "judging": judging_line(rr, st), "failure": st.failure_detail(tolerance or 0.0)
+            if getattr(st, "judged", "") else ""}
 
 
 def step_record(lg: Any, run_id: int, step: int) -> Any:
@@ -198,9 +235,12 @@ def slots_of(record: Any, node: str) -> set[tuple[int, int]]:
     return slots
 
 
-def check_vote_by_replay(lg: Any, store: Any, challenge: ChallengeRecord, upheld: bool, tolerance: float) -> str:
+def check_vote_by_replay(lg: Any, store: Any, challenge: ChallengeRecord, upheld: bool,
+                         tolerance: float | None) -> str:
     """Replay the challenged slot from the evidence's checkpoint; refuse a verdict the
-    replay contradicts. Returns a one-line account of the replay."""
+    replay contradicts (judged as `replay_slots` judges; an uphold of a native run is also
+    refused where the calibrated rule accepts a replay on another kernel set than the
+    trainer's, whatever tolerance was asked for). Returns a one-line account of the replay."""
     from lineage.store.cid import digest_of, parse_cid
 
     ev = load_evidence(store, challenge.evidence)
@@ -216,14 +256,37 @@ def check_vote_by_replay(lg: Any, store: Any, challenge: ChallengeRecord, upheld
     (rr,) = _replayed(replay_slots(store, checkpoint, [challenge.replica], tolerance))
     (st,) = [s for s in rr.stages if s.stage == challenge.stage]
     bad = differs(st, tolerance)
+    why = getattr(st, "reason", "") or (st.failure_detail(tolerance or 0.0) if getattr(st, "judged", "") else "")
     account = (f"replay of replica {rr.replica} stage {st.stage}: "
                f"{'differs from' if bad else 'matches'} the claim (relative L2 {st.rel_l2:.3g}"
-               + (f"; {st.reason}" if getattr(st, "reason", "") else "") + ")")
+               + (f"; {why}" if why else "") + ")")
+    line = judging_line(rr, st)
+    account += f" [{line}]" if line else ""
+    if upheld and bad and _honest_elsewhere(rr, st):
+        raise AuditError(f"{account}: refusing to sign an uphold: on another kernel set than the trainer's, the "
+                         "calibrated flip-aware rule accepts this replay (an honest node's replay differs so)")
     if upheld and not bad:
         raise AuditError(f"{account}: refusing to sign an uphold")
     if not upheld and bad:
         raise AuditError(f"{account}: refusing to sign a dismissal")
     return account
+
+
+def _honest_elsewhere(rr: Any, st: Any) -> bool:
+    """Whether a native run's replayed stage, replayed on another kernel set than the
+    trainer's, passes the calibrated flip-aware rule (so an explicit, stricter tolerance
+    alone would call it a mismatch)."""
+    from .replay import FLIP_AWARE, StageReplay, judging_for
+
+    if getattr(rr, "numerics", "") == "portable" or not isinstance(st, StageReplay) or st.reason:
+        return False
+    if st.trained_on and st.trained_on == rr.replayed_on:
+        return False
+    judged, tol = judging_for(rr.numerics, st.trained_on, rr.replayed_on, None, auto_exact=False,
+                              compression=getattr(rr, "compression", ""))
+    probe = StageReplay(st.stage, st.claimed, st.replayed, st.exact, st.rel_l2, b"", judged=judged, tolerance=tol,
+                        compare=st.compare, trained_on=st.trained_on)
+    return judged == FLIP_AWARE and not probe.failure_detail()
 
 
 def check_equivocation(a: Any, b: Any) -> tuple[str, bool]:

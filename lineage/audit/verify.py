@@ -26,9 +26,12 @@ Levels, per committed step (DESIGN.md section 7):
    dataset re-tokenized with the recorded tokenizer gives the token file's CID again.
 4. replay (`replay` > 0, a fraction of the (step, present replica) pairs, sampled
    deterministically from the head's CID, at least one): re-running the replica's inner steps from its
-   published start state reproduces its contributions (lineage/replay.py: exact on the
-   machine class that trained, else within `tolerance` relative L2), its start weights are
-   a committed checkpoint's, and the state its round leaves is the next round's start state.
+   published start state reproduces its contributions (lineage/audit/replay.py: judged by the
+   run's numerics: a portable run bit for bit anywhere; a native one bit for bit where the
+   replaying kernels' fingerprint is the trainer's, else by the flip-aware comparison within a
+   calibrated tolerance, unless `tolerance` says otherwise), its start weights are a committed
+   checkpoint's, and the state its round leaves is the next round's start state. The report's
+   `kernels` names the fingerprints on both sides and how the replays were judged.
 
 Retention (`[storage] keep`, lineage/retention.py) may have removed round-start states and
 superseded shards. Such a file, gone where the run's policy (or the store's record of a
@@ -76,8 +79,9 @@ LEVELS = ("chain", "content", "aggregate", DATA)
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
 
 #: (store, [(checkpoint CID, replica)], tolerance) -> results; lineage.audit.replay.replay_many by
-#: default, or a stand-in that runs the same replays elsewhere (a verify queue).
-Replayer = Callable[[Any, list[tuple[str, int]], float], list[Any]]
+#: default, or a stand-in that runs the same replays elsewhere (a verify queue). The tolerance
+#: is None for the automatic choice; the results are judged again here either way.
+Replayer = Callable[[Any, list[tuple[str, int]], Any], list[Any]]
 
 
 @dataclass
@@ -104,6 +108,7 @@ class RunReport:
     run_failures: list[str] = field(default_factory=list)
     replay: list[Any] = field(default_factory=list)  # lineage.audit.replay.ReplicaReplay, sampled pairs
     replay_seconds: float = 0.0  # wall time of all replays, process start-up included
+    kernels: dict[str, Any] = field(default_factory=dict)  # lineage.audit.replay.kernels_summary of the replays
 
     @property
     def ok(self) -> bool:
@@ -112,7 +117,8 @@ class RunReport:
     def as_json(self) -> dict[str, Any]:
         return {"run": self.run_id, "ok": self.ok, "run_failures": self.run_failures,
                 "steps": [s.as_json() for s in self.steps],
-                "replay": [r.as_json() for r in self.replay], "replay_seconds": self.replay_seconds}
+                "replay": [r.as_json() for r in self.replay], "replay_seconds": self.replay_seconds,
+                "kernels": self.kernels}
 
 
 class _Fail(Exception):
@@ -128,14 +134,15 @@ def _check(cond: bool, reason: str | Callable[..., str]) -> None:
 
 
 def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = LEVELS,
-               replay: float = 0.0, tolerance: float = 0.0, replayer: Replayer | None = None,
+               replay: float = 0.0, tolerance: float | None = None, replayer: Replayer | None = None,
                data_full: bool = False) -> RunReport:
     """Audit a run (levels above); `replay` is the fraction of (step, replica) pairs to
-    replay, `tolerance` the relative L2 a replay may differ by (0: bit for bit);
-    `data_full` also re-tokenizes the dataset (a run-level check)."""
+    replay, `tolerance` the relative tolerance a native run's replay is judged within (0:
+    bit for bit; None: automatic, lineage/audit/replay.py; a portable run is bit for bit
+    whatever it says); `data_full` also re-tokenizes the dataset (a run-level check)."""
     if not 0.0 <= replay <= 1.0 or math.isnan(replay):
         raise ConfigError(f"--replay must be a fraction between 0 and 1 (got {replay:g})")
-    if not 0.0 <= tolerance < math.inf:
+    if tolerance is not None and not 0.0 <= tolerance < math.inf:
         raise ConfigError(f"--tolerance must be a finite number >= 0 (got {tolerance:g})")
     record = RunRecord.load(run_dir)
     store = record.open_store(run_dir)
@@ -423,10 +430,11 @@ def sample_pairs(steps: list[int], replicas: int | dict[int, tuple[int, ...]], f
 
 
 def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord], R: int, fraction: float,
-                   tolerance: float, replayer: Replayer | None, starts_gone: frozenset[int] = frozenset()) -> None:
+                   tolerance: float | None, replayer: Replayer | None,
+                   starts_gone: frozenset[int] = frozenset()) -> None:
     """Level 4 on a sample of the steps whose kept blocks allow it; `starts_gone`: steps
     whose start states retention removed (no continuity check against them)."""
-    from .replay import check_continuity, replay_many
+    from .replay import apply_judging, check_continuity, kernels_summary, replay_many
 
     checkpoints = {rec.step: str(cid_from_digest(rec.checkpoint, DAG_CBOR)) for rec in steps}
     blocked = {sr.step for sr in report.steps if REPLAY in sr.unavailable}
@@ -437,6 +445,8 @@ def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord]
     started = time.perf_counter()
     results = (replayer or replay_many)(store, [(checkpoints[t], r) for t, r in chosen], tolerance)
     for result in results:
+        apply_judging(result, tolerance)  # the same judging wherever the replay ran
+    for result in results:
         if result.ok and result.step + 1 in checkpoints and result.step + 1 not in starts_gone:
             try:
                 check_continuity(store, result, checkpoints[result.step + 1])
@@ -444,6 +454,7 @@ def _verify_replay(store: Blockstore, report: RunReport, steps: list[StepRecord]
                 result.error = f"next step's start state: {exc}"
     report.replay_seconds = time.perf_counter() - started
     report.replay = results
+    report.kernels = kernels_summary(results, tolerance)
     by_step: dict[int, list[Any]] = {}
     for (t, _), result in zip(chosen, results, strict=True):
         by_step.setdefault(t, []).append(result)
