@@ -133,7 +133,15 @@ def _tmp(shape: Sequence[int], like: Tensor, dtype: torch.dtype = F64) -> Tensor
     else:
         buf = torch.empty(key[2], dtype=dtype, device=like.device)
     pool.held.append((key, buf))
-    return buf[:n].view(tuple(shape))
+    return buf.as_strided(shape, _contiguous_strides(shape))
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _tmp_like(x: Tensor, dtype: torch.dtype = F64) -> Tensor:
@@ -194,17 +202,24 @@ def _exponent(amax: Tensor) -> Tensor:
 
 
 def _absmax(x: Tensor, dims: tuple[int, ...], nonneg: bool = False) -> Tensor:
-    """max |x| over dims (keepdim); NaN if a slice holds one (torch.aminmax is ~10x slower)."""
-    hi = x.amax(dims, keepdim=True)
-    return hi if nonneg else torch.maximum(hi, x.amin(dims, keepdim=True).neg_())
+    """max |x| over dims (keepdim); NaN if a slice holds one (torch.aminmax is ~10x slower,
+    amax and amin each as slow as abs and amax over a short last dimension)."""
+    if nonneg:
+        return x.amax(dims, keepdim=True)
+    return torch.abs(x, out=_tmp_like(x, x.dtype)).amax(dims, keepdim=True)
 
 
 def _fixed(x: Tensor, dims: tuple[int, ...], bits: int,
            nonneg: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
-    """x as float64 integers q (scratch), |q| <= 2**bits, with x ~ q * 2**(e - bits) and one
-    exponent e per slice over `dims` (from the slice's largest magnitude). Non-finite values
-    become 0 in q; `bad` (or None) marks the slices that held any."""
+    """x as float64 integers q (scratch), |q| <= 2**bits, with x ~ q * unit and one
+    unit = 2**(e - bits) (float64, keepdim) per slice over `dims`, e from the slice's largest
+    magnitude (frexp). Non-finite values become 0 in q; `bad` (or None) marks the slices
+    that held any."""
     amax = _absmax(x, dims, nonneg)
+    if x.dtype == F32:
+        fast = _fixed32(x, amax, bits)
+        if fast is not None:
+            return fast
     bad = None
     if not bool(torch.isfinite(amax).all()):
         bad = ~torch.isfinite(amax)
@@ -214,7 +229,34 @@ def _fixed(x: Tensor, dims: tuple[int, ...], bits: int,
     # float32 or float64 times a power of two, in float64: exact (a copy, then one dtype:
     # mixed-dtype kernels are slower).
     q = _tmp_like(x).copy_(x).mul_(_pow2(bits - e)).round_()
-    return q, e, bad
+    return q, _pow2(e - bits), bad
+
+
+def _fixed32(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] | None:
+    """`_fixed` of float32 x with finite amax whose units 2**(e - bits) are normal float32
+    (None otherwise): x / 2**(e - bits) and its rounding in float32 are exact and give the
+    float64 path's integers (a value below 2**-126 rounds to a zero of its sign either way),
+    in fewer, narrower passes. e is read from amax's float32 exponent field; a slice of
+    zeros (whose q is 0 whatever its unit) gets the unit of amax = 1."""
+    if amax.numel() == 0:
+        return None
+    lo_t, hi_t = torch.aminmax(amax)
+    lo, hi = lo_t.item(), hi_t.item()
+    if lo == 0.0:  # +-0: some slices are zero
+        amax = amax.masked_fill(amax == 0, 1.0)
+        lo = amax.amin().item()
+    if not (lo >= _F32_SCALABLE[bits] and hi < math.inf):  # also False for NaN
+        return None
+    # amax = m 2**(E - 127), 1 <= m < 2, E its biased exponent field: frexp's e = E - 126,
+    # and the unit 2**(e - bits) has the biased exponent E + 1 - bits.
+    unit = torch.bitwise_and(amax.view(torch.int32), 0x7F800000).sub_((bits - 1) << 23).view(F32)
+    q32 = torch.div(x, unit, out=_tmp_like(x, F32)).round_()
+    return _tmp_like(x).copy_(q32), unit.to(F64), None
+
+
+# The least float32 amax whose unit 2**(e - bits) is a normal float32 (e - bits >= -126,
+# i.e. amax >= 2**(bits - 127)).
+_F32_SCALABLE = [2.0 ** (bits - 127) for bits in range(64)]
 
 
 def _nonfinite_sum(x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
@@ -242,8 +284,8 @@ def _sum64(x: Tensor, dim: int | Sequence[int] | None = None, keepdim: bool = Fa
     if n == 0:
         return x.to(F64).sum(dims, keepdim=keepdim)
     bits = 53 - _ceil_log2(n)
-    q, e, bad = _fixed(x, dims, bits, nonneg)
-    s = q.sum(dims, keepdim=True).add_(0.0).mul_(_pow2(e - bits))  # + 0.0: no -0.0 from -0.0 terms
+    q, unit, bad = _fixed(x, dims, bits, nonneg)
+    s = q.sum(dims, keepdim=True).add_(0.0).mul_(unit)  # + 0.0: no -0.0 from -0.0 terms
     if bad is not None:
         s = torch.where(bad, _nonfinite_sum(x, dims, keepdim=True), s)
     return s if keepdim else s.squeeze(dims)
@@ -308,13 +350,13 @@ class _Operand:
             t = _Operand.of(x.mT, -3 - dim, slices, bits)  # its own layout (strided reads
             return _Operand(t.hi.mT, None if t.lo is None else t.lo.mT, t.shift.mT,  # are slow)
                             None if t.bad is None else t.bad.mT)
-        q, e, bad = _fixed(x, (dim % x.dim(),), slices * bits)
+        q, unit, bad = _fixed(x, (dim % x.dim(),), slices * bits)
         lo = None
         if slices == 2:  # q = hi * 2**bits + lo, |hi| <= 2**bits, |lo| <= 2**(bits - 1)
             hi = torch.mul(q, 2.0**-bits, out=_tmp_like(q)).round_()
             lo = q.sub_(hi.mul_(2.0**bits))
             q = hi.mul_(2.0**-bits)
-        return _Operand(q, lo, _pow2(e - slices * bits), bad)
+        return _Operand(q, lo, unit, bad)
 
 
 def _product(a: _Operand, b: _Operand, sa: int, sb: int, out: Tensor, scale: float) -> None:
@@ -977,9 +1019,9 @@ class _Embedding(torch.autograd.Function):
         idx = ids.reshape(-1)
         bits = 53 - _ceil_log2(max(g2.shape[0], 1))
         # One scale per column over all N rows: any sum of them is exact in any order.
-        q, e, bad = _fixed(g2, (0,), bits)
+        q, unit, bad = _fixed(g2, (0,), bits)
         acc = _tmp((ctx.rows, g2.shape[1]), g).zero_()
-        acc.index_add_(0, idx, q).add_(0.0).mul_(_pow2(e - bits))
+        acc.index_add_(0, idx, q).add_(0.0).mul_(unit)
         if bad is not None:
             nf = torch.where(torch.isfinite(g2), 0.0, g2.to(F64))
             nf_acc = torch.zeros_like(acc).index_add_(0, idx, nf)
