@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import small_job_toml
 
 from lineage.store.runconfig import RunConfig
 from trainer.config import load_job
@@ -36,34 +37,7 @@ KERNEL_SETS: dict[str, dict[str, str]] = {
 if torch.backends.cpu.get_cpu_capability() == "AVX512":
     KERNEL_SETS["aten-avx512"] = {"ATEN_CPU_CAPABILITY": "avx512"}
 
-AGGREGATE_JOB = """
-name = "aggregate"
-seed = 7
-
-[model]
-d_model = 32
-n_layers = 4
-n_heads = 2
-seq_len = 32
-
-[parallel]
-replicas = 2
-stages = 2
-microbatches = 2
-
-[data]
-max_bytes = 300000
-batch_size = 4
-eval_batches = 2
-
-[inner]
-lr = 3e-3
-warmup = 2
-
-[outer]
-steps = 3
-inner_steps = 4
-delay = 1
+AGGREGATE_JOB = small_job_toml("aggregate", n_layers=4, extra="""delay = 1
 overlap = "partial"
 tau = 1
 fragments = 2
@@ -72,7 +46,7 @@ alpha = 0.5
 [outer.compression]
 kind = "quantize"
 bits = 4
-"""
+""")
 
 # One outer step and one mix merge from fixed inputs (torch.rand: its bits do not depend on
 # the kernels, torch.randn's do), hashed, in each arithmetic.
