@@ -293,6 +293,7 @@ class Pipeline:
     def __init__(self, module: nn.Module, topo: Topology, group: dist.ProcessGroup, job: JobConfig,
                  device: torch.device | None = None):
         self.module, self.topo, self.group, self.job = module, topo, group, job
+        self.loss = loss_fn(job)
         self.device = device or torch.device("cpu")
         self.schedule: Any = None
         if topo.S > 1 or not LONE_STAGE_SHORTCUT:  # one stage has nothing to pipeline
@@ -303,7 +304,7 @@ class Pipeline:
             stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
             schedule_cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[job.parallel.schedule]
             self.schedule = schedule_cls(
-                stage, n_microbatches=job.parallel.microbatches, loss_fn=loss_fn(job)
+                stage, n_microbatches=job.parallel.microbatches, loss_fn=self.loss
             )
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
@@ -333,7 +334,7 @@ class Pipeline:
         losses = []
         with autocast(self.job, self.device):
             for xm, ym in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
-                loss = loss_fn(self.job)(self.module(xm), ym)
+                loss = self.loss(self.module(xm), ym)
                 loss.backward()
                 losses.append(loss.detach())
         if M > 1:  # as PipelineStage.scale_grads
@@ -362,7 +363,7 @@ class Pipeline:
                     dist.recv(h, src=topo.global_rank(topo.position, topo.stage - 1), group=self.group)
                     h = self.module(h)
             if topo.is_last:
-                total += loss_fn(self.job)(h.float(), y).item()
+                total += self.loss(h.float(), y).item()
             else:
                 dist.send(
                     h.contiguous(),
