@@ -7,6 +7,7 @@
     .venv/bin/python scripts/bench_trainer.py --variant new=/tmp/scratch   # + rows from another tree
     .venv/bin/python scripts/bench_trainer.py --mode runs      # whole train_local runs, compute_s
     .venv/bin/python scripts/bench_trainer.py --family gpt-small llama-4x --no-s2   # portable rows
+    python3 scripts/bench_trainer.py --device cuda --family gpt-small llama-4x --no-s2 --batch 32   # on GPU 0
 
 Rows (every one its own fresh process, or R x S of them, on this machine):
   plain     a single-process loop over `trainer.model.build_model(cfg, seed)`: AdamW with the
@@ -86,7 +87,7 @@ def job_dict(spec: dict) -> dict:
         "model": spec["model"],
         "parallel": {"replicas": 1, "stages": spec.get("stages", 1),
                      "microbatches": spec.get("microbatches", 1), "schedule": "1F1B",
-                     "numerics": spec.get("numerics", "native")},
+                     "numerics": spec.get("numerics", "native"), "device": spec.get("device", "cpu")},
         "data": {"batch_size": spec["batch"], "eval_batches": 1, "max_bytes": 4_000_000},
         "inner": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.95], "clip": 1.0,
                   "warmup": 10},
@@ -140,7 +141,8 @@ def worker_plain(spec: dict, turns: Turns) -> None:
     H, B, L = job.outer.inner_steps, job.data.batch_size, cfg.seq_len
     corpus = load_corpus(job.data)
 
-    model = build_model(cfg, job.seed)
+    device = torch.device(spec.get("device", "cpu"))
+    model = build_model(cfg, job.seed).to(device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": inner.weight_decay},
@@ -153,7 +155,7 @@ def worker_plain(spec: dict, turns: Turns) -> None:
     for t in range(1, job.outer.steps + 1):
         turns.wait()
         start = time.perf_counter()
-        tokens = corpus.shard(job.seed, 0, t, H, B, L).tokens  # (H, B, L + 1), as the engine
+        tokens = corpus.shard(job.seed, 0, t, H, B, L).tokens.to(device)  # (H, B, L + 1), as the engine
         times = []
         for h in range(H):
             lr = inner.lr * min(1.0, (step + 1) / inner.warmup) if inner.warmup else inner.lr
@@ -180,7 +182,7 @@ def _peer_rank(rank: int, world: int, init_method: str, job, out) -> None:
     from trainer.engine import RankControl, run_rank
 
     run_rank(rank, world, init_method, job, lambda kind, payload: None,
-             RankControl(cancellable=True, timeout_s=3600))
+             RankControl(cancellable=True, timeout_s=3600, gpu=rank if job.parallel.device == "cuda" else None))
     out.put(vm_hwm_mb())
 
 
@@ -219,7 +221,8 @@ def worker_engine_lockstep(spec: dict, turns: Turns) -> None:
         return False
 
     run_rank(0, world, init_method, job, lambda kind, payload: None,
-             RankControl(stop_requested=hook, cancellable=True, timeout_s=3600))
+             RankControl(stop_requested=hook, cancellable=True, timeout_s=3600,
+                         gpu=0 if job.parallel.device == "cuda" else None))
     turns.send(round=state["calls"] // H, step_s=state["times"])
     peak = max([vm_hwm_mb()] + [peaks.get(timeout=60) for _ in peers])
     for p in peers:
@@ -362,7 +365,7 @@ def rows_for(args: argparse.Namespace) -> list[dict]:
                 model = {k: v for k, v in tomllib.load(fh)["model"].items()
                          if k not in ("init", "dtype", "activation_checkpointing")}
         base = {"family": fam, "model": model, "batch": args.batch, "rounds": rounds,
-                "inner_steps": args.inner_steps, "root": str(ROOT), "mode": args.mode}
+                "inner_steps": args.inner_steps, "root": str(ROOT), "mode": args.mode, "device": args.device}
         rows.append({**base, "kind": "plain", "layout": "plain"})
         if args.nondet:
             rows.append({**base, "kind": "plain", "layout": "plain nondet", "deterministic": False})
@@ -442,7 +445,8 @@ def render(summary: list[dict], rows: list[dict], args) -> str:
     lines.append(
         f"{args.steps} measured inner steps per run (rounds of H={args.inner_steps} + 1 warm-up round), "
         f"{args.repeat} repetitions, {how}; ms = median (min-max over repetitions); "
-        f"torch {torch_version()}, {os.cpu_count()} cores, 1 thread per process")
+        f"torch {torch_version()}, {os.cpu_count()} cores, 1 thread per process"
+        + (f"; on {args.device}" if args.device != "cpu" else ""))
     lines += ["",
               "| family | layout | ms / inner step | tokens/s | x plain | x S=1 | x native | peak RSS MB / rank |",
               "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -483,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--s2-microbatches", type=int, default=4, help="microbatches of the R1xS2 row")
     ap.add_argument("--no-s2", action="store_true", help="skip the R1xS2 rows")
     ap.add_argument("--no-portable", action="store_true", help="skip the portable-numerics rows")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: every row on GPU 0 (float32; R1xS2 rows need two GPUs)")
     ap.add_argument("--nondet", action="store_true", help="add a plain row without deterministic algorithms")
     ap.add_argument("--plain-fused", action="store_true", help="add a plain row with fused AdamW")
     ap.add_argument("--llama-toml", help="take the llama model from this job file's [model]")
