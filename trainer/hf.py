@@ -37,7 +37,7 @@ from torch import nn
 
 from trainer.config import ModelConfig, one_line
 from trainer.errors import ConfigError
-from trainer.model import build_model
+from trainer.model import skeleton
 
 __all__ = [
     "from_hf",
@@ -239,9 +239,7 @@ def _is_conv1d(name: str, family: str) -> bool:
 
 def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our full model's parameter names and shapes (built on the meta device: no memory)."""
-    with torch.device("meta"):
-        model = build_model(cfg, seed=0)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
+    return {n: tuple(p.shape) for n, p in skeleton(cfg).named_parameters()}
 
 
 def _check_names(params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
@@ -408,27 +406,33 @@ def load_params(module: nn.Module, params: dict[str, torch.Tensor]) -> None:
             raise ConfigError(f"parameter {name} is missing")
         if name not in named:
             raise ConfigError(f"parameter {name} is not one of the model's")
-        p, t = named[name], params[name]
-        if p.shape != t.shape:
-            raise ConfigError(f"parameter {name} has shape {list(t.shape)}, the model needs {list(p.shape)}")
-        p.copy_(t.to(torch.float32))
+        _copy_param(named[name], name, params[name])
 
 
+def _copy_param(p: torch.Tensor, name: str, t: torch.Tensor) -> None:
+    if p.shape != t.shape:
+        raise ConfigError(f"parameter {name} has shape {list(t.shape)}, the model needs {list(p.shape)}")
+    p.copy_(t.to(torch.float32))
+
+
+@torch.no_grad()
 def load_init_weights(module: nn.Module, init_dir: str) -> None:
     """Fill a llama pipeline stage (or the full model) from the Hugging Face directory
-    `init_dir` (checked by `resolve_init`): only the tensors this stage holds are read."""
+    `init_dir` (checked by `resolve_init`): only the tensors this stage holds are read, one
+    at a time (`pread`, no mapping of the file), each copied into its parameter and let
+    go, so the load holds the stage and one tensor of the file."""
     files = _weight_files(Path(init_dir))
+    named = dict(module.named_parameters())
     wanted: dict[Path, dict[str, str]] = {}  # file -> {hf name: our name}
-    for name, _ in module.named_parameters():
+    for name in named:
         hf = _hf_name(name, "llama")
         if hf not in files:
             raise ConfigError(f"model.init: {init_dir} lacks tensor {hf}")
         wanted.setdefault(files[hf], {})[hf] = name
-    params = {}
     for file, names in wanted.items():
-        with safe_open(str(file), framework="pt") as fh:
-            params.update({ours: fh.get_tensor(hf) for hf, ours in names.items()})
-    load_params(module, params)
+        with safe_open(str(file), framework="pt", backend="pread") as fh:
+            for hf, ours in names.items():
+                _copy_param(named[ours], ours, fh.get_tensor(hf))
 
 
 # -- exporting ----------------------------------------------------------------------------

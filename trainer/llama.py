@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, stage_layers
 from trainer.ops import Ops
+from trainer.stage_init import Step, constructor_steps
 
 __all__ = ["KVCache", "Llama", "LlamaStage"]
 
@@ -197,16 +198,27 @@ class Llama(LlamaStage):
             lm_head=head,
             ops=ops,
         )
-        # HF's initialisation: normal(0, initializer_range = 0.02), biases zero, norms one.
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                ops.normal_(module.weight, mean=0.0, std=0.02)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                ops.normal_(module.weight, mean=0.0, std=0.02)
         if cfg.tie_embeddings:  # one matrix reads tokens in and scores them out
             head.weight = embed.weight
+
+    def init_steps(self) -> tuple[list[Step], dict[str, str]]:
+        """The whole model's initialisation (trainer/stage_init.py), in its order: torch's
+        constructors in construction order (the embedding, the head, the layers: RMSNorm
+        weights one), then HF's, module by module: every Linear and Embedding weight
+        normal(0, initializer_range = 0.02), biases zero. Tied, the head is the embedding
+        (its own draws are passed over, as the untied head it was until the tie)."""
+        modules = list(self.named_modules())
+        built_first = ("embed_tokens", "lm_head")  # constructed before the layers, in __init__
+        steps = constructor_steps([(n, m) for n, m in modules if n in built_first]
+                                  + [(n, m) for n, m in modules if n not in built_first])
+        for name, m in modules:
+            if isinstance(m, RMSNorm):
+                steps.append(Step(f"{name}.weight", tuple(m.weight.shape), "fill", 1.0))
+            if isinstance(m, nn.Linear | nn.Embedding):
+                steps.append(Step(f"{name}.weight", tuple(m.weight.shape), "normal", 0.02))
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                steps.append(Step(f"{name}.bias", tuple(m.bias.shape), "fill", 0.0))
+        return steps, ({"lm_head.weight": "embed_tokens.weight"} if self.cfg.tie_embeddings else {})
 
     def stage(self, stage: int, stages: int) -> LlamaStage:
         """The part of this model that pipeline stage `stage` of `stages` holds (shared modules)."""

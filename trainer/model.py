@@ -1,9 +1,12 @@
 """The model families behind one interface, and the small GPT (after nanoGPT).
 
 `build_model(cfg, seed)` builds the full model of `cfg.family` (`gpt`, here, or `llama`,
-trainer/llama.py); `build_stage` cuts one pipeline stage out of it. Every family's full
-model has `.stage(stage, stages)`; a stage maps tokens (first stage) or activations to
-activations or logits (last stage), and its parameter names do not depend on the split.
+trainer/llama.py); `build_stage` builds one pipeline stage alone: the full model's
+`skeleton` on the meta device, the stage cut from it (every family's full model has
+`.stage(stage, stages)`), and only the stage's tensors made and initialised, with the
+bits the full model would hold (the family's `.init_steps()`, trainer/stage_init.py). A
+stage maps tokens (first stage) or activations to activations or logits (last stage), and
+its parameter names do not depend on the split.
 
 Numerics (`build_model(cfg, seed, numerics=...)`): modules compute through an `Ops`
 namespace. `native` (the default) is torch's own kernels, today's bits (pinned checkpoint
@@ -14,11 +17,11 @@ parameter names.
 The GPT:
 
 Pre-LN transformer blocks with causal self-attention and a GELU MLP, learned positional
-embeddings, a final LayerNorm and an untied head. `GPT` is the full model; `build_stage`
-builds the full model under a fixed seed (so every replica starts identical) and returns
-one pipeline stage's part. Stage parameter names equal the full model's names
-(`wte.weight`, `blocks.2.attn.c_attn.weight`, `lm_head.weight`, ...), so they are stable
-across stage counts and deterministic.
+embeddings, a final LayerNorm and an untied head. `GPT` is the full model (its modules; its
+initialisation is `GPT.init_steps`, GPT-2's); `build_stage` gives one pipeline stage the
+weights the full model has under a fixed seed (so every replica starts identical). Stage
+parameter names equal the full model's names (`wte.weight`, `blocks.2.attn.c_attn.weight`,
+`lm_head.weight`, ...), so they are stable across stage counts and deterministic.
 """
 
 from __future__ import annotations
@@ -28,14 +31,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from trainer.config import ModelConfig, stage_layers
 from trainer.ops import NUMERICS, Ops, PortableOps, ops_for
+from trainer.stage_init import Step, constructor_steps, materialise
 
 __all__ = [
     "GPT", "NUMERICS", "Block", "GPTStage", "Ops", "PortableOps", "build_model", "build_stage",
-    "ops_for", "stage_layers",
+    "ops_for", "skeleton", "stage_layers",
 ]
 
 
@@ -161,21 +166,25 @@ class GPT(GPTStage):
             checkpointing=cfg.activation_checkpointing,
             ops=ops,
         )
-        self.cfg = cfg
-        self.apply(self._init_weights)
-        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layers) so the residual
-        # stream's variance does not grow with depth.
-        for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):
-                self.ops.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg  # the parameters are as torch's constructors leave them: see init_steps
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            self.ops.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            self.ops.normal_(module.weight, mean=0.0, std=0.02)
+    def init_steps(self) -> tuple[list[Step], dict[str, str]]:
+        """The whole model's initialisation (trainer/stage_init.py), in its order: torch's
+        constructors (module order is construction order here), then GPT-2's: every Linear
+        and Embedding weight normal(0, 0.02), biases zero, then the residual projections
+        again with std 0.02 / sqrt(2 * n_layers), so the residual stream's variance does
+        not grow with depth. No ties."""
+        modules = list(self.named_modules())
+        steps = constructor_steps(modules)
+        for name, m in modules:
+            if isinstance(m, nn.Linear | nn.Embedding):
+                steps.append(Step(f"{name}.weight", tuple(m.weight.shape), "normal", 0.02))
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                steps.append(Step(f"{name}.bias", tuple(m.bias.shape), "fill", 0.0))
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        steps += [Step(name, tuple(p.shape), "normal", std)
+                  for name, p in self.named_parameters() if name.endswith("c_proj.weight")]
+        return steps, {}
 
     def stage(self, stage: int, stages: int) -> GPTStage:
         """The part of this model that pipeline stage `stage` of `stages` holds (shared modules)."""
@@ -194,14 +203,25 @@ class GPT(GPTStage):
         )
 
 
-def build_model(cfg: ModelConfig, seed: int, numerics: str = "native") -> nn.Module:
-    """The full model of `cfg.family` (`GPT` or `trainer.llama.Llama`), initialised from
-    `seed` without touching the caller's RNG state. Either has `.stage(stage, stages)`.
-    `numerics`: "native" (torch's kernels) or "portable" (trainer/portable.py: the same
-    initial weights and training bits on every CPU; other weights than native's)."""
+class _NoMetaNormal(TorchFunctionMode):
+    """Constructors' `normal_` on meta tensors does nothing: on the meta device torch runs
+    it through a Python reference that imports torch._dynamo (1.3 s and 70 MB, once per
+    process), to fill nothing."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        tensor = args[0] if args else kwargs.get("tensor", kwargs.get("self"))
+        if func in (nn.init.normal_, torch.Tensor.normal_) and isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            return tensor
+        return func(*args, **kwargs)
+
+
+def skeleton(cfg: ModelConfig, numerics: str = "native") -> nn.Module:
+    """The full model of `cfg.family` (`GPT` or `trainer.llama.Llama`) on the meta device:
+    its modules, names and shapes, no memory and no values. Either has `.stage(stage,
+    stages)` and `.init_steps()`."""
     ops = ops_for(numerics)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.device("meta"), _NoMetaNormal():
         if cfg.family == "llama":
             from trainer.llama import Llama
 
@@ -209,9 +229,20 @@ def build_model(cfg: ModelConfig, seed: int, numerics: str = "native") -> nn.Mod
         return GPT(cfg, ops)
 
 
+def build_model(cfg: ModelConfig, seed: int, numerics: str = "native") -> nn.Module:
+    """The full model of `cfg.family` (`GPT` or `trainer.llama.Llama`), initialised from
+    `seed` without touching the caller's RNG state. Either has `.stage(stage, stages)`.
+    `numerics`: "native" (torch's kernels) or "portable" (trainer/portable.py: the same
+    initial weights and training bits on every CPU; other weights than native's)."""
+    model: Any = skeleton(cfg, numerics)  # GPT or Llama: nn.Module's type hides `.init_steps`
+    steps, ties = model.init_steps()
+    return materialise(model, steps, ties, seed, model.ops)
+
+
 def build_stage(cfg: ModelConfig, stage: int, stages: int, seed: int,
                 numerics: str = "native") -> nn.Module:
-    """Pipeline stage `stage` of `stages`, cut from the full model built under `seed`."""
-    model: Any = build_model(cfg, seed, numerics)  # GPT or Llama: nn.Module's type hides `.stage`
-    stage_module: nn.Module = model.stage(stage, stages)
-    return stage_module
+    """Pipeline stage `stage` of `stages`, alone: only its tensors are made, with the bits
+    the full model built under `seed` holds there (trainer/stage_init.py)."""
+    model: Any = skeleton(cfg, numerics)  # GPT or Llama: nn.Module's type hides `.stage`
+    steps, ties = model.init_steps()
+    return materialise(model.stage(stage, stages), steps, ties, seed, model.ops)

@@ -20,8 +20,14 @@ class Ops:
 
     name = "native"
 
-    def normal_(self, t: torch.Tensor, mean: float, std: float) -> torch.Tensor:
-        return nn.init.normal_(t, mean=mean, std=std)
+    def normal_(self, t: torch.Tensor, mean: float, std: float,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+        return nn.init.normal_(t, mean=mean, std=std, generator=generator)
+
+    def skip_normal(self, scratch: torch.Tensor, generator: torch.Generator) -> None:
+        """Move `generator` on exactly as `normal_` on a contiguous float32 tensor of
+        `scratch`'s size would (`scratch`: such a tensor, overwritten)."""
+        nn.init.normal_(scratch, generator=generator)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return layer(x)
@@ -79,8 +85,12 @@ class PortableOps(Ops):
 
     name = "portable"
 
-    def normal_(self, t: torch.Tensor, mean: float, std: float) -> torch.Tensor:
-        return portable.normal_(t, mean=mean, std=std)
+    def normal_(self, t: torch.Tensor, mean: float, std: float,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+        return portable.normal_(t, mean=mean, std=std, generator=generator)
+
+    def skip_normal(self, scratch: torch.Tensor, generator: torch.Generator) -> None:
+        portable.skip_normal(scratch.numel(), generator)  # the uniforms alone, not the transform
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return portable.linear(x, layer.weight, layer.bias)

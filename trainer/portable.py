@@ -39,7 +39,7 @@ elementwise functions follow IEEE (exp(-inf) = 0, log(0) = -inf, ...).
 
 API: matmul, linear, sum, mean, exp, log, tanh, erf, sigmoid, silu, gelu, sin, cos, rsqrt,
 softmax, cross_entropy, lm_loss, layer_norm, rms_norm, embedding, add, expand, repeat_kv,
-dropout, scaled_dot_product_attention, rope_tables, normal_, grad_sq_norm,
+dropout, scaled_dot_product_attention, rope_tables, normal_, skip_normal, grad_sq_norm,
 clip_grad_norm_, AdamW, SGD.
 """
 
@@ -87,6 +87,7 @@ __all__ = [
     "sigmoid",
     "silu",
     "sin",
+    "skip_normal",
     "softmax",
     "sum",
     "tanh",
@@ -1086,6 +1087,20 @@ def rope_tables(head_dim: int, theta: float, positions: Tensor) -> tuple[Tensor,
 _NORMAL_PAIRS = 1 << 18  # Box-Muller pairs per chunk of draws (part of the definition)
 
 
+def _normal_chunks(n: int) -> Iterator[tuple[int, int]]:
+    """(offset, Box-Muller pairs) of each chunk of `normal_`'s draws for n values."""
+    for i in range(0, n, 2 * _NORMAL_PAIRS):
+        yield i, (min(n - i, 2 * _NORMAL_PAIRS) + 1) // 2
+
+
+def skip_normal(n: int, generator: torch.Generator | None = None) -> None:
+    """Move `generator` on exactly as `normal_` on n values would (the same `torch.rand`
+    calls), without the transform: building one pipeline stage alone passes over the
+    draws of the tensors before it this way (trainer/stage_init.py)."""
+    for _, c in _normal_chunks(n):
+        torch.rand(2 * c, dtype=F64, generator=generator)
+
+
 @torch.no_grad()
 def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0,
             generator: torch.Generator | None = None) -> Tensor:
@@ -1095,8 +1110,7 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0,
     generator, torch's default one (so torch.manual_seed applies)."""
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.new_empty(tensor.numel())
     n = flat.numel()
-    for i in range(0, n, 2 * _NORMAL_PAIRS):
-        c = (min(n - i, 2 * _NORMAL_PAIRS) + 1) // 2
+    for i, c in _normal_chunks(n):
         u = torch.rand(2 * c, dtype=F64, generator=generator, device=tensor.device)
         r = _log(u[:c].neg().add_(1.0)).mul_(-2.0).sqrt_()
         sin, cos = _sincos(u[c:].mul(2.0 * math.pi))
