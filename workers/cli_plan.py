@@ -123,7 +123,7 @@ def plan(
     link_per: Annotated[str | None, typer.Option("--link-per", help="rank: each stage's exchange has a link of --link to itself (the trainer's \\[transport] model); replica: a replica's stages share one link of --link (a node's one NIC).")] = None,
     latency_ms: Annotated[str | None, typer.Option("--latency-ms", help="One-way latency per ring hop, ms (default: the job's).")] = None,
     gpu: Annotated[str | None, typer.Option("--gpu", help="Device per rank: h200, h100, a100 (a800), cpu (default h200).")] = None,
-    mfu: Annotated[str | None, typer.Option("--mfu", help="Model-FLOP utilisation, (0, 1] (default 0.40 on GPUs, assumed; 1 on cpu, whose figure is measured).")] = None,
+    mfu: Annotated[str | None, typer.Option("--mfu", help="Model-FLOP utilisation, (0, 1] (default 0.40 on GPUs, below the 0.43-0.46 an H200 measured for 0.8B-2.6B llamas; 1 on cpu, whose figure is measured).")] = None,
     tokens_per_s: Annotated[str | None, typer.Option("--tokens-per-s", help="A measured throughput per replica (tokens/s), in place of the FLOP model.")] = None,
     block_time: Annotated[str | None, typer.Option("--block-time", help="Seconds per block of the chain (default 12, Ethereum's slot; dlx train's anvil mines at once: 0).")] = None,
     block_gas: Annotated[str | None, typer.Option("--block-gas", help="Gas a block holds (default 30M, anvil's).")] = None,
@@ -177,6 +177,10 @@ def _count(n: float) -> str:
     return f"{n:.3g}"
 
 
+def _flops(n: float) -> str:
+    return f"{n / 1e9:,.4g} GFLOP" if n >= 1e9 else f"{n / 1e6:,.4g} MFLOP"
+
+
 def _header(p: Any, job: Any) -> list[str]:
     a, sh, o, c = p.assumptions, p.shape, job.outer, job.outer.compression
     m = job.model
@@ -192,7 +196,7 @@ def _header(p: Any, job: Any) -> list[str]:
         rate = (f"{a.hardware.name}, {a.hardware.tflops:.4g} TFLOP/s x utilisation {a.utilisation:g} "
                 f"({'stated' if a.mfu is not None else 'default'}; {a.hardware.source})")
     return [
-        f"plan {p.job}: {m.family} {size} parameters ({p.params:,}), {sh.flops_per_token / 1e6:,.4g} MFLOP a token "
+        f"plan {p.job}: {m.family} {size} parameters ({p.params:,}), {_flops(sh.flops_per_token)} a token "
         f"(6N + 12 L d T), {p.stages} stages x {job.parallel.microbatches} microbatches, H = {o.inner_steps} inner steps "
         f"of {sh.tokens_per_inner_step:,} tokens a replica",
         f"compute: {rate}",

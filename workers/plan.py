@@ -70,7 +70,10 @@ class Hardware:
 #: by `flops_per_token`) ran an inner step of 8 x 64 tokens in 23.4 ms per replica, one core
 #: each (README, "DiLoCoX benchmark", 2026-12-03): 72.5 GFLOP/s.
 CPU_TFLOPS = 8 * 64 * (6 * 502_848 + 12 * 4 * 96 * 64) / 0.0234 / 1e12
-#: Assumed for GPUs: typical of large dense transformer training; not measured here.
+#: The default for GPUs, below what an H200 measured here (2026-12-04, torch 2.11.0+cu130): a
+#: plain bf16-autocast llama training loop (eager PyTorch, SDPA attention, AdamW; not the
+#: trainer's rank loop) ran 0.84B parameters (B 8 x T 2048) at 456 model TFLOP/s, 0.46 of the
+#: 989 peak, and 2.6B (B 4 x T 2048) at 425, 0.43. A pipeline's bubble is counted apart.
 GPU_MFU = 0.40
 HARDWARE = {
     "h200": Hardware("h200", "NVIDIA H200", 989.0, 141.0, GPU_MFU,
