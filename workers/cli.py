@@ -21,7 +21,7 @@ import typer
 
 from trainer.supervisor import warm_up
 
-from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node
+from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node, cli_plan
 from .cli_common import EXIT_FAILED, user_errors
 
 app = typer.Typer(
@@ -236,6 +236,7 @@ cli_jobs.register(app)  # worker, submit, status, ...
 cli_node.register(app)  # node register|stake|...
 cli_audit.register(app)  # lineage, challenge, arbiter, ...
 cli_model.register(app)  # export, generate
+app.command(name="plan")(cli_plan.plan)  # dlx plan JOB: cost at scale (workers/plan.py)
 
 
 def main() -> None:
