@@ -17,8 +17,9 @@ Levels, per committed step (DESIGN.md section 7):
 2. content: the manifest, its stage shards, every contribution and every round-start
    state are present and hash to their CIDs (a start state stored by reference to a
    committed shard, lineage/store/roundstate.py: its node and files do, its shard is step
-   t-1's or t-2's of its stage, and the state rebuilt from them has the node's digest); the manifest agrees with the chain (step,
-   parent, run, config, metrics digest, each slot's contribution digest and data-shard hash).
+   t-1's or t-2's of its stage, and the state rebuilt from them has the node's digest);
+   the manifest agrees with the chain (step, parent, run, config, metrics digest, each
+   slot's contribution digest and data-shard hash).
 3. aggregate: applying the outer step to the parent shards with the published
    contributions of exactly the step's replicas (ascending id) reproduces every new shard
    bit for bit.

@@ -4,8 +4,9 @@ A round-start state (`trainer.engine.round_state`: safetensors with `param/<name
 rank's weights at round start, `inner/...`, `compress/...`, `round/...`) usually starts
 from a committed stage shard (`param/<name>`, `momentum/<name>`): under the synchronous
 rule always the parent checkpoint's, under `restart` that or the one of step t-2. Storing
-its weights again doubles what a step costs. So where the state's `param/*` tensors are
-byte for byte a committed shard's, the sink stores
+its weights again costs a copy of the model a step (the replicas' copies share their
+256 KiB blocks, laid out alike). So where the state's `param/*` tensors are byte for byte
+a committed shard's, the sink stores
 
 - the rest of the state (every tensor but `param/*`) as a UnixFS file, safetensors laid
   out as `trainer.artifacts.tensors_to_bytes` lays it out, and
@@ -26,8 +27,9 @@ Readers bound what they read: the node is a few hundred bytes, `weights` and `re
 be UnixFS files (a raw or dag-pb root, never another node), `weights` a shard (only
 `param/*` and `momentum/*` tensors, and one of the committed shards the reader allows,
 `reference_shards`), `rest` free of `param/*`, `size` no larger than the two files
-together and a header's worth (checked on their roots before they are read), and the rebuilt bytes must have
-`size` and `sha256`. Any failure is a `StorageError` naming the node.
+together and a header's worth (checked on their roots before they are read), and the
+rebuilt bytes must have `size` and `sha256`. Any failure is a `StorageError` naming the
+node.
 """
 
 from __future__ import annotations
