@@ -597,6 +597,39 @@ def test_live_code_matches_the_document(doc):
     assert cid_text(RAW, new) == agg["new_shard"]
 
 
+def test_live_code_stores_a_round_state_by_reference_as_documented(tmp_path):
+    """A round-start state on a committed shard, stored by the live code, is the node
+    section 7 documents, and the document's rule, `safetensors` itself, rebuilds it."""
+    from safetensors.torch import load, save
+
+    from lineage.store.blockstore import Blockstore
+    from lineage.store.roundstate import param_digest, put_round_state
+    from lineage.store.unixfs import import_bytes
+
+    g = torch.Generator().manual_seed(0)
+    params = {"param/h.0.w": torch.randn(8, 4, generator=g), "param/h.0.b": torch.randn(4, generator=g)}
+    shard = save({**params, **{k.replace("param/", "momentum/"): v / 3 for k, v in params.items()}})
+    state = save({**params, **{k.replace("param/", "inner/exp_avg/"): v * 2 for k, v in params.items()},
+                  "round/outer_step": torch.tensor([2]), "round/inner_step": torch.tensor([8]),
+                  "round/kernels": torch.tensor(list(b"AVX2 probe 1"), dtype=torch.uint8)})
+    store = Blockstore(tmp_path / "blocks")
+    shard_cid = import_bytes(shard, store.put).cid
+    text = str(put_round_state(store, state, [(shard_cid, param_digest(shard))]))
+    raw = (tmp_path / "blocks" / block_path(text)).read_bytes()
+    assert cid_text(DAG_CBOR, raw) == text
+    node = dag_cbor.decode(raw)
+    assert set(node) == {"version", "kind", "weights", "rest", "size", "sha256"}
+    assert (node["version"], node["kind"], node["size"]) == (1, "round-state", len(state))
+    assert node["sha256"] == hashlib.sha256(state).digest()
+    assert dag_json(node["weights"]) == {"/": cid_text(RAW, shard)}
+    rest_cid = dag_json(node["rest"])["/"]
+    assert cid_binary(rest_cid)[1] == RAW  # one chunk: the file is its block
+    rest = (tmp_path / "blocks" / block_path(rest_cid)).read_bytes()
+    assert cid_text(RAW, rest) == rest_cid
+    assert rest == save({k: v for k, v in load(state).items() if not k.startswith("param/")})
+    assert save({**load(rest), **{k: v for k, v in load(shard).items() if k.startswith("param/")}}) == state
+
+
 def test_live_code_hash_follows_the_documented_rule():
     """trainer.artifacts.code_hash is the documented rule over trainer/**/*.py."""
     from trainer.artifacts import code_hash as live

@@ -164,7 +164,7 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     from lineage.audit.replay import job_of, replay_many
     from lineage.chain.runrecord import RunRecord
     from lineage.store.manifest import get_manifest
-    from lineage.store.unixfs import read_bytes
+    from lineage.store.roundstate import read_start_state
     from trainer.replay import fresh_state_core, state_core
 
     run_dir = Path(st["run_dir"])
@@ -174,7 +174,7 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     assert seam.ok, seam.as_json()
     after = get_manifest(store, checkpoint[committed + 1])
     for s, left in enumerate(seam.end_states):
-        carried = state_core(read_bytes(store, after.replay[1][s]))
+        carried = state_core(read_start_state(store, after, 1, s))
         assert carried == left, f"stage {s}: the resumed round did not start from the state round {committed} left"
         assert carried != fresh_state_core(job_of(store, after.config), 1, s, committed + 1)
 

@@ -21,6 +21,7 @@ from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import parse_cid
 from lineage.store.manifest import get_manifest, put_manifest
+from lineage.store.roundstate import is_reference, read_start_state, round_state_ref
 from lineage.store.unixfs import import_bytes, read_bytes
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.compress import Compressor, payload_budget
@@ -135,6 +136,54 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
         assert all(s["exact"] and s["rel_l2"] == 0.0 and s["replayed"] == s["claimed"] for s in r["stages"])
 
 
+#: `dlx` whose sink stores every round-start state as a plain UnixFS file, as it did before
+#: states referred to committed shards: a writer of the old form.
+LEGACY_DLX = ("import sys; from workers.sink import LedgerSink; "
+              "LedgerSink._put_start = lambda self, data, shards: self._put_file(data); "
+              "from workers.cli import main; sys.argv[0] = 'dlx'; main()")
+
+
+def _history(run_dir: Path) -> tuple[Blockstore, list]:
+    record = RunRecord.load(run_dir)
+    store = record.open_store(run_dir)
+    hist = [get_manifest(store, record.head)]
+    while hist[-1].parent is not None:
+        hist.append(get_manifest(store, hist[-1].parent))
+    return store, hist[::-1]
+
+
+@pytest.mark.slow
+def test_a_run_stored_before_references_still_verifies_and_replays(trained_run, tmp_path) -> None:
+    """The shared run's job, stored the old way: the same shards and contributions, every
+    start state a plain file holding the bytes the new form rebuilds, more bytes stored;
+    and the new readers verify and replay it."""
+    run_dir = tmp_path / "legacy"
+    res = subprocess.run([sys.executable, "-c", LEGACY_DLX, "train", str(trained_run[0].parent / "job.toml"),
+                          "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    old_store, old = _history(run_dir)
+    new_store, new = _history(trained_run[0])
+    assert [m.stages for m in old] == [m.stages for m in new]
+    assert [m.contributions for m in old] == [m.contributions for m in new]
+    for a, b in zip(old[1:], new[1:], strict=True):
+        assert not any(is_reference(c) for row in a.replay for c in row)
+        assert all(is_reference(c) for row in b.replay for c in row)  # synchronous: all on the parent shard
+        for r, row in enumerate(a.replay):
+            for s, cid in enumerate(row):
+                assert read_start_state(old_store, a, r, s) == read_bytes(old_store, cid) \
+                    == read_start_state(new_store, b, r, s)
+
+    def stored(d: Path) -> int:
+        return sum(p.stat().st_size for p in (d / "blocks").rglob("*") if p.is_file())
+
+    assert stored(trained_run[0]) < stored(run_dir)
+    res = dlx("verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json")
+    assert res.returncode == 0, res.stderr + res.stdout
+    report = json.loads(res.stdout)
+    assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data", "replay"]] * 3
+    assert all(s["exact"] for r in report["replay"] for s in r["stages"]) and len(report["replay"]) == 6
+
+
 # --- one-step delay, adaptive compression with a budget that bites, and tampering ------------
 
 
@@ -200,6 +249,14 @@ def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run,
     assert all(s["exact"] for r in report["replay"] for s in r["stages"]) and len(report["replay"]) == 6
     m2, m3 = steps[2], steps[3]
     assert [len(row) for row in m2.replay] == [2, 2]
+    # Start states on a committed shard are stored as references to it (lineage/store/
+    # roundstate.py): every rule's round 1 starts from the genesis, and under the restart
+    # rule every round from the shard two steps back (the genesis for round 2).
+    shards = {t: get_manifest(store, cps[t]).stages for t in (0, 1)}
+    for t in (1, 2, 3) if name.startswith("restart") else (1,):
+        refs = [(s, c) for row in steps[t].replay for s, c in enumerate(row)]
+        assert all(is_reference(c) and round_state_ref(store, c).weights == shards[max(t - 2, 0)][s]
+                   for s, c in refs), t
     if "adaptive" in name:
         capped = [payload_budget(read_bytes(store, c)) for m in steps.values() for row in m.contributions for c in row]
         assert all(b is not None for b in capped)  # the budget bit: replay must re-use it to be exact
@@ -207,7 +264,7 @@ def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run,
     # A copy of the store holding tampered variants of step 2 (and of step 3's start state).
     tampered = Blockstore(tmp_path / "blocks")
     shutil.copytree(store.root, tampered.root, dirs_exist_ok=True)
-    start = bytes_to_tensors(read_bytes(store, m2.replay[1][0]))
+    start = bytes_to_tensors(read_start_state(store, m2, 1, 0))
     moment = next(k for k in start if k.startswith("inner/exp_avg/"))
     bad_moment = _put_tensors(tampered, {**start, moment: start[moment] * 2})   # optimizer state
     weight = next(k for k in start if k.startswith("param/"))
@@ -244,7 +301,7 @@ def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run,
     check_continuity(tampered, replica0_step2, str(cps[3]))
     assert replica0_step2.ok
     # ...and a step 3 that publishes another optimizer state is caught.
-    nxt = bytes_to_tensors(read_bytes(store, m3.replay[0][1]))
+    nxt = bytes_to_tensors(read_start_state(store, m3, 0, 1))
     k = next(k for k in nxt if k.startswith("inner/exp_avg_sq/"))
     cp3 = put_manifest(tampered, _with(m3, replay={(0, 1): _put_tensors(tampered, {**nxt, k: nxt[k] * 0})}))
     check_continuity(tampered, replica0_step2, str(cp3))
@@ -264,7 +321,7 @@ def _fragment_continuity(store, tampered, steps, cps) -> None:
     from trainer.diloco import fragment_groups, fragment_of
 
     m2 = steps[2]
-    start = bytes_to_tensors(read_bytes(store, m2.replay[1][0]))
+    start = bytes_to_tensors(read_start_state(store, m2, 1, 0))
     shapes = {k.removeprefix("param/"): v.shape for k, v in start.items() if k.startswith("param/")}
     unsent = next(n for n in sorted(shapes) if n not in fragment_of(1, fragment_groups(shapes, 2)))
     cp = put_manifest(tampered, _with(m2, replay={(1, 0): _put_tensors(

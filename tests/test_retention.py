@@ -221,3 +221,47 @@ def test_a_prune_cut_short_leaves_whole_blocks_and_the_next_gc_finishes_it(train
     assert res.returncode == 0, res.stdout + res.stderr
     assert [s["unavailable"] for s in json.loads(res.stdout)["steps"]] == [
         {"replay": "not possible: start state pruned"}] * 2 + [{}]
+
+
+@pytest.mark.slow
+def test_a_kept_start_state_keeps_the_shard_it_refers_to_and_a_car_carries_it(tmp_path, small_job):
+    """Under the restart rule (delay 1) round t starts from step t-2's shard: the start
+    states refer to it (lineage/store/roundstate.py). A CAR of the run carries what they
+    refer to, and the run verifies and replays from it in a store of its own; `dlx cas gc
+    --keep last:1`, which keeps no shard of step 1 for step 1, keeps the ones step 3's
+    states refer to, and `dlx verify` rebuilds those states from them. (Replaying an
+    overlapped rule's step needs the step before's start states too: `last:2`.)"""
+    from lineage.store.roundstate import read_start_state, round_state_ref
+
+    job = tmp_path / "job.toml"
+    job.write_text(small_job("keep-ref", steps=3, inner_steps=2, extra='delay = 1\noverlap = "restart"\n'))
+    run_dir = tmp_path / "run"
+    res = _dlx("train", job, "--run-dir", run_dir, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    store = Blockstore(run_dir / "blocks")
+    hist = history(store, parse_cid(RunRecord.load(run_dir).head))
+    assert [round_state_ref(store, c).weights for c in _starts(hist[3])] == hist[1].stages * 2
+    assert [round_state_ref(store, c).weights for c in _starts(hist[2])] == hist[0].stages * 2
+
+    res = _dlx("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
+    assert res.returncode == 0, res.stderr
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("blocks"))
+    res = _dlx("cas", "import", tmp_path / "run.car", "--run-dir", copy)
+    assert res.returncode == 0, res.stderr
+    imported = Blockstore(copy / "blocks")
+    assert [read_start_state(imported, m, r, s) for m in hist[1:] for r in (0, 1) for s in (0, 1)] == \
+        [read_start_state(store, m, r, s) for m in hist[1:] for r in (0, 1) for s in (0, 1)]
+    res = _dlx("verify", "--run-dir", copy, "--replay", "1.0", "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert len(json.loads(res.stdout)["replay"]) == 6
+
+    assert 1 not in kept_steps(KeepPolicy.parse("last:1"), 3).shards
+    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "last:1", "--grace", "0")
+    assert res.returncode == 0, res.stderr
+    assert not any(store.has(c) for m in hist[1:3] for c in _starts(m))  # pruned as before
+    for cid in hist[1].stages:  # step 1's shards: not kept for step 1, kept for step 3's states
+        check_file(store, cid, workers=0)
+    res = _dlx("verify", "--run-dir", run_dir, "--json")  # level 2 rebuilds the head's states
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert all({"chain", "content", "aggregate"} <= set(s["passed"]) for s in json.loads(res.stdout)["steps"])

@@ -104,3 +104,51 @@ def test_worker_processes_report_exactly_what_one_process_reports(trained_run, t
     assert [s["ok"] for s in alone["steps"]] == [False, False, True]
     assert set(alone["steps"][0]["failures"]) == {"content", "aggregate"}  # its own shard is corrupt
     assert set(alone["steps"][1]["failures"]) == {"content", "aggregate"}  # a corrupt contribution (and parent)
+
+
+#: `dlx train` whose sink links hostile round-state nodes for step 2's replica 0 (calls 5
+#: and 6 of 2 replicas x 2 stages a step): stage 0's says another digest than its bytes
+#: have, stage 1's names its rest file as the weights.
+HOSTILE_DLX = """
+import sys, dag_cbor
+from workers.sink import LedgerSink
+from lineage.store.cid import DAG_CBOR
+from lineage.store.roundstate import round_state_ref
+calls, real = [], LedgerSink._put_start
+def put(self, data, shards):
+    cid = real(self, data, shards)
+    calls.append(cid)
+    if len(calls) in (5, 6):
+        ref = round_state_ref(self.store, cid)
+        node = {"version": 1, "kind": "round-state", "weights": ref.weights, "rest": ref.rest,
+                "size": ref.size, "sha256": ref.sha256}
+        node.update({"sha256": bytes(32)} if len(calls) == 5 else {"weights": ref.rest})
+        cid = self.store.put(dag_cbor.encode(node), DAG_CBOR)
+    return cid
+LedgerSink._put_start = put
+from workers.cli import main
+sys.argv[0] = "dlx"
+main()
+"""
+
+
+@pytest.mark.slow
+def test_hostile_round_state_nodes_fail_content_and_replay_with_their_reason(tmp_path, small_job):
+    job = tmp_path / "job.toml"
+    job.write_text(small_job("hostile", steps=3, inner_steps=2))
+    run_dir = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-c", HOSTILE_DLX, "train", str(job), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    steps = {s["step"]: s for s in json.loads(res.stdout)["steps"]}
+    assert "content" in steps[1]["passed"] and "content" in steps[3]["passed"]
+    assert "the rebuilt bytes do not have the node's sha256" in steps[2]["failures"]["content"]
+    assert "round state" in steps[2]["failures"]["replay"]
+    step2 = dag_cbor.decode(Blockstore(run_dir / "blocks").get(
+        dag_cbor.decode(Blockstore(run_dir / "blocks").get(RunRecord.load(run_dir).head))["parent"]))
+    res = subprocess.run([DLX, "cas", "get", str(parse_cid(step2["replay"][0][1])), "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "are not a shard" in res.stderr, res.stderr

@@ -138,6 +138,7 @@ def get(
 ) -> None:
     """Write the file CID to -o FILE, or the directory CID's tree under -o DIR; every block
     is re-hashed, a bad one is an error naming it."""
+    from lineage.store.roundstate import is_reference, read_round_state
     from lineage.store.unixfs import read_file
     from lineage.store.unixfs_dir import is_directory
 
@@ -146,15 +147,22 @@ def get(
     if is_directory(target, root):
         _get_tree(target, root, output)
         return
+
+    def write(fh: Any) -> None:
+        if is_reference(root):  # a round-start state stored by reference: rebuilt, checked
+            fh.write(read_round_state(target, root))
+        else:
+            read_file(target, root, fh)
+
     if output is None:
-        read_file(target, root, sys.stdout.buffer)
+        write(sys.stdout.buffer)
         return
     from trainer.errors import DlxError
 
     tmp = output.with_name(f".{output.name}.dlx-tmp")
     try:
         with open(tmp, "wb") as fh:  # written in full before it takes the real name
-            read_file(target, root, fh)
+            write(fh)
         os.replace(tmp, output)
     except DlxError:
         raise

@@ -328,6 +328,7 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     its stage's outer shard and, where the round can be re-run (synchronous rules with
     round-start states), its own start state and claimed contribution
     (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
+    from lineage.store.roundstate import read_start_state
     from lineage.store.unixfs import read_bytes
     from trainer.engine import ResumePoint
 
@@ -338,7 +339,7 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     if replica not in manifest.replica_ids(job.parallel.replicas):  # absent from that step: fresh state
         return ResumePoint(step=manifest.step, shard=shard)
     row = manifest.row(replica)
-    return ResumePoint(step=manifest.step, shard=shard, state=read_bytes(store, manifest.replay[row][stage]),
+    return ResumePoint(step=manifest.step, shard=shard, state=read_start_state(store, manifest, row, stage),
                        claimed=read_bytes(store, manifest.contributions[row][stage]))
 
 

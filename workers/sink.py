@@ -3,13 +3,16 @@
 For every step it stores the stage shards, the contributions and the ranks' round-start
 states (what replay verification starts from) as UnixFS files (the CIDs
 `ipfs add --cid-version=1` gives the same bytes: a raw block up to 256 KiB, a dag-pb root
-above), links them in a DAG-CBOR manifest whose parent is the previous checkpoint, has each
-(replica, stage) slot's node key sign an EIP-712 `Contribution` (with the digest of the new
-stage shard that slot's rank computed itself: the replicas co-sign the aggregate), and
-commits the step on the ledger. An elastic run's step may have only some replicas
-(`StepArtifacts.replicas`, at least `[parallel] min_replicas`; empty: all R): its manifest
-then lists them (`replicas`), its rows and claims are theirs in ascending id order, and
-every claim and the commit carry the step's replica set.
+above; a round-start state whose weights are a committed shard's, the parent's or under
+the restart rule the one before, as a reference to that shard and a file of the rest of
+the state: lineage/store/roundstate.py), links them in a DAG-CBOR manifest whose parent is
+the previous checkpoint, has each (replica, stage) slot's node key sign an EIP-712
+`Contribution` (with the digest of the new stage shard that slot's rank computed itself:
+the replicas co-sign the aggregate), and commits the step on the ledger. An elastic run's
+step may have only some replicas (`StepArtifacts.replicas`, at least `[parallel]
+min_replicas`; empty: all R): its manifest then lists them (`replicas`), its rows and
+claims are theirs in ascending id order, and every claim and the commit carry the step's
+replica set.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 Every inner step's progress and every committed step's metrics also go to
@@ -41,7 +44,8 @@ from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
 from lineage.store.manifest import Manifest, get_manifest, put_config, put_manifest
-from lineage.store.unixfs import file_cid, import_bytes
+from lineage.store.roundstate import param_digest, put_round_state, reference_shards
+from lineage.store.unixfs import file_cid, import_bytes, read_bytes
 from trainer.artifacts import GenesisArtifacts, Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import TrainingDiverged, TrainingError
@@ -161,6 +165,9 @@ class LedgerSink:
         self._committed = options.get("on_committed")
         self._config_cid: CID | None = None
         self._head: CID | None = None
+        # the `param_digest` of the shards stored lately, by CID text: what round-start
+        # states may refer to (a resumed run reads its last ones back once)
+        self._weights: dict[str, bytes | None] = {}
         self.trackers = open_trackers(run_dir, options.get("tracking"), record.name, self.config.get("job", {}),
                                       {"dlx.run_dir": str(run_dir)})
 
@@ -176,7 +183,7 @@ class LedgerSink:
 
     def on_genesis(self, genesis: GenesisArtifacts) -> None:
         self._config_cid = put_config(self.store, self.config)
-        stages = [self._put_file(s.data) for s in genesis.stages]
+        stages = [self._put_shard(s.data) for s in genesis.stages]
         manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
         head = put_manifest(self.store, manifest)
         nodes = list(dict.fromkeys(self.slot_nodes))
@@ -206,7 +213,7 @@ class LedgerSink:
             raise TrainingError("outer step reported before genesis")
         present = self._present(step)
         self._refuse_divergence(step)
-        stages = [self._put_file(self.hooks.stored_shard(step.step, s.stage, s.data)) for s in step.stages]
+        stages = [self._put_shard(self.hooks.stored_shard(step.step, s.stage, s.data)) for s in step.stages]
         parent_cid = self._head
         if self.hooks.stale_parent(step.step):
             parent_cid = get_manifest(self.store, self._head).parent or self._head
@@ -269,8 +276,12 @@ class LedgerSink:
         manifest, one row per present replica; returns (its CID, the manifest)."""
         assert self._config_cid is not None
         S, n = self.job.parallel.stages, len(present)
-        starts = [self._put_file(c.start_state) for c in step.contributions] if all(
-            c.start_state for c in step.contributions) else []
+        starts = []
+        if all(c.start_state for c in step.contributions):
+            manifests: dict[str, Manifest] = {}
+            shards = [self._reference_shards(parent, s, manifests) for s in range(S)]
+            starts = [self._put_start(c.start_state, shards[c.stage]) for c in step.contributions]
+        self._forget_weights(stages, parent)
         # Timings differ between two runs of the same job; they go to a local log, not into
         # the manifest, so the same job and seed give the same checkpoint CIDs.
         manifest = Manifest(
@@ -336,6 +347,35 @@ class LedgerSink:
     def _put_file(self, data: bytes) -> CID:
         """Store bytes as a UnixFS file; its CID (and so the on-chain digest) is Kubo's."""
         return import_bytes(data, self.store.put).cid
+
+    def _put_shard(self, data: bytes) -> CID:
+        """Store a stage shard as a UnixFS file, keeping the digest of its weights for the
+        round-start states of the next two steps to refer to."""
+        cid = self._put_file(data)
+        self._weights[str(cid)] = param_digest(data)
+        return cid
+
+    def _put_start(self, data: bytes, shards: list[tuple[CID, bytes | None]]) -> CID:
+        """Store a round-start state: by reference where its weights are one of `shards`'
+        (each with its weights' digest), else as a UnixFS file."""
+        return put_round_state(self.store, data, shards)
+
+    def _reference_shards(self, parent: CID, stage: int,
+                          manifests: dict[str, Manifest]) -> list[tuple[CID, bytes | None]]:
+        """The committed shards a round-start state of `stage` in the step on `parent` may
+        refer to (`lineage.store.roundstate.reference_shards`), with their weights' digests."""
+        out = []
+        for cid in reference_shards(self.store, parent, stage, manifests):
+            if str(cid) not in self._weights:  # a resumed run: read back once
+                self._weights[str(cid)] = param_digest(read_bytes(self.store, cid))
+            out.append((cid, self._weights[str(cid)]))
+        return out
+
+    def _forget_weights(self, stages: list[CID], parent: CID) -> None:
+        """Keep only the digests the next step's states may refer to: of this step's
+        shards and its parent's."""
+        keep = {str(c) for c in [*stages, *get_manifest(self.store, parent).stages]}
+        self._weights = {k: v for k, v in self._weights.items() if k in keep}
 
     def _pin(self, head: CID) -> None:
         """Point the run's pin set at its head: everything the run committed survives gc."""

@@ -16,7 +16,10 @@ start state's weights must be what the run's exchange rule derives from committe
 the shard of step t-1 (synchronous, and any run's first round or first after a resume),
 of step t-2 (the restart rule), the eager lookahead from step t-2 and the published
 contributions (eager), or the end of round t-1, bound to its published contribution and
-compressor state (partial; see `_check_start_weights`).
+compressor state (partial; see `_check_start_weights`). A start state stored by reference
+to the committed shard whose weights it holds (lineage/store/roundstate.py) is rebuilt
+first, its weights one of steps t-1 and t-2's shards of the same stage; one stored as a
+plain file (older runs, derived weights) is read as it is.
 `trainer.replay.replay_rounds` then re-runs the round on S local processes with the job
 configuration from the manifest's config block, the data shard the ledger attests and the
 trainer's own code; the adaptive rule re-uses the byte budget the claim recorded.
@@ -67,6 +70,7 @@ from multiformats import CID
 
 from lineage.errors import DlxError
 from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.roundstate import read_start_state
 from lineage.store.runconfig import RunConfig
 from lineage.store.unixfs import file_cid, read_bytes
 
@@ -322,7 +326,7 @@ def _prepare(store: Any, checkpoint: str, replica: int, tolerance: float, manife
             raise _Skip("the start-state table is not the step's replicas x stages")
         p.row = row = ids.index(replica)
         p.claimed = [read_bytes(store, m.contributions[row][s]) for s in range(S)]
-        p.starts = [read_bytes(store, m.replay[row][s]) for s in range(S)]
+        p.starts = [read_start_state(store, m, row, s, manifests=manifests) for s in range(S)]
         p.manifest = m
         p.reasons = _check_start_weights(store, m, p.starts, job, replica, manifests)
         if job.outer.rule == "partial":  # the round merged, and measured from, step t-1's shard
@@ -390,7 +394,7 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
             elif rule == "eager":
                 assert before is not None
                 own = read_bytes(store, parent.contributions[before][s])
-                parent_start = read_bytes(store, parent.replay[before][s])
+                parent_start = read_start_state(store, parent, before, s, manifests=cache)
                 first = grand.step == 0 or same_tensors(param_tensors(parent_start), param_tensors(grand_shard))
                 stale = None if first else [read_bytes(store, row[s]) for row in grand.contributions]
                 ok = eager_start_matches(job, replica, start, grand_shard, own, stale, m.replica_ids(R))
@@ -399,7 +403,7 @@ def _check_start_weights(store: Any, m: Manifest, starts: list[bytes], job: Any,
             else:  # partial
                 assert before is not None
                 reason = partial_start_reason(
-                    job, replica, s, start, read_bytes(store, parent.replay[before][s]),
+                    job, replica, s, start, read_start_state(store, parent, before, s, manifests=cache),
                     read_bytes(store, parent.contributions[before][s]), grand_shard)
         except (DlxError, ValueError, KeyError, IndexError) as exc:
             reason = f"start weights cannot be derived: {' '.join(str(exc).split())}"
@@ -787,7 +791,7 @@ def check_continuity(store: Any, result: ReplicaReplay, next_checkpoint: CID | s
     for s, stage in enumerate(result.stages):
         if stage.reason:
             continue
-        start = read_bytes(store, nxt.replay[row][s])
+        start = read_start_state(store, nxt, row, s)
         core = state_core(start, weights)
         if _continues(stage, core, result.end_states[s], result.tolerance):
             continue

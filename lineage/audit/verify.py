@@ -15,8 +15,11 @@ Levels, per committed step (DESIGN.md section 7):
    them, and the manifest's stage links are exactly those (version 1 runs, committed before
    co-signed shards, are checked under their own typed data).
 2. content: the manifest, its stage shards, every contribution and every round-start
-   state are present and hash to their CIDs; the manifest agrees with the chain (step,
-   parent, run, config, metrics digest, each slot's contribution digest and data-shard hash).
+   state are present and hash to their CIDs (a start state stored by reference to a
+   committed shard, lineage/store/roundstate.py: its node and files do, its shard is step
+   t-1's or t-2's of its stage, and the state rebuilt from them has the node's digest);
+   the manifest agrees with the chain (step, parent, run, config, metrics digest, each
+   slot's contribution digest and data-shard hash).
 3. aggregate: applying the outer step to the parent shards with the published
    contributions of exactly the step's replicas (ascending id) reproduces every new shard
    bit for bit.
@@ -68,6 +71,7 @@ from lineage.errors import DlxError
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import DAG_CBOR, block_name, cid_from_digest, digest_of
 from lineage.store.manifest import Manifest, get_manifest
+from lineage.store.roundstate import check_round_state, is_reference, reference_shards
 from lineage.store.runconfig import RunConfig
 from lineage.store.unixfs import check_file, file_cid, read_bytes
 from trainer.errors import ConfigError
@@ -370,6 +374,7 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
     out = []
     outer_cfg = None
     prev_shards = None  # the parent's stage shards, once read
+    parent: dict[str, bytes] = {}  # the same, by block name, when the step before was checked here
     for i in range(lo, hi):
         rec, checkpoint, prev = work.steps[i], work.checkpoints[i + 1], work.checkpoints[i]
         result: dict[str, str | None] = {}
@@ -380,7 +385,7 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
                 if manifest is None:
                     manifest = get_manifest(work.store, checkpoint)  # present, hashing to the on-chain digest
                 if level == "content":
-                    _verify_content(work, manifest, rec, prev, read if "aggregate" in work.levels else None)
+                    _verify_content(work, manifest, rec, prev, read if "aggregate" in work.levels else None, parent)
                 elif level == "aggregate":
                     if outer_cfg is None:
                         outer_cfg = _outer_config(work.store, work.config)
@@ -392,6 +397,8 @@ def _levels_2_3(work: _Work, lo: int, hi: int) -> list[dict[str, str | None]]:
                 result[level] = str(exc)
         out.append(result)
         prev_shards = shards  # None: the next step reads them, if it needs them
+        parent = {block_name(c)[0]: b for c, b in zip(manifest.stages, shards, strict=True)} \
+            if manifest is not None and shards is not None else {}
     return out
 
 
@@ -567,11 +574,13 @@ def _verify_cosigned(rec: StepRecord, manifest: Manifest | None, atts: tuple[Att
             f"(0x{shards[s].hex()[:16]}..)"))
 
 
-def _verify_content(work: _Work, m: Manifest, rec: StepRecord, prev: Any, keep: dict[str, bytes] | None) -> None:
+def _verify_content(work: _Work, m: Manifest, rec: StepRecord, prev: Any, keep: dict[str, bytes] | None,
+                    shards: dict[str, bytes] | None = None) -> None:
     """Level 2 of step `rec` (manifest `m`, parent checkpoint `prev`); with `keep`, the
     contributions' and shards' bytes are left there for level 3 (read once, hashed once), by
-    block name (the CID: codec and digest). Files in `work.pruned` (removed by retention, as
-    allowed) are not looked for."""
+    block name (the CID: codec and digest). `shards`: the parent's shards, by block name,
+    where level 3 has them already (a start state stored by reference rebuilds from them).
+    Files in `work.pruned` (removed by retention, as allowed) are not looked for."""
     store, run_id, config, R, S, pruned = work.store, work.run_id, work.config, work.R, work.S, work.pruned
 
     def check(cid: Any) -> None:
@@ -607,9 +616,15 @@ def _verify_content(work: _Work, m: Manifest, rec: StepRecord, prev: Any, keep: 
     if m.replay:  # the round-start states replay verification starts from
         _check(len(m.replay) == len(replicas) and all(len(row) == S for row in m.replay),
                "start-state table is not the step's replicas x stages")
+        manifests: dict[str, Manifest] = {}
         for starts in m.replay:
-            for cid in starts:
-                if block_name(cid)[0] not in pruned:
+            for s, cid in enumerate(starts):
+                if block_name(cid)[0] in pruned:
+                    continue
+                if is_reference(cid):  # rebuilt from the shard it names, one it may start from
+                    check_round_state(store, cid, shards=reference_shards(store, m.parent, s, manifests),
+                                      known=shards, workers=0)
+                else:
                     check_file(store, cid, workers=0)
     for cid in m.stages:
         check(cid)

@@ -18,7 +18,11 @@ still open, what a challenge of it and the rollback an upheld one causes need: i
 states and its parent's shards and start states.
 
 A step the policy keeps keeps its start states, its own shards and its parent's shards
-(replaying step t checks its start weights against step t-1's shard).
+(replaying step t checks its start weights against step t-1's shard). A kept start state
+stored by reference to the shard whose weights it holds (lineage/store/roundstate.py: step
+t-1's, or step t-2's under the restart rule) keeps that shard too, whatever the policy says
+of its step: `plan` protects every block a kept file reaches, and the reference node links
+the shard.
 
 Removal (`Blockstore.prune`) first records each root it removes under `.pruned/`, then
 unlinks blocks, each root before the blocks under it, so a crash at any point leaves no
