@@ -381,7 +381,7 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
     """The run directory of `ref`, whose run.json says where its chain and blocks are (what
     `dlx verify` reads): its own; for a run id, a temporary one naming the chain and the
     blocks the options give (as for every command). A CID names a checkpoint, not a run."""
-    from lineage.chain.runrecord import RunRecord
+    from lineage.chain.runrecord import RUN_FILE, RunRecord
 
     if ref.cid is not None:
         raise config_error(f"{what} takes a whole run, and {ref.text} is one checkpoint: give {WHOLE_RUN_FORMS} "
@@ -389,7 +389,8 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
     if ref.run_dir is None and run_dir is not None and RunRecord.load(run_dir).run_id == ref.run_id:
         ref = RunRef(ref.text, run_dir=run_dir)  # the run in --run-dir itself
     if ref.run_dir is not None:
-        check_chain(RunRecord.load(ref.run_dir), rpc)
+        if (ref.run_dir / RUN_FILE).is_file():  # else the command's own checks come first, then "not a run"
+            check_chain(RunRecord.load(ref.run_dir), rpc)
         yield ref.run_dir
         return
     import tempfile
