@@ -637,7 +637,7 @@ def test_an_honest_job_dumps_as_before_and_cheats_are_validated(small_job):
     one = _job(small_job, '[cheat]\nmode = "poison"\nreplica = 1\n')
     assert [(c.mode, c.replica, c.stage, c.from_step) for c in one.cheat] == [("poison", 1, 0, 1)]
     for extra, message in [
-        ('[cheat]\nmode = "poison"\nstrength = 3\n', "cheat.0.strength: Extra inputs are not permitted"),
+        ('[cheat]\nmode = "poison"\nstrength = 3\n', "cheat.0.strength: unknown key"),
         ('[cheat]\nmode = "lie"\n', "cheat.0.mode: Input should be"),
         ('[cheat]\nmode = "poison"\nreplica = 2\n', "cheat: slot (2, 0) is outside the 2 x 2 world"),
         ('[cheat]\nmode = "stale_parent"\n', "cheat: stale_parent needs from_step >= 2"),

@@ -40,7 +40,7 @@ INVALID = {  # refused by validation alone, by both commands
     "d_model_2_30": ({"model": {"d_model": 2**30}}, "model.d_model: Input should be less than or equal to 65536"),
     "too_many_parameters": ({"model": {"d_model": 65536, "n_layers": 1024}}, "parameters exceed the 1,100B"),
     "infinite_lr": ({"inner": {"lr": float("inf")}}, "inner.lr: Input should be a finite number"),
-    "unknown_key": ({"inner": {"beta": [0.9, 0.9]}}, "inner.beta: Extra inputs are not permitted"),
+    "unknown_key": ({"inner": {"beta": [0.9, 0.9]}}, "inner.beta: unknown key (did you mean betas?)"),
     "too_many_arbiters": ({"chain": {"arbiters": ARBITERS, "quorum": 1}},
                           "chain.arbiters: List should have at most 256 items"),
     "not_an_http_rpc": ({"chain": {"rpc": "ftp://x"}}, "chain.rpc: must be an http:// or https:// JSON-RPC URL"),

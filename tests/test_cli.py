@@ -34,7 +34,14 @@ def test_top_level_help_is_fast():
 
 
 BAD_JOBS = {
-    "unknown_key": ("[outer]\nsteps = 2\ninner_steps = 3\nbogus = 1\n", "outer.bogus"),
+    "unknown_key": ("[outer]\nsteps = 2\ninner_steps = 3\nbogus = 1\n", "outer.bogus: unknown key"),
+    # the typo first, naming the key it misses, then what it leaves missing
+    "near_miss_key": ("[outer]\nsteps = 2\ninner_step = 4\n",
+                      "outer.inner_step: unknown key (did you mean inner_steps?); outer.inner_steps: Field required"),
+    # every problem, unknown keys first, on one line
+    "every_problem": ("[model]\nd_model = '128'\n[inner]\nlrr = 1\n[outer]\nsteps = 2\ninner_steps = 3\n",
+                      "inner.lrr: unknown key (did you mean lr?); model.d_model: Input should be a valid integer "
+                      '(got "128")'),
     "h_zero": ("[outer]\nsteps = 2\ninner_steps = 0\n", "outer.inner_steps"),
     "stages_exceed_layers": (
         "[model]\nn_layers = 2\n[parallel]\nstages = 3\nmicrobatches = 4\n[outer]\nsteps = 2\ninner_steps = 3\n",
@@ -47,7 +54,8 @@ BAD_JOBS = {
         "quorum = 2\n",
         "quorum must be between 1 and 1",
     ),
-    "unknown_section": ("[outer]\nsteps = 2\ninner_steps = 3\n[chian]\nrpc = 'x'\n", "chian"),
+    "unknown_section": ("[outer]\nsteps = 2\ninner_steps = 3\n[chian]\nrpc = 'x'\n",
+                        "chian: unknown section (did you mean chain?)"),
     "vocab_below_tokenizer": ("[model]\nvocab_size = 100\n[outer]\nsteps = 2\ninner_steps = 3\n",
                               "model.vocab_size (100) is smaller than the tokenizer's vocabulary"),
     "kv_heads_do_not_divide": (

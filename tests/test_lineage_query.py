@@ -74,9 +74,9 @@ def test_run_id_and_checkpoint_cid_give_the_steps_of_the_run_dir(served):
 def test_lineage_errors_are_one_line(served, tmp_path):
     run_dir, record, url = served
     env = {"DLX_RPC": url, "DLX_LEDGER": record.ledger, "DLX_STORE": str(record.blocks_dir(run_dir))}
-    assert "give a run id, a checkpoint CID, or --run-dir" in one_line_error(run_dlx({}, "lineage", real=True))
+    assert "dlx lineage needs a run: a run directory" in one_line_error(run_dlx({}, "lineage", real=True))
     assert "LedgerUnknownRun(runId=9)" in one_line_error(run_dlx(env, "lineage", "9"))
-    assert "neither a run id nor a CID" in one_line_error(run_dlx(env, "lineage", "bafy-not-a-cid"))
+    assert "'bafy-not-a-cid' names no run" in one_line_error(run_dlx(env, "lineage", "bafy-not-a-cid"))
     assert "block not found" in one_line_error(run_dlx({**env, "DLX_STORE": str(tmp_path)}, "lineage", record.head))
     no_store = {k: v for k, v in env.items() if k != "DLX_STORE"}
     assert "no blockstore" in one_line_error(run_dlx(no_store, "lineage", "1"))
@@ -134,5 +134,5 @@ def test_diff_between_step_1_and_step_3(served):
     table = run_dlx({}, "lineage", "diff", a, b, "--store", str(record.blocks_dir(run_dir)), real=True)
     assert table.returncode == 0, table.stderr
     assert "eval_loss" in table.stdout and "param/wte.weight" in table.stdout.replace("\n", "")
-    assert "not a CID" in one_line_error(run_dlx({}, "lineage", "diff", a, "nope", "--run-dir", str(run_dir)))
+    assert "'nope' names no run" in one_line_error(run_dlx({}, "lineage", "diff", a, "nope", "--run-dir", str(run_dir)))
 

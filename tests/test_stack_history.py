@@ -6,9 +6,9 @@ state, loss) and `dlx logs JOB` shows each rank's output and the workers' lines 
 the stack's anvil killed with SIGKILL (no exit dump) loses nothing: after `dlx down` (every
 process `up` started is stopped) `up` restarts the same chain from the keeper's state file,
 on the same port, with the same ledger (not redeployed), and the README's
-`dlx lineage --run-dir` and `dlx verify --run-dir` audit the first run; after a clean `down`
+`dlx lineage --run-dir` and `dlx verify JOB --stack` audit the first run; after a clean `down`
 with the old port taken, `up` moves the chain to another port and the run's run.json still
-finds it (it names its stack).
+finds it (it names its stack); with the stack down, `dlx verify JOB` names `dlx up`.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ def down(stack: Path) -> None:
 
 
 def audit(stack: Path, job: str) -> list[int]:
-    """The README's commands for a stack run; returns the steps on chain."""
-    run_dir = str(stack / "runs" / job)
-    lineage = json.loads(dlx("lineage", "--run-dir", run_dir, "--json").stdout)
-    dlx("verify", "--run-dir", run_dir)
+    """The README's commands for a stack run (the job named as a run, and the older
+    --run-dir form); returns the steps on chain."""
+    lineage = json.loads(dlx("lineage", "--run-dir", str(stack / "runs" / job), "--json").stdout)
+    dlx("verify", job, "--stack", str(stack))
     return [s["step"] for s in lineage["steps"]]
 
 
@@ -87,3 +87,6 @@ def test_a_stack_keeps_its_chain_and_ledger_across_down_and_up(tmp_path: Path) -
         assert third["rpc"] != first["rpc"] and third["ledger"] == first["ledger"]
         assert audit(stack, job) == [1, 2]  # run.json finds the chain where it listens now
         down(stack)
+    # The stack down: its run's chain is gone with it, and the error says what brings it back.
+    res = subprocess.run([DLX, "verify", job, "--stack", str(stack)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and f"`dlx up --stack {stack.resolve()}` brings both back" in res.stderr, res.stderr

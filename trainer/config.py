@@ -1,6 +1,6 @@
 """Job configuration: pydantic models for the `[model]`, `[parallel]`, `[data]`, `[inner]`
 and `[outer]` sections of a job file, plus `load_job`, which turns validation failures into
-one-line `ConfigError`s naming the field path.
+one-line `ConfigError`s naming every problem's field path, unknown keys first.
 
 Every section forbids unknown keys. `JobConfig` may be subclassed to add sections (the
 worker's job-file loader adds `chain` and `storage`); pass the subclass to `load_job`.
@@ -724,20 +724,67 @@ def stage_layers(n_layers: int, stage: int, stages: int) -> range:
 J = TypeVar("J", bound=JobConfig)
 
 
-def one_line(err: ValidationError, prefix: str = "") -> str:
-    """A validation error as one line naming the field's path (under `prefix`, if given)."""
+def one_line(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """Every problem of a validation error on one line, joined by "; ": unknown keys first
+    (the typo that explains a "Field required" beside it), each naming the field's path
+    (under `prefix`, if given). With `model`, the class validated, an unknown key that is a
+    near miss of a known one says which (`outer.inner_step: unknown key (did you mean
+    inner_steps?)`)."""
     errors = err.errors(include_url=False)
-    first = errors[0]
-    loc = ".".join(str(part) for part in ([prefix] if prefix else []) + list(first["loc"]))
-    msg = first["msg"].removeprefix("Value error, ")
-    given = first.get("input")
-    if first["type"] != "value_error" and isinstance(given, str | int | float | bool):
-        shown = json.dumps(given)  # TOML's spelling: "128" is a string, 128 a number
-        msg += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
-    line = f"{loc}: {msg}" if loc else msg
-    if len(errors) > 1:
-        line += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
-    return line
+    ordered = [e for e in errors if e["type"] == "extra_forbidden"] + \
+              [e for e in errors if e["type"] != "extra_forbidden"]
+    problems = [_problem(e, prefix, model) for e in ordered]
+    return "; ".join(dict.fromkeys(problems))  # each once, in order
+
+
+def _problem(error: Any, prefix: str, model: type[BaseModel] | None) -> str:
+    """One validation error as `path: what is wrong`."""
+    path = list(error["loc"])
+    loc = ".".join(str(part) for part in ([prefix] if prefix else []) + path)
+    if error["type"] == "extra_forbidden":
+        what = "unknown section" if isinstance(error.get("input"), dict) else "unknown key"
+        near = _near_miss(model, path) if model is not None and path else None
+        msg = f"{what} (did you mean {near}?)" if near else what
+    else:
+        msg = error["msg"].removeprefix("Value error, ")
+        given = error.get("input")
+        if error["type"] != "value_error" and isinstance(given, str | int | float | bool):
+            shown = json.dumps(given)  # TOML's spelling: "128" is a string, 128 a number
+            msg += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    return f"{loc}: {msg}" if loc else msg
+
+
+def _near_miss(model: type[BaseModel], path: list[Any]) -> str | None:
+    """The known key of the section at `path[:-1]` that `path[-1]` most resembles, if any."""
+    import difflib
+
+    section: Any = model
+    for part in path[:-1]:
+        if isinstance(part, int):  # an entry of a list of sections (`[[cheat]]`)
+            continue
+        field = section.model_fields.get(part) if _is_model(section) else None
+        section = _model_in(field.annotation) if field is not None else None
+    if not _is_model(section):
+        return None
+    close = difflib.get_close_matches(str(path[-1]), list(section.model_fields), n=1)
+    return close[0] if close else None
+
+
+def _is_model(obj: Any) -> bool:
+    return isinstance(obj, type) and issubclass(obj, BaseModel)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The section class an annotation holds (`X`, `X | None`, `list[X]`), if any."""
+    from typing import get_args
+
+    if _is_model(annotation):
+        return annotation
+    for arg in get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
 
 
 @overload
@@ -755,4 +802,4 @@ def load_job(data: Any, cls: type[Any] = JobConfig) -> Any:
     try:
         return cls.model_validate(data)
     except ValidationError as err:
-        raise ConfigError(one_line(err)) from None
+        raise ConfigError(one_line(err, model=cls)) from None

@@ -1,7 +1,8 @@
 """The `dlx` command line.
 
     dlx train examples/tiny.toml        # train, store checkpoints, record steps on a chain
-    dlx lineage --run-dir runs/tiny-... # the run's checkpoint chain, read back from the chain
+    dlx lineage runs/tiny-...           # the run's checkpoint chain, read back from the chain
+    dlx verify runs/tiny-...            # audit every step (a run: workers/cli_common.py's RUN forms)
 
 Heavy libraries (torch, web3) are imported inside the commands, so `dlx --help` is fast.
 Every user error is one line on stderr and exit code 2 (workers/cli_common.py, which also
@@ -22,7 +23,18 @@ import typer
 from trainer.supervisor import warm_up
 
 from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node, cli_plan
-from .cli_common import EXIT_FAILED, user_errors
+from .cli_common import (
+    DEFAULT_STACK,
+    EXIT_FAILED,
+    ApiOpt,
+    ChainIdOpt,
+    LedgerOpt,
+    RegistryOpt,
+    RunDirOpt,
+    StoreOpt,
+    WholeRunArg,
+    user_errors,
+)
 
 app = typer.Typer(
     name="dlx",
@@ -39,7 +51,6 @@ app = typer.Typer(
 RANK_IMPORTS = ("workers.cli", "lineage.store.unixfs")
 
 # Options the reading commands (lineage, verify) share.
-RunDirOption = Annotated[Path, typer.Option("--run-dir", help="The run directory written by `dlx train`.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 ReadRpcOption = Annotated[str | None, typer.Option("--rpc", help="Read from this chain instead of the run's own.")]
 
@@ -121,14 +132,17 @@ def train(
 @app.command()
 @user_errors
 def verify(
-    run_dir: RunDirOption,
+    run: WholeRunArg = None,
     as_json: JsonOption = False,
     rpc: ReadRpcOption = None,
     replay: Annotated[float, typer.Option("--replay", metavar="FRACTION", help="Also replay this fraction (0..1) of the (step, replica) pairs from their start states (at least one when > 0).")] = 0.0,
     tolerance: Annotated[float | None, typer.Option("--tolerance", help="How a native run's replays are judged: 0 bit for bit, X > 0 the flip-aware comparison within relative X (default: bit for bit where this machine's kernel fingerprint is the trainer's, else flip-aware within the calibrated tolerance). A portable run replays bit for bit whatever it says.")] = None,
     queue: Annotated[bool, typer.Option("--queue", help="Fan the replays out to the workers' `verify` queue (Redis from --stack or DLX_REDIS_URL) instead of replaying here.")] = False,
-    stack_dir: Annotated[Path, typer.Option("--stack", help="The local stack's directory (`dlx up`), for --queue.")] = Path(".dlx"),
+    stack_dir: Annotated[Path | None, typer.Option("--stack", help="The local stack's directory (`dlx up`; default .dlx): its job RUN, its chain for a run id, its queue for --queue.")] = None,
     data_full: Annotated[bool, typer.Option("--data-full", help="Also re-tokenize the stored dataset with the recorded tokenizer and check it gives the token file's CID.")] = False,
+    run_dir: RunDirOpt = None,
+    chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    store: StoreOpt = None, ipfs_api: ApiOpt = None,
 ) -> None:
     """Audit every committed step: chain (links, signatures, stakes), content (every block
     present and matching its CID), aggregate (outer step recomputed bit for bit), data (each
@@ -136,16 +150,21 @@ def verify(
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
+    from workers.cli_common import name_run, need_run, run_directory
+
+    ref = need_run(name_run(run, run_dir=run_dir, stack=stack_dir), "dlx verify")
     if replay > 0 and not queue:
         warm_up(RANK_IMPORTS)  # the replay processes' imports, while the chain and blocks are checked
     from lineage.audit.verify import LEVELS, REPLAY, verify_run
     from workers.console import Ticker
 
-    replayer = _queue_replayer(run_dir, stack_dir) if queue and replay > 0 else None
-    ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
-    with ticker or nullcontext():
-        report = verify_run(run_dir, rpc, replay=replay, tolerance=tolerance,
-                            replayer=_ticking(ticker, replayer) if ticker else None, data_full=data_full)
+    with run_directory(ref, "dlx verify", rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
+                       run_dir=run_dir, stack=stack_dir, store=store, ipfs_api=ipfs_api) as where:
+        replayer = _queue_replayer(where, stack_dir or DEFAULT_STACK) if queue and replay > 0 else None
+        ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
+        with ticker or nullcontext():
+            report = verify_run(where, rpc, replay=replay, tolerance=tolerance,
+                                replayer=_ticking(ticker, replayer) if ticker else None, data_full=data_full)
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:

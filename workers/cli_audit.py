@@ -1,9 +1,12 @@
 """`dlx` commands for auditors and arbiters: lineage, diff, challenges, verdicts, slashing.
 
-    dlx lineage RUN|CID [--json|--html FILE]      # a run's commits, or one checkpoint's ancestors
-    dlx lineage --run-dir runs/tiny-...           # the run a `dlx train` left in a directory
-    dlx lineage diff CID_A CID_B [--json]         # per-tensor change norms, metric deltas
+    dlx lineage RUN [--json|--html FILE]          # a run's commits, or one checkpoint's ancestors
+    dlx lineage runs/tiny-...                     # the run a `dlx train` left in a directory
+    dlx lineage diff A B [--top N] [--json]       # summary, per-tensor change norms, metric deltas
     dlx lineage compare RUN_A RUN_B [--json|--html FILE]  # two run directories side by side
+
+A RUN is a run directory, a stack job, a run id on a chain or a checkpoint CID, resolved in
+one place (workers/cli_common.py, `name_run`); `--run-dir DIR` still names a run directory.
     dlx challenge RUN STEP --node ADDR            # replay the node's work; challenge a mismatch
     dlx arbiter vote ID --uphold|--dismiss [--replay] [--out FILE]   # sign a verdict
     dlx arbiter resolve ID --uphold|--dismiss SIG_OR_FILE...         # submit a quorum
@@ -45,18 +48,24 @@ from lineage.audit.evidence import (
 )
 
 from .cli_common import (
+    RUN_FORMS,
     ApiOpt,
     ChainIdOpt,
     Endpoint,
     LedgerOpt,
     RegistryOpt,
     RpcOpt,
+    RunArg,
     RunDirOpt,
+    RunRef,
     StackOpt,
     StoreOpt,
     address,
+    check_chain,
     endpoint_blocks,
-    open_blocks,
+    name_run,
+    need_run,
+    run_checkpoint,
     user_errors,
 )
 from .cli_node import JsonOpt, chain_time, fmt_wei, load_key, parse_amount
@@ -119,14 +128,14 @@ class _LineageGroup(TyperGroup):
 lineage_app = typer.Typer(
     name="lineage", cls=_LineageGroup,
     help="A run's checkpoint chain as recorded on the ledger, checked against the blockstore: "
-         "`dlx lineage RUN|CID` or `--run-dir DIR` (the `show` command), `dlx lineage diff A B` and "
-         "`dlx lineage compare RUN_A RUN_B`.")
+         "`dlx lineage RUN` (the `show` command; RUN a run directory, a stack job, a run id or a checkpoint "
+         "CID), `dlx lineage diff A B` and `dlx lineage compare RUN_A RUN_B`.")
 
 
 @lineage_app.command("show")
 @user_errors
 def show(
-    target: Annotated[str | None, typer.Argument(help="A run id, or a checkpoint CID (its ancestors).", show_default=False)] = None,
+    target: RunArg = None,
     run_dir: RunDirOpt = None,
     as_json: JsonOpt = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
@@ -135,14 +144,15 @@ def show(
 ) -> None:
     """The commits of a run (status pending/finalized/rejected, the replicas that took part,
     signers, contributions, metrics, transaction) or the ancestors of one checkpoint, with
-    the run's configuration."""
-    result = _lineage(target, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api)
+    the run's configuration. A CID shows that checkpoint's ancestors."""
+    ref = need_run(name_run(target, run_dir=run_dir, stack=stack), "dlx lineage")
+    result = _lineage(ref, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api)
     doc = result.as_json()
     if html is not None:
         from lineage.audit.report import render_html
         from workers.tracking import read_metrics
 
-        write_report(html, render_html(doc, read_metrics(run_dir) if run_dir is not None else None))
+        write_report(html, render_html(doc, read_metrics(ref.run_dir) if ref.run_dir is not None else None))
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
@@ -170,60 +180,57 @@ def show(
         out.print(f"report written to {html}")
 
 
-def _lineage(target: str | None, run_dir: Path | None, rpc: str | None, chain_id: int | None,
+def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int | None,
              registry: str | None, ledger: str | None, stack: Path | None, store: Path | None,
              ipfs_api: str | None) -> Any:
-    """`dlx lineage show`'s query: the run in --run-dir read as it recorded itself, or a run
-    id or checkpoint CID read through the endpoint the options name (flags win over run.json)."""
+    """`dlx lineage show`'s query: a run directory read as it recorded itself, or a run id
+    or checkpoint CID read through the endpoint the options name (flags win over run.json)."""
     from lineage.audit import query
+    from lineage.chain.runrecord import RunRecord
 
-    if target is None and run_dir is None:
-        raise AuditError("give a run id, a checkpoint CID, or --run-dir DIR")
-    if target is None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
-        return query.run_lineage(run_dir, rpc)  # type: ignore[arg-type]
+    if ref.run_dir is not None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
+        check_chain(RunRecord.load(ref.run_dir), rpc)
+        return query.run_lineage(ref.run_dir, rpc)
     # flags win over run.json (README): read through the endpoint they name
-    cid = None
-    if target is not None and not target.isdigit():
-        from lineage.store.cid import parse_cid
-
-        try:
-            cid = parse_cid(target)
-        except ValueError:
-            raise AuditError(f"{target!r} is neither a run id nor a CID") from None
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
-                          run_dir=run_dir, stack=stack)
-    if target is None:  # the run in --run-dir
-        target = str(ep.record.run_id)  # type: ignore[union-attr]
+                          run_dir=ref.run_dir or run_dir, stack=stack)
+    run_id = ep.record.run_id if ref.run_dir is not None else ref.run_id  # type: ignore[union-attr]
     blocks = endpoint_blocks(ep, store, ipfs_api)
     with ep.connect() as lg:
-        if cid is None:
-            name = ep.record.name if ep.record and ep.record.run_id == int(target) else None
-            return query.ledger_lineage(lg, blocks, int(target), name=name)
-        return query.checkpoint_lineage(lg, blocks, cid)
+        if ref.cid is None:
+            name = ep.record.name if ep.record and ep.record.run_id == run_id else None
+            return query.ledger_lineage(lg, blocks, int(run_id or 0), name=name)
+        return query.checkpoint_lineage(lg, blocks, ref.cid)
 
 
 @lineage_app.command("compare")
 @user_errors
 def compare(
-    run_a: Annotated[Path, typer.Argument(help="Run directory A (written by `dlx train`, or a stack's runs/JOB).")],
-    run_b: Annotated[Path, typer.Argument(help="Run directory B.")],
+    run_a: Annotated[str, typer.Argument(metavar="RUN_A", help="Run A: a run directory (written by `dlx train`) or a stack job (JOB, in .dlx or --stack DIR).", show_default=False)],
+    run_b: Annotated[str, typer.Argument(metavar="RUN_B", help="Run B, in either form.", show_default=False)],
     as_json: JsonOpt = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write the comparison as a self-contained HTML page.")] = None,
+    stack: StackOpt = None,
 ) -> None:
     """Two runs side by side: the configuration keys that differ, and their eval loss,
     train loss and bytes sent per outer step (with --html also inner loss and
     compression error, plotted on shared axes)."""
     from lineage.audit import query
     from lineage.audit.report import config_differences, render_compare_html
+    from lineage.chain.runrecord import RunRecord
     from workers.tracking import read_metrics
 
-    a, b = (query.run_lineage(d, None).as_json() for d in (run_a, run_b))
+    dir_a, dir_b = (_run_dir_of(text, stack) for text in (run_a, run_b))
+    for d in (dir_a, dir_b):
+        check_chain(RunRecord.load(d), None)
+
+    a, b = (query.run_lineage(d, None).as_json() for d in (dir_a, dir_b))
     diffs = config_differences(a, b)
     if html is not None:
-        write_report(html, render_compare_html(a, b, read_metrics(run_a), read_metrics(run_b)))
+        write_report(html, render_compare_html(a, b, read_metrics(dir_a), read_metrics(dir_b)))
     if as_json:
-        doc = {"a": {"run_dir": str(run_a), "run": a["run"], "name": a["name"], "head": a["head"]},
-               "b": {"run_dir": str(run_b), "run": b["run"], "name": b["name"], "head": b["head"]},
+        doc = {"a": {"run_dir": str(dir_a), "run": a["run"], "name": a["name"], "head": a["head"]},
+               "b": {"run_dir": str(dir_b), "run": b["run"], "name": b["name"], "head": b["head"]},
                "config": [{"key": k, "a": va, "b": vb} for k, va, vb in diffs],
                "steps": compare_rows(a, b)}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
@@ -237,8 +244,8 @@ def compare(
     for col in ("", "run", "name", "run dir"):
         runs.add_column(col)
     cid_column(runs, "head")
-    runs.add_row("A", str(a["run"]), a["name"], str(run_a), a["head"])
-    runs.add_row("B", str(b["run"]), b["name"], str(run_b), b["head"])
+    runs.add_row("A", str(a["run"]), a["name"], str(dir_a), a["head"])
+    runs.add_row("B", str(b["run"]), b["name"], str(dir_b), b["head"])
     out.print(runs)
     config = Table(title="configuration differences" if diffs else "configuration: identical")
     for col in ("key", "A", "B"):
@@ -260,32 +267,73 @@ def compare(
 @lineage_app.command("diff")
 @user_errors
 def diff(
-    cid_a: Annotated[str, typer.Argument(help="Checkpoint A (the base).")],
-    cid_b: Annotated[str, typer.Argument(help="Checkpoint B, compared as B - A.")],
+    run_a: Annotated[str, typer.Argument(metavar="A", help=f"The base checkpoint, or a run's head: {RUN_FORMS}.", show_default=False)],
+    run_b: Annotated[str, typer.Argument(metavar="B", help="Compared as B - A; any form A takes, each from its own blocks.", show_default=False)],
+    top: Annotated[int, typer.Option("--top", min=1, help="How many tensors the summary names, by relative change.")] = 10,
     as_json: JsonOpt = False,
-    run_dir: RunDirOpt = None, stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    run_dir: Annotated[list[Path] | None, typer.Option("--run-dir", metavar="DIR", help="Blocks (and chain) of a CID or run id: once for both, twice for A's, then B's.")] = None,
+    store: Annotated[list[Path] | None, typer.Option("--store", metavar="DIR", help="Blockstore of a CID or run id: once for both, twice for A's, then B's.")] = None,
+    ipfs_api: Annotated[list[str] | None, typer.Option("--ipfs-api", metavar="ADDR", help="IPFS daemon of a CID or run id: once for both, twice for A's, then B's.")] = None,
+    stack: StackOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
 ) -> None:
-    """Per-tensor change norms (L2 of B - A, relative to A, max abs) and metric deltas."""
+    """What changed from A to B, of one run or of two: a summary first (the parameters'
+    relative change ||B - A|| / ||A||, per stage, and the --top tensors that changed most),
+    then every tensor's change (L2 of B - A, relative to A, max abs) and the metric deltas.
+    A run named by its directory or stack job is read from its own blocks."""
     from lineage.audit.diff import diff_checkpoints
-    from lineage.store.cid import parse_cid
 
-    for text in (cid_a, cid_b):
-        try:
-            parse_cid(text)
-        except ValueError as exc:
-            raise AuditError(str(exc)) from None
-    result = diff_checkpoints(open_blocks(store, ipfs_api, run_dir=run_dir, stack=stack), cid_a, cid_b)
+    sides = [_diff_side(text, i, run_dir or [], store or [], ipfs_api or [], stack,
+                        dict(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger))
+             for i, text in enumerate((run_a, run_b))]
+    (ref_a, cid_a, blocks_a), (ref_b, cid_b, blocks_b) = sides
+    result = diff_checkpoints(blocks_a, cid_a, cid_b, store_b=blocks_b)
     if as_json:
-        sys.stdout.write(json.dumps(result.as_json(), indent=2) + "\n")
+        doc = result.as_json(top)
+        doc["from"] = {"a": ref_a.text, "b": ref_b.text}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
+    _print_diff(result, ref_a, ref_b, top)
+
+
+def _diff_side(text: str, i: int, run_dirs: list[Path], stores: list[Path], apis: list[str],
+               stack: Path | None, chain: dict[str, Any]) -> tuple[RunRef, str, Any]:
+    """Side `i` (0: A, 1: B) of `dlx lineage diff`: what it names, its checkpoint, its blocks."""
+    def pick(values: list[Any], option: str) -> Any:
+        if len(values) > 2:
+            raise AuditError(f"{option} given {len(values)} times: once for both checkpoints, or twice (A's, B's)")
+        return values[min(i, len(values) - 1)] if values else None
+
+    ref = name_run(text, stack=stack)
+    where = {"run_dir": pick(run_dirs, "--run-dir"), "store": pick(stores, "--store"),
+             "ipfs_api": pick(apis, "--ipfs-api")}
+    if ref.run_dir is not None:
+        where = {}  # a run directory or stack job brings its own blocks
+    cid, blocks, _ = run_checkpoint(ref, stack=stack, **chain, **where)
+    return ref, cid, blocks
+
+
+def _print_diff(result: Any, ref_a: RunRef, ref_b: RunRef, top: int) -> None:
+    """`dlx lineage diff`'s text: the two checkpoints, the summary, then the tables."""
+    from rich.markup import escape
     from rich.table import Table
 
     from workers.console import console as make_console
 
+    def named(ref: RunRef) -> str:
+        return "" if ref.cid is not None else f"  (head of {ref.text})"
+
     console = make_console()
-    console.print(f"A  step {result.step_a}  {result.a}\nB  step {result.step_b}  {result.b}\n{result.relation}; "
-                  f"parameters ||B - A|| = {result.total_l2:.6g}")
-    table = Table(title="tensors (B - A)")
+    console.print(escape(f"A  step {result.step_a}  {result.a}{named(ref_a)}\n"
+                         f"B  step {result.step_b}  {result.b}{named(ref_b)}\n{result.relation}"))
+    console.print(f"parameters: ||B - A|| = {result.total_l2:.6g}, relative {_rel(result.total_rel)}")
+    for st in result.stages():
+        console.print(f"  stage {st.stage}: relative {_rel(st.rel)}  (||B - A|| {st.l2:.4g}, ||A|| {st.norm_a:.4g})")
+    changed = result.top(top)
+    console.print(f"top {len(changed)} tensors by relative change:")
+    for t in changed:
+        console.print(escape(f"  {_rel(t.rel):>9}  stage {t.stage}  {t.name}  ({'x'.join(map(str, t.shape))})"))
+    table = Table(title="every tensor (B - A)")
     for col in ("stage", "tensor", "shape", "||B-A||", "relative", "max |B-A|"):
         table.add_column(col, justify="right" if col not in ("tensor", "shape") else "left",
                          overflow="fold", no_wrap=col != "tensor")
@@ -300,6 +348,10 @@ def diff(
     for m in result.metrics:
         metrics.add_row(m.name, _num(m.a), _num(m.b), _num(m.delta, signed=True))
     console.print(metrics)
+
+
+def _rel(value: float) -> str:
+    return "new" if value == float("inf") else f"{value:.3e}"
 
 
 @user_errors
@@ -347,7 +399,7 @@ def challenge(
 def challenge_aggregate(
     step: Annotated[int, typer.Argument(min=1, help="The challenged outer step.")],
     stage: Annotated[int, typer.Option("--stage", min=0, help="The stage whose co-signed shard is disputed.")],
-    run_dir: Annotated[Path, typer.Option("--run-dir", help="The run: its run.json, chain and blocks.")],
+    run_dir: Annotated[Path, typer.Option("--run-dir", metavar="DIR", help="The run: its run.json, chain and blocks.")],
     bond: Annotated[str | None, typer.Option("--bond", help="The bond, e.g. 1eth (default: the run's minimum stake).")] = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -566,6 +618,15 @@ def register(app: typer.Typer) -> None:
     app.add_typer(arbiter_app, name="arbiter")
     app.command("expire-challenge")(expire_challenge)
     app.command("slash-equivocation")(slash_equivocation)
+
+
+def _run_dir_of(text: str, stack: Path | None) -> Path:
+    """The run directory RUN `text` names (`dlx lineage compare` reads the runs' metrics)."""
+    ref = name_run(text, stack=stack)
+    if ref.run_dir is None:
+        raise AuditError(f"dlx lineage compare reads two run directories (their metrics.jsonl): {text} is a "
+                         f"{'checkpoint CID' if ref.cid is not None else 'run id'}; give a run directory or a stack job")
+    return ref.run_dir
 
 
 def write_report(path: Path, page: str) -> None:

@@ -18,6 +18,13 @@ Where the chain and the blocks are: one precedence for every command, first matc
 
 `Endpoint.resolve` applies it to the chain and `open_blocks` to the blocks; a command only
 declares the options (the `...Opt` types below) and calls them.
+
+Naming a run: every command that takes a run (verify, lineage, lineage diff and compare,
+export, generate) takes it positionally (`RunArg`) as a run directory, a stack job (JOB,
+in .dlx or --stack DIR), a run id on a chain, or a checkpoint CID; `name_run` tells which,
+`run_directory` and `run_checkpoint` give what a command reads, and every error lists the
+forms (`RUN_FORMS`). `--run-dir DIR` still names a run directory. A run of a stopped stack
+(`dlx down`) is refused naming `dlx up`, which brings its chain back (`check_chain`).
 """
 
 from __future__ import annotations
@@ -181,6 +188,8 @@ class Endpoint:
         from lineage.chain.client import Chain
         from lineage.chain.ledger import Ledger
 
+        if self.record is not None and self.rpc == self.record.rpc:
+            check_chain(self.record, None)  # a stopped stack's run: `dlx up` brings its chain back
         if self.rpc is None:
             from lineage.audit.query import open_ledger
 
@@ -217,6 +226,9 @@ def _call(fn: Any, what: str, where: str) -> str:
         raise ChainError(f"no {what} contract answers at {where}") from None
 
 
+NO_BLOCKSTORE = "no blockstore: pass --store DIR, --ipfs-api ADDR, --run-dir DIR or --stack DIR"
+
+
 def open_blocks(store: Path | None, ipfs_api: str | None, *, run_dir: Path | None = None,
                 record: Any = None, stack: Path | Any = None, default: Path | None = None,
                 run_directory_only: bool = False) -> Any:
@@ -242,9 +254,198 @@ def open_blocks(store: Path | None, ipfs_api: str | None, *, run_dir: Path | Non
         return open_store(os.environ.get("DLX_STORE"), os.environ.get("DLX_IPFS_API"))
     if default is not None:
         return open_store(default)
-    raise config_error("no blockstore: pass --store DIR, --ipfs-api ADDR, --run-dir or --stack")
+    raise config_error(NO_BLOCKSTORE)
 
 
 def endpoint_blocks(ep: Endpoint, store: Path | None, ipfs_api: str | None) -> Any:
     """`open_blocks` with the run directory or stack the endpoint came from."""
     return open_blocks(store, ipfs_api, run_dir=ep.run_dir, record=ep.record, stack=ep.stack)
+
+
+# -- naming a run --------------------------------------------------------------------------
+#
+# Every command that takes a run (verify, lineage, lineage diff and compare, export,
+# generate) takes it positionally in any of these forms, resolved here by `name_run`;
+# `--run-dir DIR` still names a run directory (or, beside a run id or a CID, says where
+# their chain and blocks are).
+
+_DIR = "a run directory (runs/NAME-...)"
+_JOB = "a stack job (JOB, in .dlx or --stack DIR)"
+_ID = "a run id on a chain (1, with --rpc and --ledger, --stack, or $DLX_RPC and $DLX_LEDGER)"
+_CID = "a checkpoint CID (bafy..., its blocks from --store, --run-dir or --stack)"
+#: The forms of a RUN argument, for help texts and errors; WHOLE_RUN_FORMS those naming a run.
+RUN_FORMS = f"{_DIR}, {_JOB}, {_ID} or {_CID}"
+WHOLE_RUN_FORMS = f"{_DIR}, {_JOB} or {_ID}"
+RunArg = Annotated[str | None, typer.Argument(metavar="RUN", show_default=False, help=f"The run: {RUN_FORMS}.")]
+WholeRunArg = Annotated[str | None, typer.Argument(metavar="RUN", show_default=False, help=f"The run: {WHOLE_RUN_FORMS}.")]
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """What a RUN names: a run directory (given, or a stack job's), a run id on a chain, or
+    a checkpoint CID; exactly one of `run_dir`, `run_id`, `cid` is set."""
+
+    text: str
+    run_dir: Path | None = None
+    run_id: int | None = None
+    cid: Any = None  # multiformats.CID
+    job: str | None = None  # the stack job whose directory `run_dir` is
+
+
+def name_run(target: str | None, *, run_dir: Path | None = None, stack: Path | None = None) -> RunRef | None:
+    """What the positional RUN `target` names (none: `run_dir`'s run; neither: None).
+
+    Tried in order: a job of the stack (`stack`, else `.dlx` here, up or down) by its id;
+    a run id (digits: a directory named 3 is written ./3); an existing path (a run
+    directory); a CID. Beside `run_dir`, RUN is a run id or a CID whose chain and blocks
+    `run_dir` gives."""
+    if target is None:
+        return None if run_dir is None else RunRef(str(run_dir), run_dir=run_dir)
+    ref = _name_run(target, stack)
+    if ref.run_dir is not None and run_dir is not None:
+        raise config_error(f"the run is named twice ({target} and --run-dir {run_dir}): give one")
+    return ref
+
+
+def _name_run(text: str, stack: Path | None) -> RunRef:
+    from lineage.chain.runrecord import RUN_FILE
+
+    stack_dir = stack if stack is not None else DEFAULT_STACK
+    job_dir = stack_dir / "runs" / text
+    if "/" not in text and text not in (".", "..") and (job_dir / RUN_FILE).is_file():
+        return RunRef(text, run_dir=job_dir, job=text)
+    if text.isdigit():
+        if int(text) < 1:
+            raise config_error(f"run ids start at 1, got {text}")
+        return RunRef(text, run_id=int(text))
+    path = Path(text).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / RUN_FILE).exists() and (path / "runs").is_dir():
+            raise config_error(f"{text} is a stack directory, not a run: name one of its jobs "
+                               f"(JOB --stack {text}; `dlx runs --stack {text}` lists them)")
+        return RunRef(text, run_dir=path)
+    from lineage.store.cid import parse_cid
+
+    try:
+        return RunRef(text, cid=parse_cid(text))
+    except ValueError:
+        pass
+    if os.sep in text or text.startswith((".", "~")):
+        raise config_error(f"no such run directory: {text}")
+    where = f"no job {text} in {stack_dir}/runs, " if stack is not None or DEFAULT_STACK.is_dir() else ""
+    raise config_error(f"{text!r} names no run ({where}not a run id, a directory or a CID): give {RUN_FORMS}")
+
+
+def need_run(ref: RunRef | None, what: str) -> RunRef:
+    """`ref`, or a one-line error saying which forms name a run."""
+    if ref is None:
+        raise config_error(f"{what} needs a run: {RUN_FORMS}")
+    return ref
+
+
+def stack_down(record: Any) -> str | None:
+    """Why the chain of a run of the local stack cannot answer: the stack is down (`dlx
+    down` removed its stack.json; its anvil stopped with it). None: not a stack's run, or up."""
+    if not record.stack or record.stack_rpc() is not None:
+        return None
+    stack = Path(record.stack)
+    here = stack.resolve() == DEFAULT_STACK.resolve()
+    up = "dlx up" if here else f"dlx up --stack {_shown(stack)}"
+    return (f"the stack in {_shown(stack)} is down, and the run's chain ({record.rpc}) with it: "
+            f"`{up}` brings both back (the chain keeps the run), or pass --rpc URL")
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to here where it is under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def check_chain(record: Any, rpc: str | None) -> None:
+    """Refuse, naming `dlx up`, to read the chain of a stopped stack's run (unless `rpc`
+    names another endpoint)."""
+    why = None if rpc else stack_down(record)
+    if why:
+        from lineage.errors import ChainError
+
+        raise ChainError(why)
+
+
+@contextmanager
+def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: int | None = None,
+                  registry: str | None = None, ledger: str | None = None, run_dir: Path | None = None,
+                  stack: Path | None = None, store: Path | None = None,
+                  ipfs_api: str | None = None) -> Iterator[Path]:
+    """The run directory of `ref`, whose run.json says where its chain and blocks are (what
+    `dlx verify` reads): its own; for a run id, a temporary one naming the chain and the
+    blocks the options give (as for every command). A CID names a checkpoint, not a run."""
+    from lineage.chain.runrecord import RUN_FILE, RunRecord
+
+    if ref.cid is not None:
+        raise config_error(f"{what} takes a whole run, and {ref.text} is one checkpoint: give {WHOLE_RUN_FORMS} "
+                           f"(`dlx lineage {ref.text}` shows the checkpoint's ancestors)")
+    if ref.run_dir is None and run_dir is not None and RunRecord.load(run_dir).run_id == ref.run_id:
+        ref = RunRef(ref.text, run_dir=run_dir)  # the run in --run-dir itself
+    if ref.run_dir is not None:
+        if (ref.run_dir / RUN_FILE).is_file():  # else the command's own checks come first, then "not a run"
+            check_chain(RunRecord.load(ref.run_dir), rpc)
+        yield ref.run_dir
+        return
+    import tempfile
+
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    blocks = _blocks_spec(ep, store, ipfs_api)
+    with ep.connect() as lg:
+        found = RunRecord(name=f"run-{ref.run_id}", chain_id=lg.chain.chain_id, rpc=ep.rpc,
+                          chain_state=str((ep.run_dir / ep.record.chain_state).resolve()) if ep.rpc is None else None,
+                          registry=lg.registry.address, ledger=lg.ledger.address, run_id=int(ref.run_id or 0),
+                          blocks=blocks[0], ipfs_api=blocks[1])
+        lg.run_created(found.run_id)  # an unknown run: the ledger's error, before anything else
+    with tempfile.TemporaryDirectory(prefix="dlx-run-") as tmp:
+        found.save(Path(tmp))
+        yield Path(tmp)
+
+
+def _blocks_spec(ep: Endpoint, store: Path | None, ipfs_api: str | None) -> tuple[str, str | None]:
+    """(blockstore directory, IPFS API or None) by `open_blocks`' precedence, as a run.json
+    names them."""
+    if ipfs_api or store:
+        return str(Path(store).resolve()) if store else "blocks", ipfs_api
+    if ep.record is not None:
+        return str(ep.record.blocks_dir(ep.run_dir).resolve()), ep.record.ipfs_api
+    if ep.stack is not None:
+        return ep.stack.blocks, None
+    if os.environ.get("DLX_IPFS_API") or os.environ.get("DLX_STORE"):
+        env_store = os.environ.get("DLX_STORE")
+        return str(Path(env_store).resolve()) if env_store else "blocks", os.environ.get("DLX_IPFS_API")
+    raise config_error(NO_BLOCKSTORE)
+
+
+def run_checkpoint(ref: RunRef, *, rpc: str | None = None, chain_id: int | None = None,
+                   registry: str | None = None, ledger: str | None = None, run_dir: Path | None = None,
+                   stack: Path | None = None, store: Path | None = None,
+                   ipfs_api: str | None = None) -> tuple[str, Any, Any]:
+    """(checkpoint CID, its block store, the run's RunRecord or None) of `ref`: a run
+    directory's head (its run.json; no chain read) from its own blocks; a run id's head on
+    its chain, or a CID itself, from the blocks the options give (as for every command)."""
+    from lineage.chain.runrecord import RunRecord
+
+    if ref.run_dir is not None:
+        record = RunRecord.load(ref.run_dir)
+        head = record.head or record.genesis
+        if not head:
+            raise config_error(f"the run in {ref.run_dir} has no checkpoint yet")
+        return head, open_blocks(store, ipfs_api, run_dir=ref.run_dir, record=record), record
+    if ref.cid is not None:
+        record = RunRecord.load(run_dir) if run_dir is not None else None
+        return str(ref.cid), open_blocks(store, ipfs_api, run_dir=run_dir, record=record, stack=stack), record
+    from lineage.store.cid import DAG_CBOR, cid_from_digest
+
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    blocks = endpoint_blocks(ep, store, ipfs_api)
+    with ep.connect() as lg:
+        head, _ = lg.head(int(ref.run_id or 0))
+    record = ep.record if ep.record is not None and ep.record.run_id == ref.run_id else None
+    return str(cid_from_digest(head, DAG_CBOR)), blocks, record

@@ -1,12 +1,13 @@
 """`dlx export` and `dlx generate`: a checkpoint as a Hugging Face model, or as text.
 
-    dlx export --run-dir runs/tiny-... -o tiny-hf     # the run's head checkpoint
-    dlx export --run-dir runs/tiny-... --step 3 -o tiny-hf-3
+    dlx export runs/tiny-... -o tiny-hf              # the run's head checkpoint
+    dlx export runs/tiny-... --step 3 -o tiny-hf-3
     dlx export bafyrei... --store ~/.dlx/blocks -o OUT  # any checkpoint by its CID
-    dlx generate --run-dir runs/tiny-... --prompt "def main(" --seed 1
+    dlx generate runs/tiny-... --prompt "def main(" --seed 1
 
-A checkpoint is its manifest's CID; `--run-dir` takes the head from the run's run.json
-(`--step N` walks the manifests' parent links back to step N; no chain is read). The full
+The checkpoint is named as every command names a run (workers/cli_common.py, `name_run`): a
+run directory or stack job gives the head in its run.json (no chain is read), a run id its
+head on the chain, a CID itself; `--step N` walks the manifests' parent links back to step N. The full
 model is the union of the stage shards' `param/` tensors (the outer momentum is not part
 of a model) under the job configuration the manifest links. `export` writes the
 directory `trainer.hf.write_hf_dir` describes, with lineage.json naming the run, step,
@@ -14,7 +15,7 @@ checkpoint, ledger and chain; `generate` streams the model's continuation of a
 prompt to stdout (`trainer.generate`). A run with a tokenizer (lineage.store.datasets) exports it
 as tokenizer.json (with tokenizer_config.json, for `AutoTokenizer`), and `generate` encodes
 and decodes with it; a byte-level run uses UTF-8 bytes. Blocks come from `--store DIR`,
-`--ipfs-api ADDR`, the run directory, or $DLX_STORE / $DLX_IPFS_API, as for `dlx lineage`.
+`--ipfs-api ADDR`, the run directory, the stack, or $DLX_STORE / $DLX_IPFS_API, as for `dlx lineage`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,24 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import ApiOpt, StoreOpt, open_blocks, user_errors
+from .cli_common import (
+    RUN_FORMS,
+    ApiOpt,
+    ChainIdOpt,
+    LedgerOpt,
+    RegistryOpt,
+    RpcOpt,
+    StackOpt,
+    StoreOpt,
+    name_run,
+    need_run,
+    run_checkpoint,
+    user_errors,
+)
 
-TargetArg = Annotated[str | None, typer.Argument(metavar="CID", help="A checkpoint manifest's CID (or give --run-dir).", show_default=False)]
-RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="A run directory written by `dlx train`: its head checkpoint, or --step N.")]
-StepOpt = Annotated[int | None, typer.Option("--step", help="With --run-dir: the checkpoint of outer step N (0: the genesis).", show_default=False)]
+TargetArg = Annotated[str | None, typer.Argument(metavar="RUN", help=f"The checkpoint: a run's head, or --step N of it ({RUN_FORMS}).", show_default=False)]
+RunDirOpt = Annotated[Path | None, typer.Option("--run-dir", help="A run directory written by `dlx train` (its head checkpoint, or --step N); beside a CID or run id, where its blocks are.")]
+StepOpt = Annotated[int | None, typer.Option("--step", help="Of a run (not a CID): the checkpoint of outer step N (0: the genesis).", show_default=False)]
 
 
 @dataclass(frozen=True)
@@ -66,32 +80,30 @@ def _error(message: str) -> Exception:
 
 
 def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
-                    store: Path | None = None, ipfs_api: str | None = None) -> Checkpoint:
-    """The checkpoint named by CID `target`, or by `run_dir`'s head (or its `step`)."""
-    from lineage.chain.runrecord import RunRecord
-    from lineage.store.cid import parse_cid
-
-    if target is None and run_dir is None:
-        raise _error("give a checkpoint CID or --run-dir DIR")
-    if step is not None and (run_dir is None or target is not None):
-        raise _error("--step goes with --run-dir (a CID names one checkpoint already)")
-    record = RunRecord.load(run_dir) if run_dir is not None else None
-    blocks = open_blocks(store, ipfs_api, run_dir=run_dir, record=record)
-    if target is None:
-        head = record.head or record.genesis
-        if not head:
-            raise _error(f"the run in {run_dir} has no checkpoint yet")
-        target = head
-    try:
-        cid = parse_cid(target)
-    except ValueError as exc:
-        raise _error(str(exc)) from None
+                    store: Path | None = None, ipfs_api: str | None = None, what: str = "dlx export",
+                    **chain: Any) -> Checkpoint:
+    """The checkpoint RUN `target` names (none: `run_dir`'s head), or its `step`; `chain`:
+    where a run id's chain is (`run_checkpoint`'s rpc, chain_id, registry, ledger, stack)."""
+    ref = need_run(name_run(target, run_dir=run_dir, stack=chain.get("stack")), what)
+    if step is not None and ref.cid is not None:
+        raise _error("--step goes with a run (a CID names one checkpoint already)")
+    head, blocks, record = run_checkpoint(ref, run_dir=run_dir, store=store, ipfs_api=ipfs_api, **chain)
+    cid = _cid(head)
     manifest = _manifest(blocks, cid)
     if step is not None:
         cid, manifest = _walk_to(blocks, cid, manifest, step)
     job = _job(blocks, manifest.config)
     data, tokenizer = _tokenizer(blocks, manifest.config)
     return Checkpoint(cid, manifest, job, _params(blocks, manifest), record, data, tokenizer)
+
+
+def _cid(text: str) -> Any:
+    from lineage.store.cid import parse_cid
+
+    try:
+        return parse_cid(text)
+    except ValueError as exc:
+        raise _error(str(exc)) from None
 
 
 def _tokenizer(blocks: Any, config: Any) -> tuple[Any, bytes | None]:
@@ -220,6 +232,8 @@ def export_(
     step: StepOpt = None,
     store: StoreOpt = None,
     ipfs_api: ApiOpt = None,
+    stack: StackOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
 ) -> None:
     """Write a checkpoint as a Hugging Face model directory (config.json,
     model.safetensors, generation_config.json, lineage.json) that
@@ -232,7 +246,8 @@ def export_(
     from workers.console import Ticker
 
     with Ticker(f"export {output}", 0):
-        cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+        cp = load_checkpoint(target, run_dir, step, store, ipfs_api, "dlx export", stack=stack, rpc=rpc, chain_id=chain_id,
+                             registry=registry, ledger=ledger)
         from trainer.hf import write_hf_dir
 
         write_hf_dir(output, cp.job.model, cp.params, cp.lineage(), tokenizer=cp.tokenizer)
@@ -252,6 +267,8 @@ def generate(
     step: StepOpt = None,
     store: StoreOpt = None,
     ipfs_api: ApiOpt = None,
+    stack: StackOpt = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
 ) -> None:
     """Continue --prompt with a checkpoint's model, streaming the text to stdout."""
     if not prompt:
@@ -262,7 +279,8 @@ def generate(
         raise _error(f"--temperature must be >= 0, got {temperature}")
     if top_k < 1:
         raise _error(f"--top-k must be at least 1, got {top_k}")
-    cp = load_checkpoint(target, run_dir, step, store, ipfs_api)
+    cp = load_checkpoint(target, run_dir, step, store, ipfs_api, "dlx generate", stack=stack, rpc=rpc, chain_id=chain_id,
+                         registry=registry, ledger=ledger)
 
     from trainer.generate import generate as sample
     from trainer.hf import load_params

@@ -3,7 +3,9 @@
     dlx train examples/tiny.toml
 
 Every key is validated (pydantic, unknown keys rejected); a bad file raises ConfigError
-with one line naming the field, before anything is started or written.
+with one line naming every problem, unknown keys first (with the known key a near miss
+resembles: `outer.inner_step: unknown key (did you mean inner_steps?)`), before anything is
+started or written.
 """
 
 from __future__ import annotations
@@ -204,5 +206,5 @@ def with_init_model(data: dict, base: Path) -> dict:
     try:
         cfg = ModelConfig.model_validate(model)
     except ValidationError as err:
-        raise ConfigError(one_line(err, "model")) from None
+        raise ConfigError(one_line(err, "model", ModelConfig)) from None
     return {**data, "model": resolve_init(cfg, base).model_dump(mode="json")}

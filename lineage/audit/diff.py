@@ -1,9 +1,11 @@
-"""What changed between two checkpoints (`dlx lineage diff CID_A CID_B`).
+"""What changed between two checkpoints (`dlx lineage diff A B`), of one run or of two.
 
 Per tensor of every stage shard (outer parameters and outer momentum): the L2 norm of
 B - A, that norm relative to A's norm, and the largest absolute change; per metric the
-two values and B - A. Both manifests and every shard are read from the store, re-hashed
-against their CIDs. Norms are computed in float64, so small changes are not lost.
+two values and B - A; and a summary of the parameters: the relative change of the whole
+model and of each stage, and the tensors that changed most relative to their size. Each
+checkpoint's manifest and shards are read from its own store (two runs keep two),
+re-hashed against their CIDs. Norms are computed in float64, so small changes are not lost.
 """
 
 from __future__ import annotations
@@ -31,11 +33,27 @@ class TensorChange:
     rel: float  # ||B - A|| / ||A|| (inf when A is zero and B is not)
     max_abs: float  # max |B - A|
     status: str = "changed"  # changed | same | added | removed | reshaped
+    norm_a: float = 0.0  # ||A|| (0 when A has no such tensor)
 
     def as_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "name": self.name, "shape": self.shape, "l2": self.l2,
-                "rel": None if math.isinf(self.rel) else self.rel, "max_abs": self.max_abs,
-                "status": self.status}
+                "rel": _finite(self.rel), "max_abs": self.max_abs, "status": self.status}
+
+
+@dataclass(frozen=True)
+class StageChange:
+    """||B - A|| and ||A|| over one stage's outer parameters (momentum left out)."""
+
+    stage: int
+    l2: float
+    norm_a: float
+
+    @property
+    def rel(self) -> float:
+        return self.l2 / self.norm_a if self.norm_a > 0 else (0.0 if self.l2 == 0 else math.inf)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "l2": self.l2, "norm_a": self.norm_a, "rel": _finite(self.rel)}
 
 
 @dataclass(frozen=True)
@@ -63,32 +81,62 @@ class CheckpointDiff:
     metrics: list[MetricDelta] = field(default_factory=list)
 
     @property
+    def params(self) -> list[TensorChange]:
+        """The outer parameters' changes (momentum left out; a reshaped tensor has no norm)."""
+        return [t for t in self.tensors if t.name.startswith("param/") and not math.isnan(t.l2)]
+
+    @property
     def total_l2(self) -> float:
         """||B - A|| over all outer parameters (momentum left out)."""
-        return math.sqrt(sum(t.l2 ** 2 for t in self.tensors if t.name.startswith("param/")))
+        return math.sqrt(sum(t.l2 ** 2 for t in self.params))
 
-    def as_json(self) -> dict[str, Any]:
+    @property
+    def total_rel(self) -> float:
+        """||B - A|| / ||A|| over all outer parameters."""
+        return StageChange(-1, self.total_l2, math.sqrt(sum(t.norm_a ** 2 for t in self.params))).rel
+
+    def stages(self) -> list[StageChange]:
+        """Per stage, ||B - A|| and ||A|| over its outer parameters."""
+        return [StageChange(s, math.sqrt(sum(t.l2 ** 2 for t in self.params if t.stage == s)),
+                            math.sqrt(sum(t.norm_a ** 2 for t in self.params if t.stage == s)))
+                for s in sorted({t.stage for t in self.tensors})]
+
+    def top(self, n: int) -> list[TensorChange]:
+        """The `n` outer parameters that changed most relative to their norm in A."""
+        return sorted(self.params, key=lambda t: -t.rel)[:n]
+
+    def as_json(self, top: int = 10) -> dict[str, Any]:
         return {"a": self.a, "b": self.b, "step_a": self.step_a, "step_b": self.step_b,
                 "relation": self.relation, "param_l2": self.total_l2,
+                "summary": {"param_l2": self.total_l2, "param_rel": _finite(self.total_rel),
+                            "stages": [s.as_json() for s in self.stages()],
+                            "top": [t.as_json() for t in self.top(top)]},
                 "tensors": [t.as_json() for t in self.tensors],
                 "metrics": [m.as_json() for m in self.metrics]}
 
 
-def diff_checkpoints(store: Any, a: str | CID, b: str | CID) -> CheckpointDiff:
-    """Compare checkpoint `a` with checkpoint `b` (B - A), stage by stage."""
+def _finite(value: float) -> float | None:
+    """JSON has no infinity: None (a tensor B has and A has not, or A all zeros)."""
+    return None if math.isinf(value) else value
+
+
+def diff_checkpoints(store: Any, a: str | CID, b: str | CID, store_b: Any = None) -> CheckpointDiff:
+    """Compare checkpoint `a` with checkpoint `b` (B - A), stage by stage; `b` is read
+    from `store_b` where given (another run's store), else from `store`."""
+    store_b = store if store_b is None else store_b
     cid_a, cid_b = parse_cid(a), parse_cid(b)
-    ma, mb = get_manifest(store, cid_a), get_manifest(store, cid_b)
+    ma, mb = get_manifest(store, cid_a), get_manifest(store_b, cid_b)
     tensors: list[TensorChange] = []
     for stage in range(max(len(ma.stages), len(mb.stages))):
         ta = _shard(store, ma, stage)
-        tb = _shard(store, mb, stage)
+        tb = _shard(store_b, mb, stage)
         # outer parameters first, then the outer momentum
         for name in sorted(set(ta) | set(tb), key=lambda n: (not n.startswith("param/"), n)):
             tensors.append(_change(stage, name, ta.get(name), tb.get(name)))
     names = sorted(set(ma.metrics) | set(mb.metrics))
     metrics = [MetricDelta(n, _num(ma.metrics.get(n)), _num(mb.metrics.get(n))) for n in names]
     return CheckpointDiff(str(cid_a), str(cid_b), ma.step, mb.step,
-                          _relation(store, cid_a, ma, cid_b, mb), tensors, metrics)
+                          _relation((store, store_b), cid_a, ma, cid_b, mb), tensors, metrics)
 
 
 def _shard(store: Any, manifest: Manifest, stage: int) -> dict[str, np.ndarray]:
@@ -107,7 +155,8 @@ def _change(stage: int, name: str, a: np.ndarray | None, b: np.ndarray | None) -
         assert t is not None, "a tensor diffed is in at least one of the shards"
         norm = float(np.linalg.norm(t.astype(np.float64).ravel()))
         return TensorChange(stage, name, list(t.shape), norm, math.inf if a is None else 1.0,
-                            float(np.abs(t).max()) if t.size else 0.0, "added" if a is None else "removed")
+                            float(np.abs(t).max()) if t.size else 0.0, "added" if a is None else "removed",
+                            0.0 if a is None else norm)
     if a.shape != b.shape:
         return TensorChange(stage, name, list(b.shape), math.nan, math.nan, math.nan, "reshaped")
     d = b.astype(np.float64) - a.astype(np.float64)
@@ -115,20 +164,21 @@ def _change(stage: int, name: str, a: np.ndarray | None, b: np.ndarray | None) -
     base = float(np.linalg.norm(a.astype(np.float64).ravel()))
     rel = l2 / base if base > 0 else (0.0 if l2 == 0 else math.inf)
     max_abs = float(np.abs(d).max()) if d.size else 0.0
-    return TensorChange(stage, name, list(a.shape), l2, rel, max_abs, "same" if l2 == 0 else "changed")
+    return TensorChange(stage, name, list(a.shape), l2, rel, max_abs, "same" if l2 == 0 else "changed", base)
 
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
-def _relation(store: Any, cid_a: CID, ma: Manifest, cid_b: CID, mb: Manifest) -> str:
-    """Whether one checkpoint descends from the other, following parent links."""
+def _relation(stores: tuple[Any, Any], cid_a: CID, ma: Manifest, cid_b: CID, mb: Manifest) -> str:
+    """Whether one checkpoint descends from the other, following parent links (each
+    checkpoint's in its own store)."""
     if cid_a == cid_b:
         return "same"
-    if mb.step > ma.step and _descends(store, mb, cid_a, ma.step):
+    if mb.step > ma.step and _descends(stores[1], mb, cid_a, ma.step):
         return f"B descends from A, {mb.step - ma.step} step{'s' if mb.step - ma.step != 1 else ''} later"
-    if ma.step > mb.step and _descends(store, ma, cid_b, mb.step):
+    if ma.step > mb.step and _descends(stores[0], ma, cid_b, mb.step):
         return f"A descends from B, {ma.step - mb.step} step{'s' if ma.step - mb.step != 1 else ''} later"
     return "neither descends from the other"
 
