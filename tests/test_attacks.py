@@ -403,7 +403,9 @@ def test_a_tampered_manifest_fails_content_and_a_substituted_head_is_not_the_cha
     failure = steps[2]["failures"]["content"]
     assert failure == f"corrupt block {cid}: content does not match its CID"
     assert "chain" in steps[2]["passed"]
-    assert "content" in steps[3]["passed"]  # the chain names the true head, which is intact
+    # The chain names the true head, whose own blocks are intact; its round-start states take
+    # their weights from the parent's shard, found through step 2's manifest: that one block fails.
+    assert steps[3]["failures"]["content"] == failure and "chain" in steps[3]["passed"]
     assert report["run_failures"] == [f"run.json head {record.head} is not the chain's head at step 3"]
 
 
