@@ -280,6 +280,58 @@ def test_tensor_bytes_are_the_safetensors_librarys_bytes(tensors: dict[str, torc
     assert data == save(tensors)
 
 
+@settings(max_examples=60, deadline=None)
+@given(_tensor_dicts())
+def test_tensor_bytes_written_to_a_file_are_encodes_bytes(tensors: dict[str, torch.Tensor]) -> None:
+    """`tensorbytes.write` streams a rank's state into a file tensor by tensor: the file
+    holds exactly `encode`'s bytes, and `header_of` reads its layout back."""
+    import tempfile
+
+    from trainer import tensorbytes
+
+    data = tensorbytes.encode(tensors)
+    with tempfile.TemporaryFile() as fh:
+        assert tensorbytes.write(tensors, fh.fileno()) == len(data)
+        fh.seek(0)
+        assert fh.read() == data
+    start, index = tensorbytes.header_of(data)
+    for name, t in tensors.items():
+        dtype, shape, begin, end = index[name]
+        assert (dtype, shape) == (t.dtype, list(t.shape)) and end - begin == t.numel() * t.element_size()
+        assert data[start + begin: start + end] == bytes(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def test_spilled_bytes_reach_the_launcher_as_the_same_bytes(tmp_path) -> None:
+    """A rank's spilled start state (`Spill`, a `Blob`) pickled through a multiprocessing
+    queue arrives as the very bytes `tensors_to_bytes` gives, its file link removed on
+    arrival; pickled between ranks (torch.distributed's object collectives) it stays a Blob
+    of its own link; each Blob's file goes with it. `StoredTensors` reads tensors back one
+    at a time from either form."""
+    import gc
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    from trainer.artifacts import Blob, Spill, StoredTensors
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"param/w": torch.randn(7, 5, generator=g), "param/b": torch.randn(5, generator=g),
+               "inner/exp_avg/w": torch.randn(7, 5, generator=g), "round/outer_step": torch.tensor([3])}
+    data = tensors_to_bytes(tensors)
+    blob = Spill(str(tmp_path)).tensors(tensors)
+    assert len(blob) == len(data) and blob.read() == data
+    assert pickle.loads(ForkingPickler.dumps(blob)) == data  # what the launcher's sink receives
+    assert [p.name for p in tmp_path.iterdir()] == [os.path.basename(blob.path)]  # the link is gone
+    other = pickle.loads(pickle.dumps(blob))
+    assert isinstance(other, Blob) and other.path != blob.path and other.read() == data
+    for source in (data, blob):
+        params = StoredTensors(source, "param/")
+        assert sorted(params) == ["b", "w"]
+        assert all(torch.equal(params[n], tensors[f"param/{n}"]) for n in params)
+    del blob, other, source, params
+    gc.collect()
+    assert not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("data", [
     b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ",  # too short; an empty header is fine
     (16).to_bytes(8, "little") + b'{"a":1}         ',  # an entry that is no tensor
