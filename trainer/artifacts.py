@@ -38,6 +38,7 @@ __all__ = [
     "param_tensors",
     "same_tensors",
     "tensors_to_bytes",
+    "tensor_views",
     "to_bytes",
 ]
 
@@ -196,8 +197,10 @@ def code_hash() -> bytes:
 
 
 def param_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    """The ``param/`` tensors of a round state or stage shard, by parameter name."""
-    return {k.removeprefix("param/"): v for k, v in bytes_to_tensors(data).items() if k.startswith("param/")}
+    """The ``param/`` tensors of a round state or stage shard, by parameter name: views of
+    `data` where it allows (`tensor_views`; read them, do not write to them)."""
+    tensors = tensor_views(data)
+    return {k.removeprefix("param/"): tensors[k] for k in tensors if k.startswith("param/")}
 
 
 def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -328,22 +331,24 @@ def to_bytes(data: bytes | Blob) -> bytes:
 
 class StoredTensors(Mapping[str, "torch.Tensor"]):
     """The tensors of `tensors_to_bytes` output (bytes, or a spilled `Blob`) whose names start
-    with `prefix` (removed), by name, read one at a time when asked for: views of the bytes,
-    or each read from the file into a buffer of its own (read-only use: the views of bytes
-    are not writable)."""
+    with `prefix` (removed), by name, each read when asked for: a view of the bytes (no
+    copy), or read from the file into a buffer of its own. Only for reading: a view of bytes
+    must not be written to. ValueError for bytes `bytes_to_tensors` would leave to the
+    safetensors library (`tensor_views` falls back to it)."""
 
     def __init__(self, data: bytes | Blob, prefix: str = "") -> None:
         from trainer import tensorbytes
 
         self.data, self.prefix = data, prefix
-        head = data.read_at(0, min(len(data), 1 << 16)) if isinstance(data, Blob) else data
-        try:
-            self.start, index = tensorbytes.header_of(head)
-        except ValueError:
-            if not isinstance(data, Blob) or len(head) == len(data):
-                raise
-            n = int.from_bytes(head[:8], "little")
-            self.start, index = tensorbytes.header_of(data.read_at(0, 8 + n))
+        head: bytes | bytearray | memoryview
+        if isinstance(data, Blob):  # the length, then the header (index() judges both)
+            head = data.read_at(0, min(data.size, 8))
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if 8 + n <= min(data.size, tensorbytes.MAX_HEADER + 8):
+                head = data.read_at(0, 8 + n)
+        else:
+            head = memoryview(data)
+        self.start, index = tensorbytes.index(head, len(data))
         self.index = {k.removeprefix(prefix): v for k, v in index.items() if k.startswith(prefix)}
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -367,3 +372,12 @@ class StoredTensors(Mapping[str, "torch.Tensor"]):
 
     def __len__(self) -> int:
         return len(self.index)
+
+
+def tensor_views(data: bytes) -> Mapping[str, torch.Tensor]:
+    """`bytes_to_tensors(data)`'s tensors without its copy of the data (`StoredTensors`, for
+    reading only), or, for bytes only the safetensors library reads, its tensors."""
+    try:
+        return StoredTensors(data)
+    except ValueError:
+        return bytes_to_tensors(data)

@@ -801,7 +801,7 @@ class Compressor:
                 out[f"compress/warm/{n}"] = st.warm
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore `state_tensors()` output (other keys are ignored). ValueError if it does
         not fit this compressor's tensors."""
         try:

@@ -94,7 +94,7 @@ from trainer.artifacts import (
     StageShard,
     StepArtifacts,
     StoredTensors,
-    bytes_to_tensors,
+    tensor_views,
     tensors_to_bytes,
     to_bytes,
 )
@@ -516,10 +516,11 @@ def round_tensors(
 def load_round_state(
     data: bytes, module: nn.Module, inner: torch.optim.Optimizer, compressor: Compressor
 ) -> tuple[int, int]:
-    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor;
-    returns (outer step, first inner step). ValueError if it does not fit them."""
+    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor
+    (each copies what it keeps from views of `data`); returns (outer step, first inner
+    step). ValueError if it does not fit them."""
     try:
-        tensors = bytes_to_tensors(data)
+        tensors = tensor_views(data)
     except Exception as exc:  # safetensors raises its own error type for bad bytes
         raise ValueError(f"start state is not safetensors: {exc}") from None
     named = dict(module.named_parameters())
@@ -553,7 +554,7 @@ def merge_step_of(state: bytes) -> int | None:
     """The inner step before which a partial-rule round merged (`round/merge_step`), or None
     (no merge, or another rule). ValueError for bytes that are not a round state."""
     try:
-        tensors = bytes_to_tensors(state)
+        tensors = tensor_views(state)
     except Exception as exc:  # safetensors raises its own error type for bad bytes
         raise ValueError(f"start state is not safetensors: {exc}") from None
     t = tensors.get(MERGE_STEP_KEY)

@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
-__all__ = ["decode", "encode", "header_of", "write", "write_all"]
+__all__ = ["decode", "encode", "index", "write", "write_all"]
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -44,7 +44,7 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 # The library lays tensors out by its Dtype enum, last variant first, then by name.
 _LAYOUT = {code: i for i, code in enumerate(["I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL"])}
 _NAME = re.compile(r"^[ !#-\[\]-~]*$")  # printable ASCII but '"' and '\'
-_MAX_HEADER = 100_000_000  # the library's limit
+MAX_HEADER = 100_000_000  # the library's limit
 
 
 class _Slow(Exception):
@@ -120,23 +120,18 @@ def write_all(fd: int, view: memoryview) -> None:
         view = view[n:]
 
 
-def header_of(head: bytes | bytearray | memoryview) -> tuple[int, dict[str, tuple[torch.dtype, list[int], int, int]]]:
-    """The first bytes of `encode`'s output (at least the 8-byte length and the header) ->
-    (where the data starts, name -> (dtype, shape, begin, end) with offsets from there).
-    ValueError if they are not such a header."""
-    if len(head) < 8:
-        raise ValueError("safetensors: shorter than its header length")
-    n = int.from_bytes(head[:8], "little")
-    if n > _MAX_HEADER or len(head) < 8 + n:
-        raise ValueError("safetensors: header length out of range")
-    header = json.loads(bytes(head[8:8 + n]).decode("utf-8"))
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        out[name] = (_BY_NAME[info["dtype"]], list(info["shape"]), int(begin), int(end))
-    return 8 + n, out
+def index(head: bytes | bytearray | memoryview, total: int) -> tuple[int, dict[str, tuple[torch.dtype, list[int], int, int]]]:
+    """The layout of `encode`-style bytes of length `total` from their first bytes `head` (at
+    least the 8-byte length and the header): (where the data starts, name -> (dtype, shape,
+    begin, end), offsets from there, in header order), after the checks `decode` makes.
+    ValueError for anything `decode` would leave to the library (so its views are the
+    tensors `decode` gives, and other bytes get the library's verdict)."""
+    try:
+        start, header, spans = _layout_of(head, total)
+    except (_Slow, ValueError, UnicodeDecodeError, TypeError, KeyError, OverflowError) as exc:
+        raise ValueError(f"not the safetensors layout read here: {type(exc).__name__}") from None
+    by_name = {name: (dtype, shape, begin, end) for begin, end, name, dtype, shape, _ in spans}
+    return start, {name: by_name[name] for name in header}
 
 
 def decode(data: bytes) -> dict[str, torch.Tensor]:
@@ -154,18 +149,21 @@ def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
-def _decode(data: bytes) -> dict[str, torch.Tensor]:
-    if sys.byteorder != "little" or len(data) < 8:
+def _layout_of(data: bytes | bytearray | memoryview, total: int) -> tuple[int, dict, list[tuple]]:
+    """(data start, the header, spans (begin, end, name, dtype, shape, numel) in data order)
+    of bytes of length `total` whose first bytes are `data`; _Slow (or the parser's
+    error) for anything but the layout `encode` writes, tiling the data exactly."""
+    if sys.byteorder != "little" or total < 8 or len(data) < 8:
         raise _Slow
     n = int.from_bytes(data[:8], "little")
-    if n > _MAX_HEADER or 8 + n > len(data):
+    if n > MAX_HEADER or 8 + n > total or 8 + n > len(data):
         raise _Slow
     if data[8:9] != b"{":
         raise _Slow
     header = json.loads(bytes(data[8:8 + n]).decode("utf-8"), object_pairs_hook=_unique)
     if "__metadata__" in header:
         raise _Slow
-    size = len(data) - 8 - n
+    size = total - 8 - n
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -187,7 +185,12 @@ def _decode(data: bytes) -> dict[str, torch.Tensor]:
         at = end
     if at != size:
         raise _Slow
-    buf = bytearray(memoryview(data)[8 + n:])
+    return 8 + n, header, spans
+
+
+def _decode(data: bytes) -> dict[str, torch.Tensor]:
+    start, header, spans = _layout_of(data, len(data))
+    buf = bytearray(memoryview(data)[start:])
     out = {}
     for begin, _, name, dtype, shape, numel in spans:
         if numel == 0:
