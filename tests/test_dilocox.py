@@ -277,6 +277,60 @@ def test_outer_step_is_torch_sgd(momentum: float, nesterov: bool, arithmetic: st
     assert again.to_bytes() == ours.to_bytes()
 
 
+@pytest.mark.parametrize("kind", ["quantize", "sparse", "lowrank", "adaptive", "gaps"])
+def test_compression_a_batch_at_a_time_gives_the_same_bytes_and_residuals(kind: str, monkeypatch) -> None:
+    """A compressor reads, codes and feeds back a bounded batch of tensors at a time
+    (`stream_batches`), so its working memory is a batch's: whatever the batch size, the
+    payload and the residuals are those of the whole stage at once."""
+    from trainer import compress
+
+    cfg = {"gaps": CompressionConfig(kind="quantize", bits=2, coding="gaps"),
+           "sparse": CompressionConfig(kind="sparse", density=0.1, chunk=64),
+           "lowrank": CompressionConfig(kind="lowrank", rank=2),
+           "adaptive": CompressionConfig(kind="adaptive", max_rank=4),
+           "quantize": CompressionConfig(kind="quantize", bits=4)}[kind]
+    shapes = {"a": torch.Size([24, 16]), "b": torch.Size([16]), "c": torch.Size([8, 16]), "d": torch.Size([40, 12])}
+    g = torch.Generator().manual_seed(3)
+    deltas = [{n: torch.randn(s, generator=g) for n, s in shapes.items()} for _ in range(3)]
+    runs = []
+    for limit in (1 << 30, 1, 300):
+        monkeypatch.setattr(compress, "STREAM_ELEMENTS", limit)
+        comp = Compressor(cfg, shapes, seed=11)
+        payloads = [comp.compress(d, t, loss=1.0 / t) for t, d in enumerate(deltas, 1)]
+        runs.append((payloads, {n: st.residual.clone() for n, st in comp.state.items()}, comp.last_stats["rel_error"]))
+    for payloads, residuals, rel in runs[1:]:
+        assert payloads == runs[0][0]
+        assert all(torch.equal(residuals[n], runs[0][1][n]) for n in shapes)
+        assert rel == runs[0][2]
+
+
+@pytest.mark.parametrize("arithmetic", ["float32", "float64"])
+def test_the_outer_step_a_batch_and_a_slice_at_a_time_is_the_whole_step(arithmetic: str, monkeypatch) -> None:
+    """`outer_step_from` decodes, averages and steps a batch of tensors at a time and the
+    float64 update a slice of a tensor at a time (`STEP_ELEMENTS`): the same bits as decoding
+    every contribution whole, the ordered mean and one step per tensor."""
+    from trainer import compress, diloco
+    from trainer.config import OuterConfig
+    from trainer.diloco import OuterOptimizer, mean_in_order, outer_step_from
+
+    cfg = OuterConfig(lr=0.7, momentum=0.9, nesterov=True, steps=1, inner_steps=1, arithmetic=arithmetic)
+    shapes = {"a": torch.Size([24, 16]), "b": torch.Size([16]), "c": torch.Size([40, 12])}
+    g = torch.Generator().manual_seed(5)
+    params = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    comps = [Compressor(CompressionConfig(kind="quantize", bits=4), shapes, seed=r) for r in range(3)]
+    blobs = [c.compress({n: torch.randn(s, generator=g) for n, s in shapes.items()}, 1) for c in comps]
+    names = sorted(shapes)
+    whole = OuterOptimizer(params, cfg)
+    decoded = [decode_contribution(b, shapes) for b in blobs]
+    whole.step(dict(zip(names, mean_in_order([[d[n] for n in names] for d in decoded]), strict=True)))
+    monkeypatch.setattr(compress, "STREAM_ELEMENTS", 100)
+    monkeypatch.setattr(diloco, "STEP_ELEMENTS", 7)
+    ours = OuterOptimizer(params, cfg)
+    kept = outer_step_from(ours, blobs, names, keep=True)
+    assert ours.to_bytes() == whole.to_bytes()
+    assert kept is not None and all(torch.equal(k[n], d[n]) for k, d in zip(kept, decoded, strict=True) for n in names)
+
+
 # --- transport byte counts -------------------------------------------------------------
 
 

@@ -9,27 +9,37 @@ with sorted keys and no metadata, so identical tensors give identical bytes (and
 from __future__ import annotations
 
 import hashlib
+import os
+import uuid
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 if TYPE_CHECKING:  # torch is imported where tensors are: a launcher handles only bytes
     import torch
 
 __all__ = [
     "KERNELS_KEY",
+    "Blob",
     "MERGE_STEP_KEY",
     "Contribution",
     "GenesisArtifacts",
     "Progress",
     "StageShard",
     "StepArtifacts",
+    "Spill",
     "StepSink",
+    "StoredTensors",
     "bytes_to_tensors",
     "code_hash",
     "param_tensors",
     "same_tensors",
     "tensors_to_bytes",
+    "tensor_views",
+    "to_bytes",
 ]
 
 
@@ -187,11 +197,187 @@ def code_hash() -> bytes:
 
 
 def param_tensors(data: bytes) -> dict[str, torch.Tensor]:
-    """The ``param/`` tensors of a round state or stage shard, by parameter name."""
-    return {k.removeprefix("param/"): v for k, v in bytes_to_tensors(data).items() if k.startswith("param/")}
+    """The ``param/`` tensors of a round state or stage shard, by parameter name: views of
+    `data` where it allows (`tensor_views`; read them, do not write to them)."""
+    tensors = tensor_views(data)
+    return {k.removeprefix("param/"): tensors[k] for k in tensors if k.startswith("param/")}
 
 
 def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     """Same names, dtypes, shapes and bits."""
     return a.keys() == b.keys() and all(
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bool((a[k] == b[k]).all()) for k in a)
+
+
+# -- spilled bytes: what a rank hands its launcher without holding it ------------------------
+
+
+class Blob:
+    """Bytes a rank keeps in a file of its launcher's spill directory (`Spill`) rather than in
+    its memory: a round-start state or a stage shard on its way to the launcher's sink.
+
+    Pickled by the multiprocessing queue that carries a rank's events to its launcher (on
+    the same host), a Blob arrives as plain `bytes`: the unpickler reads the file and removes
+    it, so the sink sees exactly the bytes it always did (`Contribution.start_state`,
+    `StageShard.data`). Pickled otherwise (`torch.distributed`'s object collectives between
+    the ranks of one local run, which share the spill directory) it arrives as a Blob of the
+    same file. Each pickling takes a hard link of its own, which its unpickler owns; a
+    Blob's file is removed when the Blob is collected, and the launcher removes the whole
+    directory at the end, with anything never unpickled."""
+
+    __slots__ = ("__weakref__", "_finalizer", "path", "size")
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self._finalizer = weakref.finalize(self, _unlink, path)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"Blob({self.path!r}, {self.size})"
+
+    def read(self) -> bytes:
+        """The bytes (one copy, in this process)."""
+        with open(self.path, "rb") as fh:
+            return fh.read()
+
+    def read_at(self, offset: int, count: int) -> bytearray:
+        """`count` bytes from `offset`, into a buffer of their own."""
+        out = bytearray(count)
+        with open(self.path, "rb", buffering=0) as fh:
+            fh.seek(offset)
+            view, done = memoryview(out), 0
+            while done < count:
+                n = fh.readinto(view[done:])
+                if not n:
+                    raise ValueError(f"{self.path}: {count} bytes at {offset} run past its end")
+                done += n
+        return out
+
+    def link(self) -> str:
+        """A new name for this file (a hard link in the same directory), for a receiver to own."""
+        new = f"{self.path}.{uuid.uuid4().hex[:12]}"
+        os.link(self.path, new)
+        return new
+
+    def __reduce__(self) -> tuple:
+        return _adopt, (self.link(), self.size)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _adopt(path: str, size: int) -> Blob:
+    return Blob(path, size)
+
+
+def _take(path: str) -> bytes:
+    """The launcher's side: the bytes of a Blob's link, which is then removed."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    finally:
+        _unlink(path)
+
+
+ForkingPickler.register(Blob, lambda blob: (_take, (blob.link(),)))
+
+
+class Spill:
+    """Writes a rank's large bytes into `directory` (its launcher's, shared by the ranks of
+    one local run, removed by the launcher at the end) and returns them as `Blob`s."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def tensors(self, tensors: dict[str, torch.Tensor]) -> Blob:
+        """`tensors_to_bytes(tensors)`, written tensor by tensor into a file."""
+        from trainer import tensorbytes
+
+        return self._written(lambda fd: tensorbytes.write(tensors, fd))
+
+    def bytes(self, data: bytes) -> Blob:
+        """`data`, written into a file."""
+        from trainer import tensorbytes
+
+        def write(fd: int) -> int:
+            tensorbytes.write_all(fd, memoryview(data))
+            return len(data)
+
+        return self._written(write)
+
+    def _written(self, write: Callable[[int], int]) -> Blob:
+        path = os.path.join(self.directory, f"{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            size = write(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(path)
+            raise
+        os.close(fd)
+        return Blob(path, size)
+
+
+def to_bytes(data: bytes | Blob) -> bytes:
+    """Bytes, whether held or spilled."""
+    return data.read() if isinstance(data, Blob) else data
+
+
+class StoredTensors(Mapping[str, "torch.Tensor"]):
+    """The tensors of `tensors_to_bytes` output (bytes, or a spilled `Blob`) whose names start
+    with `prefix` (removed), by name, each read when asked for: a view of the bytes (no
+    copy), or read from the file into a buffer of its own. Only for reading: a view of bytes
+    must not be written to. ValueError for bytes `bytes_to_tensors` would leave to the
+    safetensors library (`tensor_views` falls back to it)."""
+
+    def __init__(self, data: bytes | Blob, prefix: str = "") -> None:
+        from trainer import tensorbytes
+
+        self.data, self.prefix = data, prefix
+        head: bytes | bytearray | memoryview
+        if isinstance(data, Blob):  # the length, then the header (index() judges both)
+            head = data.read_at(0, min(data.size, 8))
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            if 8 + n <= min(data.size, tensorbytes.MAX_HEADER + 8):
+                head = data.read_at(0, 8 + n)
+        else:
+            head = memoryview(data)
+        self.start, index = tensorbytes.index(head, len(data))
+        self.index = {k.removeprefix(prefix): v for k, v in index.items() if k.startswith(prefix)}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import warnings
+
+        import torch
+
+        dtype, shape, begin, end = self.index[name]
+        if end == begin:
+            return torch.empty(shape, dtype=dtype)
+        if isinstance(self.data, Blob):
+            buf: bytes | bytearray | memoryview = self.data.read_at(self.start + begin, end - begin)
+        else:
+            buf = memoryview(self.data)[self.start + begin: self.start + end]
+        with warnings.catch_warnings():  # bytes are read-only; nothing writes to these views
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(cast(bytearray, buf), dtype=dtype).reshape(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+
+def tensor_views(data: bytes) -> Mapping[str, torch.Tensor]:
+    """`bytes_to_tensors(data)`'s tensors without its copy of the data (`StoredTensors`, for
+    reading only), or, for bytes only the safetensors library reads, its tensors."""
+    try:
+        return StoredTensors(data)
+    except ValueError:
+        return bytes_to_tensors(data)

@@ -112,6 +112,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,7 +127,9 @@ __all__ = [
     "CODEC_NONE",
     "CODEC_QUANT",
     "CODEC_SPARSE",
+    "STREAM_ELEMENTS",
     "Compressor",
+    "ContributionReader",
     "decode_contribution",
     "dequantize_rows",
     "gaps_decode",
@@ -139,6 +142,7 @@ __all__ = [
     "sparse_encode",
     "sparse_k",
     "sparse_payload_bytes",
+    "stream_batches",
     "unpack_bits",
 ]
 
@@ -685,15 +689,53 @@ def decode_contribution(data: bytes, shapes: dict[str, torch.Size], *, exact_key
     """A published contribution (any kind) back to float32 pseudo-gradients by name.
     `exact_keys`: also refuse a payload holding a tensor `shapes` does not name (a
     fragment's contribution carries its fragment and nothing else)."""
-    payload = bytes_to_tensors(data)
-    if exact_keys:
-        stray = sorted({k.split("/", 1)[1] for k in payload if k not in (BUDGET_KEY, GAPS_STREAM, GAPS_META)}
-                       - set(shapes))
-        if stray:
-            raise ValueError(f"contribution: holds {stray[0]}, which is not in the round's fragment")
-    batched = {**_dequant_batch(payload, shapes), **_gaps_decode_all(payload, shapes)}
-    return {name: batched[name] if name in batched else _decode_one(name, payload, shapes[name])
-            for name in sorted(shapes)}
+    return ContributionReader(data, shapes, exact_keys=exact_keys).decode(sorted(shapes))
+
+
+class ContributionReader:
+    """A published contribution parsed once (one copy of its bytes) and decoded a few
+    tensors at a time (`decode`), so that an outer step holds the float32 pseudo-gradients of
+    a bounded batch of tensors rather than of the whole stage (`stream_batches`). What it
+    decodes is `decode_contribution`'s, bit for bit: the decoding is elementwise, and the
+    batching only groups tensors. Raises as `decode_contribution` does."""
+
+    def __init__(self, data: bytes, shapes: Mapping[str, torch.Size], *, exact_keys: bool = False) -> None:
+        payload = bytes_to_tensors(data)
+        if exact_keys:
+            stray = sorted({k.split("/", 1)[1] for k in payload if k not in (BUDGET_KEY, GAPS_STREAM, GAPS_META)}
+                           - set(shapes))
+            if stray:
+                raise ValueError(f"contribution: holds {stray[0]}, which is not in the round's fragment")
+        self.payload, self.shapes = payload, dict(shapes)
+        self.gaps = _gaps_decode_all(payload, self.shapes)  # one stream for every gaps-coded tensor
+
+    def decode(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The pseudo-gradients of `names` (sorted), by name."""
+        mine = {n: self.shapes[n] for n in names}
+        batched = _dequant_batch(self.payload, mine)
+        batched.update({n: self.gaps.pop(n) for n in names if n in self.gaps})
+        return {n: batched[n] if n in batched else _decode_one(n, self.payload, mine[n]) for n in names}
+
+
+STREAM_ELEMENTS = 1 << 18  # a batch of `stream_batches`: tensors of about this many values
+
+
+def stream_batches(names: list[str], shapes: Mapping[str, torch.Size],
+                   limit: int | None = None) -> list[list[str]]:
+    """`names` cut, in order, into consecutive batches of at most `limit` values each
+    (default `STREAM_ELEMENTS`; a larger tensor alone): what compression and the outer step
+    process at once, so that their working memory stays a batch's rather than a stage's."""
+    limit = STREAM_ELEMENTS if limit is None else limit
+    out: list[list[str]] = []
+    size = 0
+    for n in names:
+        numel = math.prod(shapes[n])
+        if not out or size + numel > limit:
+            out.append([])
+            size = 0
+        out[-1].append(n)
+        size += numel
+    return out
 
 
 def _orthonormalize(P: torch.Tensor) -> torch.Tensor:
@@ -759,7 +801,7 @@ class Compressor:
                 out[f"compress/warm/{n}"] = st.warm
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Restore `state_tensors()` output (other keys are ignored). ValueError if it does
         not fit this compressor's tensors."""
         try:
@@ -789,12 +831,17 @@ class Compressor:
 
     def compress(
         self,
-        delta: dict[str, torch.Tensor],
+        delta: Mapping[str, torch.Tensor],
         step: int,
         loss: float | None = None,
         budget_bytes: float | None = None,
     ) -> bytes:
-        """Compress this round's pseudo-gradient (with error feedback); the bytes to send."""
+        """Compress this round's pseudo-gradient (with error feedback); the bytes to send.
+        `delta` may compute each tensor when asked for it (`trainer.diloco.contribution`):
+        where the kind's tensors are coded independently (all but ``adaptive``, whose byte
+        budget weighs them together, and the gaps layout, one stream for all), they are
+        read, coded and fed back a batch at a time (`stream_batches`), so the working memory
+        is a batch's; the bytes are the same either way."""
         start = time.perf_counter()
         cfg = self.cfg
         names = self._names = sorted(delta)  # a fragment, or every tensor
@@ -804,12 +851,31 @@ class Compressor:
             self.total_s += self.last_stats["compress_s"]
             return data
         tau = self._energy_target(step, loss)
+        whole = cfg.kind == "adaptive" or (cfg.kind == "quantize" and cfg.coding == "gaps")
+        batches = [names] if whole else stream_batches(names, {n: self.state[n].shape for n in names})
+        payload: dict[str, torch.Tensor] = {}
+        norms: list[tuple[float, float]] = []  # (||err||^2, ||M||^2) by name
+        for batch in batches:
+            norms += self._compress_batch(batch, delta, tau, budget_bytes, payload)
+        sq_err = sq_norm = 0.0
+        for e2, m2 in norms:  # summed in name order, whatever the batches
+            sq_err += e2
+            sq_norm += m2
+        data = tensors_to_bytes(payload)
+        self.last_stats = self._summary(time.perf_counter() - start, sq_err, sq_norm, tau)
+        self.total_s += self.last_stats["compress_s"]
+        return data
+
+    def _compress_batch(self, names: list[str], delta: Mapping[str, torch.Tensor], tau: float,
+                        budget_bytes: float | None, payload: dict[str, torch.Tensor]) -> list[tuple[float, float]]:
+        """Plan, code and feed back the tensors `names` (sorted) into `payload`; returns their
+        (||err||^2, ||M||^2) in order."""
+        cfg = self.cfg
         plans = {}
         for n in names:
             st = self.state[n]
             M = delta[n].float() + st.residual if cfg.error_feedback else delta[n].float()
             plans[n] = self._plan(n, M.reshape(_as_matrix_shape(st.shape)), tau)
-        payload: dict[str, torch.Tensor] = {}
         if budget_bytes is not None and cfg.kind == "adaptive" and self._fit_budget(plans, budget_bytes):
             payload[BUDGET_KEY] = torch.tensor([budget_bytes], dtype=torch.float64)
         gaps_payload, gaps_err = _gaps_batch(plans)
@@ -817,9 +883,9 @@ class Compressor:
         batched = {**_sparse_batch(plans), **_quant_batch(plans),
                    **{n: ({}, e) for n, e in gaps_err.items()}}
         plans_done = set(batched)
-        sq_err = sq_norm = 0.0
+        out = []
         for n in names:
-            st, plan = self.state[n], plans[n]
+            st, plan = self.state[n], plans.pop(n)
             M = plan["M"]
             if n in batched:
                 enc, err = batched.pop(n)
@@ -835,13 +901,8 @@ class Compressor:
                 payload.update(enc)
                 decoded = _decode_one(n, enc, st.shape).reshape(M.shape)
                 err = M - decoded
-            e2, m2 = self._record(st, plan, M, err)
-            sq_err += e2
-            sq_norm += m2
-        data = tensors_to_bytes(payload)
-        self.last_stats = self._summary(time.perf_counter() - start, sq_err, sq_norm, tau)
-        self.total_s += self.last_stats["compress_s"]
-        return data
+            out.append(self._record(st, plan, M, err))
+        return out
 
     def _record(self, st: _TensorState, plan: dict, M: torch.Tensor, err: torch.Tensor) -> tuple[float, float]:
         """After one tensor's encoding: its error feedback, the adaptive rule's bits for

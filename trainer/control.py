@@ -83,3 +83,10 @@ class RankControl:
     # Polled on global rank 0 after each round's reports: True makes every rank regroup
     # (reason "grow") at that boundary, so that waiting replicas can join.
     grow_requested: Callable[[], bool] | None = None
+    # A directory of this host, the launcher's (it removes it at the end), where the rank
+    # writes its round-start states and stage shards as it makes them instead of holding
+    # them (`trainer.artifacts.Spill`); they reach the launcher's sink as the same bytes.
+    # Only for a rank whose events go through a `trainer.supervisor` queue to a launcher on
+    # this host; every rank of a world gets the same directory (their object collectives
+    # pass file names). None: the rank holds them in memory.
+    spill_dir: str | None = None

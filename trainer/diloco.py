@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
-from trainer.compress import Compressor, decode_contribution
+from trainer.compress import Compressor, ContributionReader, decode_contribution, stream_batches
 from trainer.config import OuterConfig
 from trainer.hooks import unchanged
 from trainer.transport import Pending, Transport
@@ -51,11 +51,13 @@ __all__ = [
     "fragment_of",
     "mean_in_order",
     "merge_weights",
+    "outer_step_from",
     "step_names",
 ]
 
 
-Deltas = dict[str, torch.Tensor]
+Deltas = Mapping[str, torch.Tensor]
+STEP_ELEMENTS = 1 << 16  # values of one tensor a float64 outer step computes at a time
 #: (round, honest pseudo-gradient) -> the one a rank publishes and sends (an injected hook).
 DeltaHook = Callable[[int, Deltas], Deltas]
 
@@ -75,9 +77,31 @@ def contribution(
     sorted name; over `names`, the round's fragment, or every parameter), passed through
     `publish`, compressed under `budget` bytes. The one function training
     (`DiLoCo.end_round`), an exact resume and a replay (`trainer.engine.rerun_round`) all
-    call, so their payloads agree bit for bit."""
-    delta = {n: reference[n] - local[n].detach().cpu() for n in sorted(reference if names is None else names)}
+    call, so their payloads agree bit for bit. Each tensor of delta is computed when the
+    compressor reads it (`PseudoGradient`), never the whole stage's at once."""
+    delta = PseudoGradient(reference, local, sorted(reference if names is None else names))
     return compressor.compress(publish(round_t, delta), round_t, loss, budget)
+
+
+class PseudoGradient(Mapping[str, torch.Tensor]):
+    """delta = reference - theta_local by name (`names`, sorted), each tensor computed on the
+    CPU when read: the same values as computing them all at once, in a tensor's memory."""
+
+    def __init__(self, reference: Mapping[str, torch.Tensor], local: Mapping[str, torch.Tensor],
+                 names: list[str]) -> None:
+        self.reference, self.local, self.names = reference, local, names
+
+    @torch.no_grad()
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.reference or name not in self.names:
+            raise KeyError(name)
+        return self.reference[name] - self.local[name].detach().cpu()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _natural_key(name: str) -> tuple:
@@ -182,30 +206,41 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, mean_delta: dict[str, torch.Tensor]) -> None:
         """One outer step with gradient = the replicas' mean pseudo-gradient, on the
-        parameters it names (a fragment, or all); the others and their momentum stay."""
+        parameters it names (a fragment, or all); the others and their momentum stay. In
+        place; under float64 arithmetic `STEP_ELEMENTS` values at a time (its formulas are
+        elementwise, so the bits are the whole tensor's), so its float64 temporaries are a
+        slice's, not the largest tensor's."""
         assert set(mean_delta) <= set(self.params), "delta names are not outer params"
         for n in sorted(mean_delta):
-            p, buf = self._moved(n, mean_delta[n])
-            self.params[n].copy_(p)
-            self._momentum[n].copy_(buf)
+            p, buf, g = self.params[n], self._momentum[n], mean_delta[n]
+            if self.cfg.arithmetic == "float32" or not (p.is_contiguous() and buf.is_contiguous()):
+                new_p, new_buf = self._moved(p, buf, g)  # whole tensors: the recorded runs' kernels
+                p.copy_(new_p)
+                buf.copy_(new_buf)
+                continue
+            p, buf, g = p.view(-1), buf.view(-1), g.reshape(-1)
+            for i in range(0, p.numel(), STEP_ELEMENTS):
+                part = slice(i, i + STEP_ELEMENTS)
+                new_p, new_buf = self._moved(p[part], buf[part], g[part])
+                p[part].copy_(new_p)
+                buf[part].copy_(new_buf)
 
     @torch.no_grad()
     def lookahead(self, mean_delta: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weights `step(mean_delta)` would give, without moving this optimizer: the
         same operations, so the same bits."""
         assert sorted(mean_delta) == self.names, "delta names do not match the outer params"
-        return {n: self._moved(n, mean_delta[n])[0] for n in self.names}
+        return {n: self._moved(self.params[n], self._momentum[n], mean_delta[n])[0] for n in self.names}
 
-    def _moved(self, n: str, mean_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, momentum) of parameter `n` after one step with gradient `mean_delta`,
-        new tensors (float32), in the run's arithmetic (`OuterConfig.arithmetic`):
+    def _moved(self, p: torch.Tensor, buf: torch.Tensor, mean_delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, momentum) after one step of the weights `p` with momentum `buf` and
+        gradient `mean_delta`, new tensors (float32), in the run's arithmetic (`OuterConfig.arithmetic`):
         float64: each formula in float64 by separate correctly rounded operations (no fused
         multiply-add, whatever the CPU), rounded to float32 once, so every IEEE-754 machine
         gets the same bits; float32: torch.optim.SGD's single-tensor update as runs before
         2026-12-04 computed it (its `alpha=` adds fuse a multiply-add on CPUs whose kernels
         do, so the bits follow the kernel set)."""
         lr, mu, nesterov = self.cfg.lr, self.cfg.momentum, self.cfg.nesterov
-        p, buf = self.params[n], self._momentum[n]
         if self.cfg.arithmetic == "float32":
             grad = mean_delta.to(p.dtype)
             if mu != 0:  # torch.optim.sgd._single_tensor_sgd, dampening 0
@@ -219,10 +254,14 @@ class OuterOptimizer:
         step = g + b * mu if nesterov else b
         return (p.double() - step * lr).float(), b.float()
 
-    def to_bytes(self) -> bytes:
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a StageShard holds: ``param/<name>`` and ``momentum/<name>`` (the live tensors)."""
         tensors = {f"param/{n}": p for n, p in self.params.items()}
-        tensors.update({f"momentum/{n}": m for n, m in self.momentum().items()})
-        return tensors_to_bytes(tensors)
+        tensors.update({f"momentum/{n}": m for n, m in self._momentum.items()})
+        return tensors
+
+    def to_bytes(self) -> bytes:
+        return tensors_to_bytes(self.tensors())
 
     @classmethod
     def from_bytes(cls, data: bytes, cfg: OuterConfig) -> OuterOptimizer:
@@ -247,14 +286,35 @@ def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig,
     if cfg.fragments > 1 and step is None:
         raise ValueError("the outer step of a run with fragments needs its step number")
     names = outer.names if step is None else step_names(shapes, cfg.fragments, step)
-    mine = {n: shapes[n] for n in names}
-    per_replica = []
-    for data in contributions:
-        deltas = decode_contribution(data, mine, exact_keys=cfg.fragments > 1)
-        per_replica.append([deltas[n] for n in names])
-    mean = mean_in_order(per_replica)
-    outer.step(dict(zip(names, mean, strict=True)))
+    outer_step_from(outer, contributions, names, exact_keys=cfg.fragments > 1)
     return outer.to_bytes()
+
+
+def outer_step_from(outer: OuterOptimizer, contributions: Sequence[bytes], names: list[str], *,
+                    exact_keys: bool = False, keep: bool = False,
+                    clock: list[float] | None = None) -> list[dict[str, torch.Tensor]] | None:
+    """Step `outer` over `names` (sorted) with the mean in replica order (`mean_in_order`) of
+    the decoded `contributions`, a batch of tensors at a time (`stream_batches`: decode
+    every replica's batch, average, step): the working memory of a batch, not of R decoded
+    stages, and the same bits as decoding everything first, since each tensor's mean and
+    step involve that tensor alone. `keep`: also return every replica's decoded tensors
+    (the eager rule's stale contributions). `clock`: [seconds], to which the decoding's time
+    is added. Training (`DiLoCo`) and a verifier (`apply_outer_step`) both step through here."""
+    began = time.perf_counter()
+    shapes = {n: outer.params[n].shape for n in names}
+    readers = [ContributionReader(data, shapes, exact_keys=exact_keys) for data in contributions]
+    kept: list[dict[str, torch.Tensor]] | None = [{} for _ in readers] if keep else None
+    for batch in stream_batches(names, shapes):
+        decoded = [r.decode(batch) for r in readers]
+        if clock is not None:
+            clock[0] += time.perf_counter() - began
+        mean = mean_in_order([[d[n] for n in batch] for d in decoded])
+        outer.step(dict(zip(batch, mean, strict=True)))
+        if kept is not None:
+            for k, d in zip(kept, decoded, strict=True):
+                k.update(d)
+        began = time.perf_counter()
+    return kept
 
 
 def eager_start(
@@ -454,7 +514,7 @@ class DiLoCo:
         return applied
 
     @torch.no_grad()
-    def merge(self, anchor: dict[str, torch.Tensor]) -> AppliedStep:
+    def merge(self, anchor: Mapping[str, torch.Tensor]) -> AppliedStep:
         """partial: wait for the exchange in flight, step the outer optimizer and merge the
         local weights (`merge_weights`; `anchor` = the weights the exchanged pseudo-gradient
         was measured from, this round's start weights)."""
@@ -493,14 +553,14 @@ class DiLoCo:
         """The parameter names round `round_t` exchanges (None: all of them)."""
         return None if self.groups is None else fragment_of(round_t, self.groups)
 
-    def _step(self, blobs: list[bytes], round_t: int) -> list[dict[str, torch.Tensor]]:
-        start = time.perf_counter()
+    def _step(self, blobs: list[bytes], round_t: int) -> list[dict[str, torch.Tensor]] | None:
+        """Outer step `round_t` from the R blobs (`outer_step_from`); the decoded
+        contributions under the eager rule (its next start needs them), else None."""
+        clock = [0.0]
         names = self.fragment(round_t) or self.outer.names
-        shapes = self.shapes if self.groups is None else {n: self.shapes[n] for n in names}
-        decoded = [decode_contribution(b, shapes, exact_keys=self.groups is not None) for b in blobs]
-        self.decode_s += time.perf_counter() - start
-        mean = mean_in_order([[d[n] for n in names] for d in decoded])
-        self.outer.step(dict(zip(names, mean, strict=True)))
+        decoded = outer_step_from(self.outer, blobs, names, exact_keys=self.groups is not None,
+                                  keep=self.rule == "eager", clock=clock)
+        self.decode_s += clock[0]
         return decoded
 
     def reset_local(self) -> None:
@@ -510,10 +570,23 @@ class DiLoCo:
 
     @contextmanager
     def outer_weights(self) -> Iterator[None]:
-        """Run the body (an evaluation) with theta_outer in the module, then put the local
-        weights back: under eager and partial they differ when a step is published."""
+        """Run the body (an evaluation, which must not write to the weights) with theta_outer
+        in the module, then put the local weights back: under eager and partial they differ
+        when a step is published. On the CPU the module's parameters borrow the outer tensors
+        for the while (no copy of the weights); elsewhere the local weights are saved and
+        the outer ones copied in."""
         if self.rule in ("sync", "restart"):
             yield
+            return
+        if all(p.device.type == "cpu" and p.dtype == torch.float32 for p in self.local.values()):
+            held = {n: p.data for n, p in self.local.items()}
+            try:
+                for n, p in self.local.items():
+                    p.data = self.outer.params[n]
+                yield
+            finally:
+                for n, p in self.local.items():
+                    p.data = held[n]
             return
         with torch.no_grad():
             saved = {n: p.detach().clone() for n, p in self.local.items()}

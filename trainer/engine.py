@@ -76,7 +76,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,13 +86,17 @@ from torch import nn
 from trainer.artifacts import (
     KERNELS_KEY,
     MERGE_STEP_KEY,
+    Blob,
     Contribution,
     GenesisArtifacts,
     Progress,
+    Spill,
     StageShard,
     StepArtifacts,
-    bytes_to_tensors,
+    StoredTensors,
+    tensor_views,
     tensors_to_bytes,
+    to_bytes,
 )
 from trainer.compress import Compressor
 from trainer.config import JobConfig
@@ -111,7 +115,7 @@ from trainer.errors import Cancelled, DlxError, TrainingError
 from trainer.hooks import RankHooks
 from trainer.kernels import kernel_fingerprint
 from trainer.model import build_stage
-from trainer.supervisor import error_line, peer_loss
+from trainer.supervisor import Emitter, error_line, peer_loss
 from trainer.transport import Transport, all_gather_bytes_sent
 
 __all__ = [
@@ -131,6 +135,7 @@ __all__ = [
     "merge_step_of",
     "rerun_round",
     "round_state",
+    "round_tensors",
     "run_rank",
     "world_failure",
 ]
@@ -426,12 +431,12 @@ def inner_round(
     H = tokens.size(0)
     losses: list[float] = []
     for h in range(H):
+        inner.zero_grad(set_to_none=True)  # before the hook: a merge runs without the old grads
         if before_step is not None:
             before_step(h)
         lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + h)
         for g in inner.param_groups:
             g["lr"] = lr
-        inner.zero_grad(set_to_none=True)
         x, y = tokens[h, :, :-1], tokens[h, :, 1:]  # (B, T) each
         loss = pipeline.train_step(x, y)
         if sync_grads is not None:
@@ -443,6 +448,7 @@ def inner_round(
             losses.append(loss)
         if after_step is not None:
             after_step(h, loss)
+    inner.zero_grad(set_to_none=True)  # the round end and the report need no gradients
     # The round's loss lives on the last stage; every stage's Contribution carries it.
     round_loss = sum(losses) / H if topo.is_last else None
     if topo.S > 1:
@@ -461,6 +467,21 @@ def round_state(
     weights: bool = True,
     merge_step: int | None = None,
 ) -> bytes:
+    """`round_tensors` as safetensors bytes (`tensors_to_bytes`)."""
+    return tensors_to_bytes(round_tensors(module, inner, compressor, round_t, first_step, weights=weights,
+                                          merge_step=merge_step))
+
+
+def round_tensors(
+    module: nn.Module,
+    inner: torch.optim.Optimizer,
+    compressor: Compressor,
+    round_t: int,
+    first_step: int,
+    *,
+    weights: bool = True,
+    merge_step: int | None = None,
+) -> dict[str, torch.Tensor]:
     """This rank's state at the start of round `round_t`, as safetensors (sorted keys, so
     the same state gives the same bytes): ``param/<name>`` the local weights (theta_outer
     at round start, also the pseudo-gradient's reference), ``inner/<key>/<name>`` the inner
@@ -470,7 +491,8 @@ def round_state(
     `merge_step` (the partial overlap rule only): ``round/merge_step``, the inner step
     before which the round merges the previous round's exchange (-1: none in flight).
     ``round/kernels``: the kernel fingerprint of the process (`trainer.kernels`), UTF-8
-    bytes, which a verifier prints beside its own."""
+    bytes, which a verifier prints beside its own. The tensors are the live ones (views, no
+    copies): serialise them before anything trains on."""
     tensors: dict[str, torch.Tensor] = {
         "round/outer_step": torch.tensor([round_t], dtype=torch.int64),
         "round/inner_step": torch.tensor([first_step], dtype=torch.int64),
@@ -483,21 +505,22 @@ def round_state(
     for p, state in inner.state.items():
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"inner/{key}/{by_param[id(p)]}"] = value.cpu()
+                tensors[f"inner/{key}/{by_param[id(p)]}"] = value.detach()
     if weights:
-        tensors.update({f"param/{n}": p.detach().cpu() for n, p in named.items()})
+        tensors.update({f"param/{n}": p.detach() for n, p in named.items()})
     tensors.update(compressor.state_tensors())
-    return tensors_to_bytes(tensors)
+    return tensors
 
 
 @torch.no_grad()
 def load_round_state(
     data: bytes, module: nn.Module, inner: torch.optim.Optimizer, compressor: Compressor
 ) -> tuple[int, int]:
-    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor;
-    returns (outer step, first inner step). ValueError if it does not fit them."""
+    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor
+    (each copies what it keeps from views of `data`); returns (outer step, first inner
+    step). ValueError if it does not fit them."""
     try:
-        tensors = bytes_to_tensors(data)
+        tensors = tensor_views(data)
     except Exception as exc:  # safetensors raises its own error type for bad bytes
         raise ValueError(f"start state is not safetensors: {exc}") from None
     named = dict(module.named_parameters())
@@ -531,7 +554,7 @@ def merge_step_of(state: bytes) -> int | None:
     """The inner step before which a partial-rule round merged (`round/merge_step`), or None
     (no merge, or another rule). ValueError for bytes that are not a round state."""
     try:
-        tensors = bytes_to_tensors(state)
+        tensors = tensor_views(state)
     except Exception as exc:  # safetensors raises its own error type for bad bytes
         raise ValueError(f"start state is not safetensors: {exc}") from None
     t = tensors.get(MERGE_STEP_KEY)
@@ -629,6 +652,28 @@ def agree_device(job: JobConfig, gpu: int | None, *, strict: bool = True) -> tor
     return torch.device("cpu")
 
 
+_LIBC: Any = None  # glibc, once loaded (False: not there, or it has no malloc_trim)
+
+
+def release_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`, every arena):
+    called between a round's phases, so that what a phase freed (activations, gradients,
+    serialised bytes, decoded tensors) stops counting in the rank's resident memory rather
+    than lingering in the heap, where the next phase's differently sized buffers would not
+    fit and would take fresh pages. A no-op where the C library has no such call."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            import ctypes
+
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
 def _peak_rss_mb() -> float:
     """This rank's own peak resident memory. Not `ru_maxrss`: Linux carries the launching
     process's peak into a spawned child's (exec records the old address space's high-water
@@ -701,16 +746,17 @@ def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: 
 class Round:
     """One round's bookkeeping: its number `t`, its first inner step of the run, the inner
     step before which it merges the previous round's exchange (the partial rule; None when
-    nothing is in flight), its serialised start state (what a replay starts from), its data
-    shard and, when it merges, its start weights (the merge's anchor: the ``param/``
-    tensors of the start state, copied rather than parsed back)."""
+    nothing is in flight), its serialised start state (what a replay starts from: bytes,
+    or a `Blob` where the rank spills), its data shard and, when it merges, its start
+    weights (the merge's anchor: the ``param/`` tensors of the start state, read back from
+    it one at a time rather than held as a copy)."""
 
     t: int
     first_step: int
     merge_at: int | None
-    start_state: bytes
+    start_state: bytes | Blob
     data: Any
-    anchor: dict[str, torch.Tensor] | None = None
+    anchor: StoredTensors | None = None
 
 
 class _Regroup(Exception):
@@ -764,8 +810,11 @@ class RoundLoop:
         # Elastic runs: round -> this rank's start state of it, the last KEEP_STATES rounds
         # opened (a regroup restores the inner optimizer and compressor from them), and the
         # last round opened and the last one whose end completed.
-        self.kept: dict[int, bytes] = {}
+        self.kept: dict[int, bytes | Blob] = {}
         self.opened = self.completed = 0
+        # Where this rank's large bytes go as they are made (None: held in memory); only
+        # through a Supervisor's queue does a Blob reach the launcher as bytes.
+        self.spill = Spill(control.spill_dir) if control.spill_dir and isinstance(emit, Emitter) else None
         self.counters = (0, 0.0, 0.0)  # the Transport's counters, carried into the next epoch
 
     def _build_module(self, device: torch.device) -> nn.Module:
@@ -835,7 +884,7 @@ class RoundLoop:
         self.tokens = self._tokens_through(step) if self.epoch else self._full_tokens(step)
         self.opened = self.completed = step
         if start is None:
-            shards = self._gather(StageShard(self.topo.stage, self.diloco.outer.to_bytes())
+            shards = self._gather(StageShard(self.topo.stage, cast(bytes, self._held(self.diloco.outer.tensors())))
                                   if self.topo.lead else None)
             if self.topo.rank == 0:
                 assert shards is not None
@@ -900,8 +949,8 @@ class RoundLoop:
         nxt = self.completed + 1
         rank = vars(self).get("rank")  # None: a regroup broke off before the world was wired
         if rank is not None and self.opened == self.completed and nxt not in self.kept and not self.allreduce:
-            self.kept[nxt] = round_state(rank.module, rank.inner, rank.compressor, nxt,
-                                         (nxt - 1) * self.job.outer.inner_steps)
+            self.kept[nxt] = self._held(round_tensors(rank.module, rank.inner, rank.compressor, nxt,
+                                                      (nxt - 1) * self.job.outer.inner_steps))
 
     def _leave(self) -> None:
         """Tear this rank's world down: drop the exchange in flight (its daemon thread may
@@ -948,7 +997,7 @@ class RoundLoop:
         if state is not None:
             rank = self.rank
             try:
-                load_round_state(state, rank.module, rank.inner, rank.compressor)
+                load_round_state(to_bytes(state), rank.module, rank.inner, rank.compressor)
             except ValueError as exc:
                 raise TrainingError(f"regroup: this rank's kept start state of round {nxt}: {exc}") from None
         self.kept = {t: v for t, v in self.kept.items() if t <= nxt}
@@ -1017,7 +1066,9 @@ class RoundLoop:
         compute = (time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
                    - merged)
         self.clock["compute_s"] += compute
+        release_free_memory()  # the inner steps' activations and gradients
         applied = self.end_round(rnd, round_loss, compute)
+        release_free_memory()  # compression's working memory
         self.completed = t
         self.clock["rounds_wall_s"] += time.perf_counter() - began - (self.clock["report_s"] - report_before)
         self.clock["compress_s"] = self.compress_before + self.rank.compressor.total_s + self.diloco.decode_s
@@ -1030,16 +1081,19 @@ class RoundLoop:
         first_step = (t - 1) * self.job.outer.inner_steps  # warmup is not repeated on resume
         merge_at = self.diloco.merge_step if self.diloco.pending else None
         rank = self.rank
-        start_state = b"" if self.allreduce else round_state(
+        start_state = b"" if self.allreduce else self._held(round_tensors(
             rank.module, rank.inner, rank.compressor, t, first_step,
-            merge_step=(-1 if merge_at is None else merge_at) if self.partial else None)
+            merge_step=(-1 if merge_at is None else merge_at) if self.partial else None))
         self.opened = t
         if self.control.regroup is not None and start_state:  # what a regroup restores
             self.kept[t] = start_state
             self.kept = {k: v for k, v in self.kept.items() if k > t - KEEP_STATES}
-        anchor = None if merge_at is None else {
-            n: p.detach().to("cpu", copy=True) for n, p in rank.module.named_parameters()}
+        anchor = None if merge_at is None else StoredTensors(start_state, "param/")
         return Round(t, first_step, merge_at, start_state, data=None, anchor=anchor)
+
+    def _held(self, tensors: dict[str, torch.Tensor]) -> bytes | Blob:
+        """`tensors_to_bytes(tensors)`, or where this rank spills the same bytes in a file."""
+        return tensors_to_bytes(tensors) if self.spill is None else self.spill.tensors(tensors)
 
     def inner_steps(self, rnd: Round) -> float:
         """The round's honest inner steps (with stops, the partial rule's merge and
@@ -1077,6 +1131,7 @@ class RoundLoop:
         outer step and merge go to `merge_s`, the publishing to `report_s`; the round's
         compute counts none of them."""
         began = time.perf_counter()
+        release_free_memory()  # the inner steps' activations, before the outer step's buffers
         wait_before = self.transport.wait_s
         assert rnd.anchor is not None, "merge: the round has no anchor"
         applied = self.diloco.merge(rnd.anchor)
@@ -1161,48 +1216,65 @@ class RoundLoop:
             self.emit("progress", Progress(t, first + k + 1, value, T, H, lr=lr, tokens_per_s=rate,
                                            rank0_bytes_sent=float(self.transport.bytes_sent), eta_s=eta))
 
-    def shard_bytes(self) -> bytes:
-        """This rank's new stage shard: the outer state, or the baseline's weights with
-        zero momentum (it has no outer optimizer)."""
+    def shard_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's new stage shard's tensors: the outer state (views), or the baseline's
+        weights with zero momentum (it has no outer optimizer)."""
         if self.allreduce:
             named = dict(self.rank.module.named_parameters())
             tensors = {f"param/{n}": p.detach().float().cpu() for n, p in named.items()}
             tensors.update({f"momentum/{n}": torch.zeros_like(p) for n, p in named.items()})
-            return tensors_to_bytes(tensors)
-        return self.diloco.outer.to_bytes()
+            return tensors
+        return self.diloco.outer.tensors()
 
     def report(self, applied: AppliedStep) -> None:
         """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
         topo = self.topo
         # Every replica serialises its own new outer shard: the replicas of a stage are
         # independent witnesses of the aggregate, and each co-signs the digest of its own.
-        own_shard = self.shard_bytes()
-        contribution = self._contribution(applied, own_shard)
+        # Its bytes are made only where they are needed (the digest; the first member's
+        # StageShard, which a spilling rank writes straight to its file) and freed at once.
+        release_free_memory()  # the outer step's decoded tensors, before the shard's bytes
+        tensors = self.shard_tensors()
+        signs = self.control.shard_digest is not None
+        own = tensors_to_bytes(tensors) if signs or (topo.lead and self.spill is None) else None
+        contribution = self._contribution(applied, own)
+        shard = None
+        if topo.lead:
+            data = own if self.spill is None else self.spill.tensors(tensors) if own is None else self.spill.bytes(own)
+            shard = StageShard(topo.stage, cast(bytes, data))
+        del own, tensors
         if self.control.emit_contributions:  # so this rank's node can check what it attests
             self.emit("contribution", (applied.round, contribution))
         eval_loss = None
         if topo.lead:  # the committed weights, whatever the local ones are now
             with contextlib.nullcontext() if self.allreduce else self.diloco.outer_weights():
                 eval_loss = self.rank.pipeline.eval_loss(self.eval_batches)
-        shard = StageShard(topo.stage, own_shard) if topo.lead else None
         self.tokens += topo.n * self._round_tokens()  # what the present replicas trained
         self.tokens_at[applied.round] = self.tokens
         gathered = self._gather((contribution, shard, eval_loss, self._rank_stats()))
         if topo.rank == 0:
             assert gathered is not None
             self.emit("step", self._step_artifacts(applied.round, gathered))
+        del gathered, contribution, shard
+        release_free_memory()
 
-    def _contribution(self, applied: AppliedStep, own_shard: bytes) -> Contribution:
+    def _contribution(self, applied: AppliedStep, own_shard: bytes | None) -> Contribution:
+        """This rank's contribution to `applied`; its start state may be a spilled `Blob`,
+        which reaches the launcher as the bytes (`trainer.artifacts.Blob`)."""
         digest, round_loss, start_state = applied.tag
         sign = self.control.shard_digest
+        new_shard = b""
+        if sign is not None:
+            assert own_shard is not None
+            new_shard = self.hooks.cosigned_shard(self.topo, applied.round, own_shard, sign)
         return Contribution(
             replica=self.topo.replica,
             stage=self.topo.stage,
             data=applied.payload,
             data_shard=digest,
             loss=round_loss,
-            start_state=start_state,
-            new_shard=b"" if sign is None else self.hooks.cosigned_shard(self.topo, applied.round, own_shard, sign),
+            start_state=cast(bytes, start_state),
+            new_shard=new_shard,
         )
 
     def _rank_stats(self) -> dict[str, float]:

@@ -20,6 +20,7 @@ import contextlib
 import importlib.metadata
 import multiprocessing as mp
 import socket
+import tempfile
 import time
 from typing import Any, Literal
 
@@ -169,7 +170,9 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     `transport.link = "netns"` (root only) each replica's ranks run in their own network
     namespace behind a tc-shaped veth link (trainer/netns.py), removed afterwards.
     The data are prepared here, once, before any rank starts (a bad dataset is a
-    ConfigError); the ranks memory-map that one token file.
+    ConfigError); the ranks memory-map that one token file. The ranks write their
+    round-start states and shards into a spill directory made here (`RankControl.spill_dir`,
+    removed at the end) rather than hold them; the sink gets them as bytes all the same.
     """
     if job.data.prepared is None:  # else nothing to do, and the import (torch) stays out of this process
         from trainer.data import with_prepared_data
@@ -188,7 +191,8 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             netns = [None] * job.world_size
-        controls = _controls(job, sink, stop, start, hooks)
+        spill = stack.enter_context(tempfile.TemporaryDirectory(prefix="dlx-spill-", ignore_cleanup_errors=True))
+        controls = _controls(job, sink, stop, start, hooks, spill)
         return _train_local(job, sink, timeout_s, init_method, netns, controls)
 
 
@@ -201,9 +205,10 @@ def _train_local(job: JobConfig, sink: StepSink, timeout_s: float | None, init_m
         return _supervise(sup, job.world_size, sink, timeout_s)
 
 
-def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None, hooks: Any) -> list[Any]:
+def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None, hooks: Any,
+              spill_dir: str | None = None) -> list[Any]:
     """Every rank's `RankControl` (a GPU each where this machine has one per rank); every
-    rank gets the same `cancellable` (its deadlock hazard)."""
+    rank gets the same `cancellable` (its deadlock hazard) and spill directory."""
     from trainer.control import RankControl
 
     cuda = check_local(job).startswith("cuda")
@@ -211,7 +216,7 @@ def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None
         RankControl(stop_requested=StopFlag(stop) if stop is not None and rank == 0 else None,
                     cancellable=stop is not None, start=start[rank] if start else None,
                     shard_digest=getattr(sink, "shard_digest", None),  # a ledger's sink co-signs shards
-                    gpu=rank if cuda else None, **({} if hooks is None else {"hooks": hooks}))
+                    gpu=rank if cuda else None, spill_dir=spill_dir, **({} if hooks is None else {"hooks": hooks}))
         for rank in range(job.world_size)
     ]
 

@@ -29,17 +29,22 @@ claim recorded (`trainer.compress.payload_budget`), so the decisions are the sam
 `replay_rounds` replays many (step, replica) items in one launch, so the start-up cost
 (spawning, importing torch, loading the corpus, building the pipeline) is paid once. Each
 item also returns the state the round leaves behind (`end_states`: `round_state` without
-the weights), which a verifier compares with the next round's published start state.
+the weights), which a verifier compares with the next round's published start state. The
+items' bytes (given as bytes or as spilled `trainer.artifacts.Blob`s) travel to the
+processes, and the end states back, as files of a directory of the replay's own: each
+process reads one item at a time, and nothing holds every item's states at once.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from trainer.artifacts import Blob
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
 from trainer.supervisor import ChildOptions, Supervisor
@@ -65,9 +70,9 @@ class ReplayItem:
 
     step: int
     replica: int
-    start_states: list[bytes]
+    start_states: list[bytes] | list[Blob]
     claimed: list[bytes] | None = None
-    outer: list[bytes] | None = None  # the partial rule: each stage's committed shard of step - 1
+    outer: list[bytes] | list[Blob] | None = None  # the partial rule: each stage's committed shard of step - 1
 
 
 @dataclass
@@ -117,18 +122,19 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
     job = with_prepared_data(job)  # one token file for the S processes
     if job.outer.rule == "partial" and any(it.outer is None or len(it.outer) != S for it in items):
         raise ValueError("the partial overlap rule needs each stage's committed shard of the step before")
-    per_rank = [
-        [(it.step, it.replica, it.start_states[s], None if it.claimed is None else it.claimed[s],
-          None if it.outer is None else it.outer[s]) for it in items]
-        for s in range(S)
-    ]
     results = [ReplayResult(payloads=[b""] * S, end_states=[b""] * S) for _ in items]
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    with Supervisor(warm=True) as sup:  # forked from the warm server: one torch import, not S
-        for s in range(S):
-            sup.start(s, _replay_rank, (s, S, init_method, job, per_rank[s]), name=f"dlx-replay-{s}",
-                      options=ChildOptions(where=False))
-        _collect(sup, S, results, timeout_s)
+    with tempfile.TemporaryDirectory(prefix="dlx-replay-", ignore_cleanup_errors=True) as files:
+        per_rank = [
+            [(it.step, it.replica, _filed(files, it.start_states[s]), None if it.claimed is None else it.claimed[s],
+              None if it.outer is None else _filed(files, it.outer[s])) for it in items]
+            for s in range(S)
+        ]
+        with Supervisor(warm=True) as sup:  # forked from the warm server: one torch import, not S
+            for s in range(S):
+                sup.start(s, _replay_rank, (s, S, init_method, job, per_rank[s], files), name=f"dlx-replay-{s}",
+                          options=ChildOptions(where=False))
+            _collect(sup, S, results, timeout_s)
     for r in results:
         if r.error:
             r.payloads, r.end_states = [], []
@@ -157,7 +163,7 @@ def _collect(sup: Supervisor, S: int, results: list[ReplayResult], timeout_s: fl
             continue
         i, out, end, digest, loss, secs, error = payload
         r = results[i]
-        r.payloads[rank], r.end_states[rank] = out, end
+        r.payloads[rank], r.end_states[rank] = out, _take_file(end) if end else b""
         r.seconds = max(r.seconds, secs)
         r.error = r.error or error
         if rank == 0:
@@ -165,13 +171,34 @@ def _collect(sup: Supervisor, S: int, results: list[ReplayResult], timeout_s: fl
     sup.join()
 
 
-def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple]) -> None:
+def _filed(directory: str, data: bytes | Blob) -> str:
+    """A file of `directory` holding `data` (a new name for a Blob's file): its path."""
+    path = os.path.join(directory, f"in-{len(os.listdir(directory))}")
+    if isinstance(data, Blob):
+        os.link(data.path, path)
+    else:
+        with open(path, "xb") as fh:
+            fh.write(data)
+    return path
+
+
+def _take_file(path: str) -> bytes:
+    """A file's bytes; the file is removed."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    os.unlink(path)
+    return data
+
+
+def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig, items: list[tuple],
+                 files: str) -> None:
     """A supervised child's work: stage `rank` of every item, one ("result", rank, ...) event
-    each (`_collect` reads them)."""
+    each (`_collect` reads them), its end state written into `files` (the event names it).
+    An item's start state and shard are read from their files when its turn comes."""
     import torch
     import torch.distributed as dist
 
-    from trainer.engine import Pipeline, Topology, agree_device, gpu_usable
+    from trainer.engine import Pipeline, Topology, agree_device, gpu_usable, release_free_memory
     from trainer.model import build_stage
 
     torch.set_num_threads(1)
@@ -190,23 +217,26 @@ def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig,
         module = build_stage(job.model, rank, S, job.seed, job.parallel.numerics).to(device)
         pipeline = Pipeline(module, topo, group, job, device)
         for i, item in enumerate(items):
-            emit("result", (i, *_replay_item(job, pipeline, corpus, item)))
+            release_free_memory()  # the last item's optimizer, compressor and buffers
+            emit("result", (i, *_replay_item(job, pipeline, corpus, item, os.path.join(files, f"end-{i}-{rank}"))))
     finally:
         dist.destroy_process_group()
 
 
-def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple) -> tuple:
-    """One item on this stage: (payload, end state, data digest, loss, seconds, error),
-    from a fresh inner optimizer and compressor loaded with its start state. Every stage
-    skips an item one stage's start state does not load (a collective)."""
+def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple, end_path: str) -> tuple:
+    """One item on this stage, (step, replica, start state's file, claimed payload, shard's
+    file): (payload, the file at `end_path` its end state was written to, data digest,
+    loss, seconds, error), from a fresh inner optimizer and compressor loaded with its start
+    state. Every stage skips an item one stage's start state does not load (a collective)."""
     import torch
     import torch.distributed as dist
 
+    from trainer import tensorbytes
     from trainer.compress import Compressor
     from trainer.data import derive_seed
-    from trainer.engine import StageRank, build_inner_optimizer, rerun_round, round_state
+    from trainer.engine import StageRank, build_inner_optimizer, rerun_round, round_tensors
 
-    step, replica, state, claimed, shard = item
+    step, replica = item[0], item[1]
     began, stage, H = time.perf_counter(), pipeline.topo.stage, job.outer.inner_steps
     shapes = {n: p.shape for n, p in pipeline.module.named_parameters()}
     rank = StageRank(job, pipeline, build_inner_optimizer(pipeline.module, job),
@@ -225,28 +255,48 @@ def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple) -> tup
     # With fragments the next round starts from these weights, most of them never sent:
     # the end state keeps them, for the continuity check to bind the next start to them.
     keep = job.outer.fragments > 1
-    end = state_core(round_state(rank.module, rank.inner, rank.compressor, step + 1, first_step + H,
-                                 weights=keep), keep)  # less the replayer's kernel fingerprint
-    return payload, end, digest, loss, time.perf_counter() - began, ""
+    end = _core(round_tensors(rank.module, rank.inner, rank.compressor, step + 1, first_step + H,
+                              weights=keep), keep)  # less the replayer's kernel fingerprint
+    fd = os.open(end_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        tensorbytes.write(end, fd)  # `state_core`'s bytes, never whole in memory
+    finally:
+        os.close(fd)
+    return payload, end_path, digest, loss, time.perf_counter() - began, ""
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as fh:
+        return fh.read()
 
 
 def _load_item(job: JobConfig, rank: Any, item: tuple) -> tuple[int, float | None, Any, int | None]:
-    """Load an item's start state into `rank`: (first inner step, the claimed payload's
-    budget, the partial rule's reference weights and merge step). ValueError if it does
-    not fit."""
+    """Load an item's start state (read from its file) into `rank`: (first inner step, the
+    claimed payload's budget, the partial rule's reference weights (copied out of the
+    shard's file) and merge step). Each file's bytes go once used, the state's before the
+    shard's are read. ValueError if they do not fit."""
+    import torch
+
+    from trainer.artifacts import tensor_views
     from trainer.compress import payload_budget
-    from trainer.diloco import OuterOptimizer
     from trainer.engine import load_round_state, merge_step_of
 
-    step, _, state, claimed, shard = item
+    step, _, state_file, claimed, shard_file = item
+    state = _read(state_file)
     outer_step, first_step = load_round_state(state, rank.module, rank.inner, rank.compressor)
+    merge_step = merge_step_of(state) if job.outer.rule == "partial" else None  # it loaded: it reads
+    del state
     if outer_step != step:
         raise ValueError(f"start state is for round {outer_step}, not {step}")
     budget = None if claimed is None else payload_budget(claimed)
     if job.outer.rule != "partial":
         return first_step, budget, None, None
-    outer = OuterOptimizer.from_bytes(shard, job.outer).params
-    merge_step = merge_step_of(state)
+    tensors = tensor_views(_read(shard_file))  # the pseudo-gradient's reference, the merge's outer weights
+    params = {k.removeprefix("param/") for k in tensors if k.startswith("param/")}
+    if params != {k.removeprefix("momentum/") for k in tensors if k.startswith("momentum/")}:
+        raise ValueError("stage shard: param/ and momentum/ keys do not match")
+    outer = {n: tensors[f"param/{n}"].to(torch.float32, copy=True) for n in sorted(params)}
+    del tensors
     if merge_step is not None and merge_step > job.outer.inner_steps:
         raise ValueError(f"start state merges at inner step {merge_step} of {job.outer.inner_steps}")
     return first_step, budget, outer, merge_step
@@ -256,10 +306,17 @@ def state_core(state: bytes, weights: bool = False) -> bytes:
     """A round state without its weights (the part one round hands to the next), as bytes
     comparable with a replay's `end_states`; `weights`: with them (a run with fragments,
     whose end states keep the weights)."""
-    from trainer.artifacts import KERNELS_KEY, MERGE_STEP_KEY, bytes_to_tensors, tensors_to_bytes
+    from trainer.artifacts import tensor_views, tensors_to_bytes
 
-    return tensors_to_bytes({k: v for k, v in bytes_to_tensors(state).items()
-                             if (weights or not k.startswith("param/")) and k not in (MERGE_STEP_KEY, KERNELS_KEY)})
+    return tensors_to_bytes(_core(tensor_views(state), weights))
+
+
+def _core(tensors: Any, weights: bool) -> dict[str, Any]:
+    """The round-state tensors `state_core` keeps."""
+    from trainer.artifacts import KERNELS_KEY, MERGE_STEP_KEY
+
+    return {k: tensors[k] for k in tensors
+            if (weights or not k.startswith("param/")) and k not in (MERGE_STEP_KEY, KERNELS_KEY)}
 
 
 def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> bytes:
@@ -317,11 +374,12 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     (`lineage.audit.replay.check_continuity`: its end state holds the weights)."""
     import torch
 
-    from trainer.artifacts import bytes_to_tensors, param_tensors, same_tensors
+    from trainer.artifacts import param_tensors, same_tensors, tensor_views
     from trainer.compress import Compressor, payload_budget
     from trainer.data import derive_seed
-    from trainer.diloco import step_names
+    from trainer.diloco import PseudoGradient, step_names
 
+    # Views of the bytes (read only), not copies: a verifier may hold several stages' states.
     reference = param_tensors(prev_reference)
     weights = param_tensors(start_state)
     if weights.keys() != reference.keys() or any(weights[k].shape != reference[k].shape for k in weights):
@@ -329,19 +387,20 @@ def partial_start_reason(job: JobConfig, replica: int, stage: int, start_state: 
     shapes = {n: p.shape for n, p in reference.items()}
     compressor = Compressor(job.outer.compression, shapes, derive_seed("compress", job.seed, replica, stage))
     try:
-        compressor.load_state_tensors(bytes_to_tensors(prev_state))
-        mine = bytes_to_tensors(start_state)
+        prev = tensor_views(prev_state)
+        compressor.load_state_tensors(prev)
+        mine = tensor_views(start_state)
     except Exception as exc:  # safetensors raises its own error type for bad bytes
         return f"start state does not load: {' '.join(str(exc).split())}"
     prev_loss = mine.get("compress/prev_loss")
     loss = None if prev_loss is None else float(prev_loss.reshape(-1)[0])
-    step = int(bytes_to_tensors(prev_state)["round/outer_step"][0])
+    step = int(prev["round/outer_step"][0])
     names = step_names(shapes, job.outer.fragments, step)  # with fragments the rest is checked by continuity
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks compress: a matmul's bits follow the thread count
     try:
         with torch.no_grad():
-            delta = {n: reference[n] - weights[n] for n in names}
+            delta = PseudoGradient(reference, weights, sorted(names))  # each tensor when compressed
             payload = compressor.compress(delta, step, loss, payload_budget(prev_claimed))
     finally:
         torch.set_num_threads(threads)

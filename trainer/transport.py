@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -159,13 +160,19 @@ class Transport:
                 dist.all_gather(lengths, length, group=self.group)
                 sizes = [int(t.item()) for t in lengths]
                 buf = torch.zeros(max(sizes), dtype=torch.uint8)
-                if payload:
-                    buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                buf.numpy()[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)  # the one copy
                 bufs = [torch.empty(max(sizes), dtype=torch.uint8) for _ in range(self.R)]
                 dist.all_gather(bufs, buf, group=self.group)
-                pending._result.append(
-                    [b[:n].numpy().tobytes() for b, n in zip(bufs, sizes, strict=True)]
-                )
+                del buf
+                # Our own blob is the payload itself; each other one is copied out of its buffer,
+                # which then goes (at most one extra blob is held at a time).
+                blobs: list[bytes] = []
+                for i, n in enumerate(sizes):
+                    b = bufs[i]
+                    bufs[i] = None  # type: ignore[call-overload]
+                    blobs.append(payload if i == self.replica else b[:n].numpy().tobytes())
+                    del b
+                pending._result.append(blobs)
                 if self.shaped:
                     delay = start + self._all_gather_seconds(sizes) - time.perf_counter()
                     if delay > 0:

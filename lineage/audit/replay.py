@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import math
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,9 +266,9 @@ class _Prepared:
     job: Any = None
     manifest: Manifest | None = None
     claimed: list[bytes] = field(default_factory=list)
-    starts: list[bytes] = field(default_factory=list)
+    starts: list[Any] = field(default_factory=list)  # bytes, then (spilled) trainer.artifacts.Blob
     reasons: list[str] = field(default_factory=list)
-    outer: list[bytes] | None = None  # the partial rule: the parent's stage shards
+    outer: list[Any] | None = None  # the partial rule: the parent's stage shards (as starts)
     row: int = 0  # the replica's row in the manifest's tables
 
 
@@ -276,22 +277,32 @@ def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float
     start-up cost is paid once. Results in item order; nothing raises for a bad item (its
     `error` says why), only for a replay process that dies. Each stage is judged by
     `apply_judging`: `tolerance` None is the automatic choice (module docstring), a number
-    an explicit one."""
+    an explicit one. Each item's start states and shards go to a temporary directory once
+    checked (`trainer.artifacts.Spill`), so that memory holds one item's, not every item's."""
+    from trainer.artifacts import Spill
     from trainer.replay import ReplayItem, replay_rounds
 
     manifests: dict[str, Manifest] = {}
     jobs: dict[str, Any] = {}
-    prepared = [_prepare(store, str(cp), replica, tolerance or 0.0, manifests, jobs) for cp, replica in items]
-    groups: dict[bytes, list[_Prepared]] = {}
-    for p in prepared:
-        if not p.result.error:
-            groups.setdefault(p.job.canonical_json(), []).append(p)
-    for group in groups.values():
-        job = group[0].job
-        outs = replay_rounds(job, [ReplayItem(p.result.step, p.result.replica, p.starts, p.claimed, p.outer)
-                                   for p in group])
-        for p, out in zip(group, outs, strict=True):
-            _judge(p, out)
+    with tempfile.TemporaryDirectory(prefix="dlx-verify-", ignore_cleanup_errors=True) as tmp:
+        spill, prepared = Spill(tmp), []
+        for cp, replica in items:
+            p = _prepare(store, str(cp), replica, tolerance or 0.0, manifests, jobs)
+            p.starts = [spill.bytes(b) for b in p.starts]
+            p.outer = None if p.outer is None else [spill.bytes(b) for b in p.outer]
+            prepared.append(p)
+        groups: dict[bytes, list[_Prepared]] = {}
+        for p in prepared:
+            if not p.result.error:
+                groups.setdefault(p.job.canonical_json(), []).append(p)
+        for group in groups.values():
+            job = group[0].job
+            outs = replay_rounds(job, [ReplayItem(p.result.step, p.result.replica, p.starts, p.claimed, p.outer)
+                                       for p in group])
+            for p, out in zip(group, outs, strict=True):
+                _judge(p, out)
+        for p in prepared:
+            p.starts, p.outer = [], None
     fingerprint = replayer_fingerprint()
     for p in prepared:
         p.result.replayed_on = fingerprint
@@ -428,7 +439,7 @@ def _rel_l2(replayed: bytes, claimed: bytes, shapes: dict[str, Any]) -> float:
 
 
 def _judge(p: _Prepared, out: Any) -> None:
-    from trainer.artifacts import bytes_to_tensors
+    from trainer.artifacts import StoredTensors, bytes_to_tensors, to_bytes
     from trainer.diloco import step_names
 
     r, m = p.result, p.manifest
@@ -441,8 +452,11 @@ def _judge(p: _Prepared, out: Any) -> None:
     shard_reason = "" if out.data_shard == m.data[p.row] else "replayed data shard differs from the attested one"
     fragments = p.job.outer.fragments if p.job is not None else 1
     for s, (payload, claimed) in enumerate(zip(out.payloads, p.claimed, strict=True)):
-        start = bytes_to_tensors(p.starts[s])
-        shapes = {k.removeprefix("param/"): v.shape for k, v in start.items() if k.startswith("param/")}
+        try:
+            start: Any = StoredTensors(p.starts[s])  # each tensor read as needed, not all of them at once
+        except ValueError:  # a layout only the safetensors library reads
+            start = bytes_to_tensors(to_bytes(p.starts[s]))
+        shapes = {k.removeprefix("param/"): start[k].shape for k in start if k.startswith("param/")}
         if len(shapes) >= fragments:  # the round sent its fragment (all of them when 1)
             shapes = {n: shapes[n] for n in step_names(shapes, fragments, m.step)}
         exact = payload == claimed
