@@ -204,6 +204,22 @@ def test_interior_nodes_carry_filesize_and_blocksizes():
     assert (fs.filesize, fs.blocksizes, [link.tsize for link in node.links]) == (250, [100, 100, 50], [100, 100, 50])
 
 
+def test_import_bytes_hands_its_whole_chunks_to_put_without_copying_them():
+    from lineage.store.cid import cid_for
+
+    data, leaves = random.Random(4).randbytes(3 * 100 + 7), []
+
+    def put(block, codec):
+        if codec == RAW:
+            leaves.append(block)
+        return cid_for(block, codec)
+
+    import_bytes(data, put, chunk_size=100, workers=0)
+    whole = [leaf for leaf in leaves if len(leaf) == 100]
+    assert len(whole) == 3 and all(isinstance(leaf, memoryview) and leaf.obj is data for leaf in whole)
+    assert b"".join(leaves) == data
+
+
 def test_a_directory_is_not_read_as_a_file(tmp_path):
     store = Blockstore(tmp_path)
     cid = store.put(PBNode(UnixFSData(1).encode()).encode(), DAG_PB)

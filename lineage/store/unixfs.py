@@ -47,7 +47,8 @@ MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
 # UnixFS Data.DataType
 T_RAW, T_DIRECTORY, T_FILE, T_METADATA, T_SYMLINK, T_HAMT = range(6)
 
-PutFn = Callable[[bytes, str], CID]
+#: Stores a block (`bytes`, or a `memoryview` of immutable bytes) under a codec; returns its CIDv1.
+PutFn = Callable[[bytes | memoryview, str], CID]
 
 
 class BlockReader(Protocol):
@@ -224,7 +225,7 @@ class _Link:
     filesize: int  # file bytes below it
 
 
-def _compute_only(data: bytes, codec: str) -> CID:
+def _compute_only(data: bytes | memoryview, codec: str) -> CID:
     return cid_of_block(data, codec)
 
 
@@ -268,17 +269,17 @@ class FileImporter:
         self._max_inflight = 2 * max(workers, 1)
         self._done = False
 
-    def _store(self, block: bytes, codec: str) -> CID:
+    def _store(self, block: bytes | memoryview, codec: str) -> CID:
         cid = self._put(block, codec)
         self._blocks += 1
         if self.cid_version == 0:
             return cid_from_digest(bytes(cid.raw_digest), DAG_PB, 0)
         return cid
 
-    def _leaf(self, chunk: bytes) -> _Link:
+    def _leaf(self, chunk: bytes | memoryview) -> _Link:
         if self.raw_leaves:
             return _Link(self._store(chunk, RAW), len(chunk), len(chunk))
-        block = PBNode(UnixFSData(T_FILE, chunk, len(chunk)).encode()).encode()
+        block = PBNode(UnixFSData(T_FILE, bytes(chunk), len(chunk)).encode()).encode()
         return _Link(self._store(block, DAG_PB), len(block), len(chunk))
 
     def _parent(self, links: list[_Link]) -> _Link:
@@ -303,7 +304,7 @@ class FileImporter:
         while len(self._inflight) > keep:
             self._add(0, self._inflight.popleft().result())
 
-    def _emit(self, chunk: bytes) -> None:
+    def _emit(self, chunk: bytes | memoryview) -> None:
         self._leaves += 1
         if self._pool is None:
             self._add(0, self._leaf(chunk))
@@ -312,11 +313,18 @@ class FileImporter:
         self._drain(self._max_inflight)
 
     def write(self, data: bytes | memoryview) -> None:
+        """Feed the file's next bytes (any length). A whole chunk given as `bytes` is
+        stored as it is; one in any other buffer is copied (the caller may reuse it)."""
+        self._feed(data, borrowed=not isinstance(data, bytes))
+
+    def _feed(self, data: bytes | memoryview, borrowed: bool) -> None:
+        """`write`; `borrowed=False` promises that `data` never changes, so a whole chunk
+        of it (a slice of a `memoryview` of `bytes`, say) is stored without a copy."""
         if self._done:
             raise ValueError("write after finish")
         self._size += len(data)
         if not self._buf and len(data) == self.chunk_size:
-            self._emit(bytes(data))
+            self._emit(bytes(data) if borrowed else data)
             return
         self._buf += data
         while len(self._buf) >= self.chunk_size:
@@ -376,10 +384,10 @@ def import_bytes(data: bytes, put: PutFn | None = None, **options: int | bool | 
     if len(data) <= int(options.get("chunk_size") or CHUNK_SIZE):
         options.setdefault("workers", 0)  # one block: no thread pool
     imp = FileImporter(put, **options)  # type: ignore[arg-type]
-    view = memoryview(data)
+    view, borrowed = memoryview(data), not isinstance(data, bytes)
     try:
-        for pos in range(0, len(data), imp.chunk_size):
-            imp.write(view[pos:pos + imp.chunk_size])
+        for pos in range(0, len(data), imp.chunk_size):  # chunks of `bytes` are not copied
+            imp._feed(view[pos:pos + imp.chunk_size], borrowed)
     except BaseException:
         imp.close()
         raise
