@@ -122,3 +122,46 @@ def test_a_failed_batch_leaves_the_store_unchanged(tmp_path):
         cid = staged.put(b"committed")
     assert list(store) == [cid] and store.get(cid) == b"committed"
     assert [p.name for p in tmp_path.iterdir()] == [store._path(cid).parent.name]
+
+
+def test_a_batch_syncs_twice_whatever_its_size_and_fsyncs_no_block(tmp_path, monkeypatch):
+    """Bytes durable (one sync) before the renames, names durable (a second) after: a block is
+    never under its CID before its bytes are on disk, and no block pays an fsync of its own."""
+    import lineage.store.blockstore as blockstore
+
+    events: list[str] = []
+    real_sync = blockstore._sync_filesystem
+
+    def sync(fd: int) -> None:  # notes which blocks are under their names when it runs
+        events.append(f"sync {sorted(tmp_path.glob('??/b*'))!r}")
+        real_sync(fd)
+
+    monkeypatch.setattr(blockstore, "_sync_filesystem", sync)
+    monkeypatch.setattr(blockstore.os, "fsync", lambda fd: events.append("fsync"))
+    store = Blockstore(tmp_path)
+    kept = store.put(b"stored before")  # a durable put: its own fsync
+    with store.batch() as staged:
+        cids = [staged.put(bytes([i]) * 1000) for i in range(50)]
+        assert staged.put(b"stored before") == kept and staged.put(bytes([0]) * 1000) == cids[0]
+        assert not any(store.has(c) for c in cids)  # staged: not in the store yet
+    assert events == ["fsync", f"sync {[store._path(kept)]!r}", f"sync {sorted(tmp_path.glob('??/b*'))!r}"]
+    assert all(store.get(c) == bytes([i]) * 1000 for i, c in enumerate(cids))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # staging removed
+
+
+def test_blocks_are_never_written_through_a_symlinked_shard(tmp_path):
+    from lineage.errors import StorageError
+
+    outside, store = tmp_path / "outside", Blockstore(tmp_path / "store")
+    outside.mkdir()
+    cid = cid_for(b"escape")
+    shard = store._path(cid).parent
+    shard.parent.mkdir()
+    shard.symlink_to(outside, target_is_directory=True)
+    with pytest.raises(StorageError, match="cannot write block"):
+        store.put(b"escape")
+    with pytest.raises(StorageError, match="cannot move staged blocks"):
+        with store.batch() as staged:
+            staged.put(b"escape")
+    assert list(outside.iterdir()) == []
+    assert [p.name for p in store.root.iterdir()] == [shard.name]  # the batch's staging is gone

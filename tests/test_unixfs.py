@@ -29,6 +29,8 @@ from lineage.store.cid import DAG_PB, RAW, parse_cid
 from lineage.store.unixfs import (
     CHUNK_SIZE,
     MAX_LINKS,
+    T_FILE,
+    PBLink,
     PBNode,
     UnixFSData,
     file_cid,
@@ -186,6 +188,8 @@ def test_a_flipped_bit_in_a_leaf_fails_the_read_naming_the_leaf(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptBlockError, match=str(leaf)):
         read_file(store, root, io.BytesIO())
+    with open(tmp_path / "out", "wb") as fh, pytest.raises(CorruptBlockError, match=str(leaf)):
+        read_file(store, root, fh)  # the threads writing at offsets
     assert store.verify() == [leaf]
 
 
@@ -202,6 +206,108 @@ def test_interior_nodes_carry_filesize_and_blocksizes():
     node = PBNode.decode(blocks[str(root)])
     fs = UnixFSData.decode(node.data or b"")
     assert (fs.filesize, fs.blocksizes, [link.tsize for link in node.links]) == (250, [100, 100, 50], [100, 100, 50])
+
+
+def test_import_bytes_hands_its_whole_chunks_to_put_without_copying_them():
+    from lineage.store.cid import cid_for
+
+    data, leaves = random.Random(4).randbytes(3 * 100 + 7), []
+
+    def put(block, codec):
+        if codec == RAW:
+            leaves.append(block)
+        return cid_for(block, codec)
+
+    import_bytes(data, put, chunk_size=100, workers=0)
+    whole = [leaf for leaf in leaves if len(leaf) == 100]
+    assert len(whole) == 3 and all(isinstance(leaf, memoryview) and leaf.obj is data for leaf in whole)
+    assert b"".join(leaves) == data
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=HEALTH)
+@given(size=st.integers(0, 3 * 1024), version=st.sampled_from([0, 1]), seed=st.integers(0, 2**32))
+def test_read_file_into_a_file_writes_each_leaf_at_its_offset(tmp_path_factory, size, version, seed):
+    """Into a regular file, threads write the leaves at their offsets, after what the file
+    already holds; `check_file` re-hashes the same blocks without writing them."""
+    from lineage.store.unixfs import check_file
+
+    tmp = tmp_path_factory.mktemp("rf")
+    store, data = Blockstore(tmp / "bs"), _bytes(size, seed)
+    root = import_bytes(data, store.put, cid_version=version, chunk_size=100, max_links=3).cid
+    with open(tmp / "out", "wb") as fh:
+        fh.write(b"head")
+        assert read_file(store, root, fh) == size
+        fh.write(b"tail")
+    assert (tmp / "out").read_bytes() == b"head" + data + b"tail"
+    assert check_file(store, root) == check_file(store, root, workers=0) == size
+
+
+class _Trickle(io.RawIOBase):
+    """A stream that answers each read with at most the next of `sizes` bytes (then with
+    1 to 300), as a pipe may."""
+
+    def __init__(self, data: bytes, seed: int, sizes: tuple[int, ...] = ()) -> None:
+        self._data, self._pos, self._rng, self._sizes = data, 0, random.Random(seed), list(sizes)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        want = self._sizes.pop(0) if self._sizes else self._rng.randint(1, 300)
+        n = min(len(buf), want, len(self._data) - self._pos)
+        buf[:n] = self._data[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+@settings(max_examples=15, deadline=None)
+@given(size=st.integers(0, 5_000), seed=st.integers(0, 2**32))
+def test_import_file_reads_whole_and_short_chunks_into_its_ring_of_buffers(size, seed):
+    """Full reads are stored from the ring's buffers, short ones copied; a buffer is reused
+    only once its leaf is stored, whatever mix of reads the stream gives."""
+    data = _bytes(size, seed)
+    expected = import_bytes(data, chunk_size=100, max_links=3, workers=0).cid
+    assert import_file(_Trickle(data, seed), chunk_size=100, max_links=3).cid == expected
+    assert import_file(io.BytesIO(data), chunk_size=100, max_links=3).cid == expected
+
+
+def test_a_ring_buffer_is_read_into_again_only_once_its_leaf_is_stored():
+    """A whole chunk, then reads too short to make a leaf: the ring comes round to the
+    chunk's buffer while a slow store still holds its leaf."""
+    import time
+
+    from lineage.store.cid import cid_for
+
+    data = _bytes(100 + 60, 7)
+
+    def slow_put(block, codec):
+        if bytes(block[:100]) == data[:100]:
+            time.sleep(0.2)
+        return cid_for(block, codec)
+
+    stream = _Trickle(data, 0, (100, *[1] * 60))
+    assert import_file(stream, slow_put, chunk_size=100, workers=2).cid == import_bytes(data, chunk_size=100).cid
+
+
+def _two_leaf_file(store, first: bytes, second: bytes, blocksizes: list[int]):
+    links = [PBLink(store.put(leaf), len(leaf)) for leaf in (first, second)]
+    node = UnixFSData(T_FILE, None, sum(blocksizes) if blocksizes else len(first + second), blocksizes)
+    return store.put(PBNode(node.encode(), links).encode(), DAG_PB)
+
+
+def test_a_leaf_longer_than_its_parent_says_fails_the_read_naming_it(tmp_path):
+    store = Blockstore(tmp_path / "bs")
+    root = _two_leaf_file(store, b"12345", b"678901", [5, 5])
+    with open(tmp_path / "out", "wb") as fh, pytest.raises(StorageError, match="holds 6 bytes, its parent says 5"):
+        read_file(store, root, fh)
+
+
+def test_a_node_without_blocksizes_is_read_in_order(tmp_path):
+    store = Blockstore(tmp_path / "bs")
+    root = _two_leaf_file(store, b"12345", b"678901", [])
+    with open(tmp_path / "out", "wb") as fh:
+        assert read_file(store, root, fh) == 11
+    assert (tmp_path / "out").read_bytes() == b"12345678901"
 
 
 def test_a_directory_is_not_read_as_a_file(tmp_path):

@@ -92,17 +92,21 @@ def add(
 ) -> None:
     """Store PATH as UnixFS (as `ipfs add --cid-version=1`, `-r` for a directory) and print its CID."""
     _check_kind(path, recursive)
+    # One batch: the blocks are synced to disk once, not one by one, and a failed add
+    # leaves the store as it was.
     if recursive:
         from lineage.store.unixfs_dir import import_directory
 
         target = _open(store, run_dir, ipfs_api)
-        cid = import_directory(path, target.put)
+        with target.batch() as staged:
+            cid = import_directory(path, staged.put)
     else:
         from lineage.store.unixfs import import_file
 
         with _input(path) as fh:
             target = _open(store, run_dir, ipfs_api)
-            cid = import_file(fh, target.put).cid
+            with target.batch() as staged:
+                cid = import_file(fh, staged.put).cid
     if pin:
         target.pin(pin, [cid])
     sys.stdout.write(f"{cid}\n")

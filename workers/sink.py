@@ -182,10 +182,11 @@ class LedgerSink:
     # -- StepSink --------------------------------------------------------------------------
 
     def on_genesis(self, genesis: GenesisArtifacts) -> None:
-        self._config_cid = put_config(self.store, self.config)
-        stages = [self._put_shard(s.data) for s in genesis.stages]
-        manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
-        head = put_manifest(self.store, manifest)
+        with self.store.batch() as staged:  # on disk, synced once, before the ledger names them
+            self._config_cid = put_config(staged, self.config)
+            stages = [self._put_shard(staged, s.data) for s in genesis.stages]
+            manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
+            head = put_manifest(staged, manifest)
         nodes = list(dict.fromkeys(self.slot_nodes))
         run_id = self.ledger.create_run(self.submitter, RunSpec(
             config_digest=digest_of(self._config_cid),
@@ -213,12 +214,14 @@ class LedgerSink:
             raise TrainingError("outer step reported before genesis")
         present = self._present(step)
         self._refuse_divergence(step)
-        stages = [self._put_shard(self.hooks.stored_shard(step.step, s.stage, s.data)) for s in step.stages]
+        shards = [self.hooks.stored_shard(step.step, s.stage, s.data) for s in step.stages]
         parent_cid = self._head
         if self.hooks.stale_parent(step.step):
             parent_cid = get_manifest(self.store, self._head).parent or self._head
-        contribs = [self._put_file(c.data) for c in step.contributions]
-        checkpoint, manifest = self._put_manifest(step, present, stages, parent_cid, contribs)
+        with self.store.batch() as staged:  # on disk, synced once, before the ledger names them
+            stages = [self._put_shard(staged, shard) for shard in shards]
+            contribs = [_put_file(staged, c.data) for c in step.contributions]
+            checkpoint, manifest = self._put_manifest(staged, step, present, stages, parent_cid, contribs)
         claims = self._claims(step, present, digest_of(parent_cid), contribs)
         if not self._already_committed(step.step, checkpoint):  # redelivery: nothing to do
             signatures = self.signer(step.step, claims)
@@ -270,17 +273,17 @@ class LedgerSink:
                                     f"not ({present[slot // S]}, {slot % S})")
         return present
 
-    def _put_manifest(self, step: StepArtifacts, present: tuple[int, ...], stages: list[CID], parent: CID,
-                      contribs: list[CID]) -> tuple[CID, Manifest]:
+    def _put_manifest(self, store: Blockstore, step: StepArtifacts, present: tuple[int, ...], stages: list[CID],
+                      parent: CID, contribs: list[CID]) -> tuple[CID, Manifest]:
         """Store the step's round-start states (for replay; none for the baseline) and its
-        manifest, one row per present replica; returns (its CID, the manifest)."""
+        manifest, one row per present replica, in `store`; returns (its CID, the manifest)."""
         assert self._config_cid is not None
         S, n = self.job.parallel.stages, len(present)
         starts = []
         if all(c.start_state for c in step.contributions):
             manifests: dict[str, Manifest] = {}
             shards = [self._reference_shards(parent, s, manifests) for s in range(S)]
-            starts = [self._put_start(c.start_state, shards[c.stage]) for c in step.contributions]
+            starts = [put_round_state(store, c.start_state, shards[c.stage]) for c in step.contributions]
         self._forget_weights(stages, parent)
         # Timings differ between two runs of the same job; they go to a local log, not into
         # the manifest, so the same job and seed give the same checkpoint CIDs.
@@ -297,7 +300,7 @@ class LedgerSink:
             replay=[starts[p * S:(p + 1) * S] for p in range(n)] if starts else [],
             replicas=list(present) if n != self.job.parallel.replicas else [],
         )
-        return put_manifest(self.store, manifest), manifest
+        return put_manifest(store, manifest), manifest
 
     def _claims(self, step: StepArtifacts, present: tuple[int, ...], parent: bytes,
                 contribs: list[CID]) -> list[ContributionClaim]:
@@ -344,21 +347,12 @@ class LedgerSink:
 
     # -- storage ---------------------------------------------------------------------------
 
-    def _put_file(self, data: bytes) -> CID:
-        """Store bytes as a UnixFS file; its CID (and so the on-chain digest) is Kubo's."""
-        return import_bytes(data, self.store.put).cid
-
-    def _put_shard(self, data: bytes) -> CID:
-        """Store a stage shard as a UnixFS file, keeping the digest of its weights for the
-        round-start states of the next two steps to refer to."""
-        cid = self._put_file(data)
+    def _put_shard(self, store: Blockstore, data: bytes) -> CID:
+        """Store a stage shard as a UnixFS file in `store`, keeping the digest of its weights
+        for the round-start states of the next two steps to refer to."""
+        cid = _put_file(store, data)
         self._weights[str(cid)] = param_digest(data)
         return cid
-
-    def _put_start(self, data: bytes, shards: list[tuple[CID, bytes | None]]) -> CID:
-        """Store a round-start state: by reference where its weights are one of `shards`'
-        (each with its weights' digest), else as a UnixFS file."""
-        return put_round_state(self.store, data, shards)
 
     def _reference_shards(self, parent: CID, stage: int,
                           manifests: dict[str, Manifest]) -> list[tuple[CID, bytes | None]]:
@@ -391,3 +385,8 @@ class LedgerSink:
             tracker.inner(record)
         if self._progress:
             self._progress(progress)
+
+
+def _put_file(store: Blockstore, data: bytes) -> CID:
+    """Store bytes as a UnixFS file; its CID (and so the on-chain digest) is Kubo's."""
+    return import_bytes(data, store.put).cid

@@ -57,7 +57,7 @@ def cid_from_binary(raw: bytes) -> CID:
     return parse_cid(raw)
 
 
-def cid_for(data: bytes, codec: str = RAW, version: int = 1) -> CID:
+def cid_for(data: bytes | memoryview, codec: str = RAW, version: int = 1) -> CID:
     """The CID (sha2-256) of `data` under `codec`; version 0 only for dag-pb."""
     return cid_from_digest(hashlib.sha256(data).digest(), codec, version)
 
@@ -110,7 +110,7 @@ def parse_cid(text: str | bytes | CID) -> CID:
     return cid if cid.version == 0 else cid.set(base="base32")
 
 
-def cid_of_block(data: bytes, codec: str = RAW) -> CID:
+def cid_of_block(data: bytes | memoryview, codec: str = RAW) -> CID:
     """`cid_for(data, codec)`, fast for our three codecs."""
     code = _CODE_OF.get(codec)
     if code is None:

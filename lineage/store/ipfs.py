@@ -88,7 +88,7 @@ class IpfsStore:
         text = str(exc).strip()
         return text.splitlines()[0] if text else exc.__class__.__name__
 
-    def put(self, data: bytes, codec: str = RAW) -> CID:
+    def put(self, data: bytes | memoryview, codec: str = RAW) -> CID:
         cid = cid_for(data, codec)
         opts: dict[str, Any] = {"mhtype": "sha2-256"}
         if self._js:
@@ -149,10 +149,11 @@ class IpfsStore:
     def batch(self) -> Iterator[Blockstore]:
         """Stage blocks in a local temporary store; they reach the daemon only if all went well."""
         with tempfile.TemporaryDirectory(prefix="dlx-ipfs-batch-") as tmp:
-            staged = Blockstore(tmp)
-            yield staged
-            for cid in staged:
-                self.put(staged.get(cid), cid.codec.name)
+            local = Blockstore(tmp)
+            with local.batch() as staged:  # no fsync per block: a temporary copy
+                yield staged
+            for cid in local:
+                self.put(local.get(cid), cid.codec.name)
 
     def pin(self, name: str, roots: list[CID]) -> None:
         """Pin `roots` recursively (the daemon's pins have no names; `name` is for the local store)."""

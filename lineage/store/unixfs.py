@@ -19,10 +19,15 @@ an empty `Name` always written), because the CID is the hash of exactly those by
 
 from __future__ import annotations
 
+import fcntl
+import io
+import itertools
+import os
+import stat
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Protocol
 
@@ -47,7 +52,8 @@ MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
 # UnixFS Data.DataType
 T_RAW, T_DIRECTORY, T_FILE, T_METADATA, T_SYMLINK, T_HAMT = range(6)
 
-PutFn = Callable[[bytes, str], CID]
+#: Stores a block (`bytes`, or a `memoryview` of immutable bytes) under a codec; returns its CIDv1.
+PutFn = Callable[[bytes | memoryview, str], CID]
 
 
 class BlockReader(Protocol):
@@ -224,7 +230,7 @@ class _Link:
     filesize: int  # file bytes below it
 
 
-def _compute_only(data: bytes, codec: str) -> CID:
+def _compute_only(data: bytes | memoryview, codec: str) -> CID:
     return cid_of_block(data, codec)
 
 
@@ -268,17 +274,17 @@ class FileImporter:
         self._max_inflight = 2 * max(workers, 1)
         self._done = False
 
-    def _store(self, block: bytes, codec: str) -> CID:
+    def _store(self, block: bytes | memoryview, codec: str) -> CID:
         cid = self._put(block, codec)
         self._blocks += 1
         if self.cid_version == 0:
             return cid_from_digest(bytes(cid.raw_digest), DAG_PB, 0)
         return cid
 
-    def _leaf(self, chunk: bytes) -> _Link:
+    def _leaf(self, chunk: bytes | memoryview) -> _Link:
         if self.raw_leaves:
             return _Link(self._store(chunk, RAW), len(chunk), len(chunk))
-        block = PBNode(UnixFSData(T_FILE, chunk, len(chunk)).encode()).encode()
+        block = PBNode(UnixFSData(T_FILE, bytes(chunk), len(chunk)).encode()).encode()
         return _Link(self._store(block, DAG_PB), len(block), len(chunk))
 
     def _parent(self, links: list[_Link]) -> _Link:
@@ -303,25 +309,37 @@ class FileImporter:
         while len(self._inflight) > keep:
             self._add(0, self._inflight.popleft().result())
 
-    def _emit(self, chunk: bytes) -> None:
+    def _emit(self, chunk: bytes | memoryview) -> Future[_Link] | None:
+        """Make `chunk` a leaf; returns the leaf's future while the pool may still be at it."""
         self._leaves += 1
         if self._pool is None:
             self._add(0, self._leaf(chunk))
-            return
-        self._inflight.append(self._pool.submit(self._leaf, chunk))
+            return None
+        fut = self._pool.submit(self._leaf, chunk)
+        self._inflight.append(fut)
         self._drain(self._max_inflight)
+        return fut
 
     def write(self, data: bytes | memoryview) -> None:
+        """Feed the file's next bytes (any length). A whole chunk given as `bytes` is
+        stored as it is; one in any other buffer is copied (the caller may reuse it)."""
+        self._feed(data, borrowed=not isinstance(data, bytes))
+
+    def _feed(self, data: bytes | memoryview, borrowed: bool) -> Future[_Link] | None:
+        """`write`; `borrowed=False` promises that `data` does not change until its leaf is
+        stored, so a whole chunk of it is stored without a copy: then the leaf's future is
+        returned if the pool may still be at it (`import_file` waits on it before it reads
+        into the same buffer again)."""
         if self._done:
             raise ValueError("write after finish")
         self._size += len(data)
         if not self._buf and len(data) == self.chunk_size:
-            self._emit(bytes(data))
-            return
+            return self._emit(bytes(data) if borrowed else data)
         self._buf += data
         while len(self._buf) >= self.chunk_size:
             self._emit(bytes(self._buf[:self.chunk_size]))
             del self._buf[:self.chunk_size]
+        return None
 
     def finish(self) -> ImportResult:
         try:
@@ -357,14 +375,23 @@ class FileImporter:
             self._pool = None
 
 
-def import_file(
-    fh: BinaryIO, put: PutFn | None = None, *, read_size: int = CHUNK_SIZE, **options: int | bool | None
-) -> ImportResult:
-    """Import a binary stream (read `read_size` bytes at a time); see `FileImporter`."""
+def import_file(fh: BinaryIO, put: PutFn | None = None, **options: int | bool | None) -> ImportResult:
+    """Import a binary stream; see `FileImporter`. It is read a chunk at a time into a ring
+    of buffers, one per leaf in flight and one more, rather than into a new bytes object per
+    chunk (each of those a fresh allocation the kernel zero-fills page by page); a buffer is
+    read into again once the leaf made of it is stored."""
     imp = FileImporter(put, **options)  # type: ignore[arg-type]
+    ring: list[tuple[bytearray, Future[_Link] | None]] = [
+        (bytearray(imp.chunk_size), None) for _ in range(imp._max_inflight + 1)]
     try:
-        while chunk := fh.read(read_size):
-            imp.write(chunk)
+        for i in itertools.count():
+            buf, leaf = ring[i % len(ring)]
+            if leaf is not None:
+                leaf.result()
+            n = fh.readinto(buf)  # type: ignore[attr-defined]
+            if not n:
+                break
+            ring[i % len(ring)] = (buf, imp._feed(memoryview(buf)[:n], borrowed=False))
     except BaseException:
         imp.close()
         raise
@@ -376,10 +403,10 @@ def import_bytes(data: bytes, put: PutFn | None = None, **options: int | bool | 
     if len(data) <= int(options.get("chunk_size") or CHUNK_SIZE):
         options.setdefault("workers", 0)  # one block: no thread pool
     imp = FileImporter(put, **options)  # type: ignore[arg-type]
-    view = memoryview(data)
+    view, borrowed = memoryview(data), not isinstance(data, bytes)
     try:
-        for pos in range(0, len(data), imp.chunk_size):
-            imp.write(view[pos:pos + imp.chunk_size])
+        for pos in range(0, len(data), imp.chunk_size):  # chunks of `bytes` are not copied
+            imp._feed(view[pos:pos + imp.chunk_size], borrowed)
     except BaseException:
         imp.close()
         raise
@@ -457,26 +484,33 @@ def _node_links(block: bytes) -> tuple[bytes | None, list[bytes]]:
     return data, links
 
 
+def _file_node(ref: CID | bytes, block: bytes) -> tuple[UnixFSData, list[bytes]]:
+    """A dag-pb UnixFS file node's data and its links' binary CIDs; anything else is an error
+    naming the block."""
+    codec = _codec_name(ref)
+    cid = parse_cid(ref)  # only dag-pb nodes (one per 174 leaves) and errors name it
+    if codec != DAG_PB:
+        raise StorageError(f"{cid} is {codec}, not a UnixFS file")
+    try:
+        data, links = _node_links(block)
+        fs = UnixFSData.decode(data or b"")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise StorageError(f"{cid} is not a UnixFS node: {exc}") from None
+    if fs.type not in (T_FILE, T_RAW):
+        kind = {T_DIRECTORY: "a directory", T_HAMT: "a sharded directory", T_SYMLINK: "a symlink"}
+        raise StorageError(f"{cid} is {kind.get(fs.type, f'UnixFS type {fs.type}')}, not a file")
+    return fs, links
+
+
 def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Iterator[bytes]:
     """`cat`; appends the root's UnixFS filesize (if it has one) to `sizes`."""
     stack: list[Iterator[bytes]] = []
 
     def visit(ref: CID | bytes) -> Iterable[bytes]:
         block = store.get(ref)
-        codec = _codec_name(ref)
-        if codec == RAW:
+        if _codec_name(ref) == RAW:
             return [block]
-        cid = parse_cid(ref)  # only dag-pb nodes (one per 174 leaves) and errors name it
-        if codec != DAG_PB:
-            raise StorageError(f"{cid} is {codec}, not a UnixFS file")
-        try:
-            data, links = _node_links(block)
-            fs = UnixFSData.decode(data or b"")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise StorageError(f"{cid} is not a UnixFS node: {exc}") from None
-        if fs.type not in (T_FILE, T_RAW):
-            kind = {T_DIRECTORY: "a directory", T_HAMT: "a sharded directory", T_SYMLINK: "a symlink"}
-            raise StorageError(f"{cid} is {kind.get(fs.type, f'UnixFS type {fs.type}')}, not a file")
+        fs, links = _file_node(ref, block)
         if not stack and fs.filesize is not None:
             sizes.append(fs.filesize)
         stack.append(iter(links))
@@ -521,16 +555,131 @@ def _read(store: BlockReader, root: CID | str, write: Callable[[bytes], Any], wo
     return written
 
 
+@dataclass
+class _Layout:
+    """Where the pieces of a file go: `inline` data (read while walking, with its offset),
+    raw `leaves` still to fetch (offset, binary CID, size), the total `size` and the size
+    the root declares (`filesize`, None if it has none)."""
+
+    inline: list[tuple[int, bytes]] = field(default_factory=list)
+    leaves: list[tuple[int, bytes, int]] = field(default_factory=list)
+    size: int = 0
+    filesize: int | None = None
+
+    def add(self, data: bytes) -> None:
+        if data:
+            self.inline.append((self.size, data))
+            self.size += len(data)
+
+
+def _layout(store: BlockReader, root: CID) -> _Layout:
+    """Walk the file `root`'s dag-pb nodes (one per 174 leaves), in file order, and lay out
+    its pieces. A raw leaf's size is its parent's `blocksizes` entry (checked when it is
+    fetched); under a node without one entry per link, raw leaves are fetched here."""
+    out = _Layout()
+    if root.codec.name == RAW:  # a file of one chunk
+        out.add(store.get(root))
+        return out
+    fs, links = _file_node(root, store.get(root))
+    out.filesize = fs.filesize
+    stack: list[Iterator[tuple[bytes, int | None]]] = []
+
+    def enter(fs: UnixFSData, links: list[bytes]) -> None:
+        out.add(fs.data or b"")
+        sizes: list[int | None] = list(fs.blocksizes) if len(fs.blocksizes) == len(links) else [None] * len(links)
+        stack.append(zip(links, sizes, strict=True))
+
+    enter(fs, links)
+    while stack:
+        link, size = next(stack[-1], (b"", None))
+        if not link:
+            stack.pop()
+        elif _codec_name(link) != RAW:
+            enter(*_file_node(link, store.get(link)))
+        elif size is None:
+            out.add(store.get(link))
+        else:
+            out.leaves.append((out.size, link, size))
+            out.size += size
+    return out
+
+
+def _read_at(store: BlockReader, root: CID | str, place: Callable[[int, bytes], Any], workers: int) -> int:
+    """Read the file `root`, handing every piece to `place(offset, piece)` (from several
+    threads, in no set order); returns its size, checked against the root's filesize.
+    Raw leaves are fetched (so re-hashed) by `workers` threads of the shared read pool, each
+    taking every `workers`-th leaf, so each one hashes and places its own (0: all fetched
+    in this thread). No thread hands blocks to another: that cost more than the hashing."""
+    root = parse_cid(root)
+    layout = _layout(store, root)
+    if layout.filesize is not None and layout.filesize != layout.size:
+        raise StorageError(f"{root}: the DAG holds {layout.size} bytes, its root says {layout.filesize}")
+    for offset, data in layout.inline:
+        place(offset, data)
+    stop = threading.Event()
+
+    def fetch(leaves: list[tuple[int, bytes, int]]) -> None:
+        try:
+            for offset, link, size in leaves:
+                if stop.is_set():
+                    return
+                block = store.get(link)
+                if len(block) != size:
+                    raise StorageError(f"{parse_cid(link)} holds {len(block)} bytes, its parent says {size}")
+                place(offset, block)
+        except BaseException:
+            stop.set()  # the other threads stop at their next leaf
+            raise
+
+    n = min(workers, len(layout.leaves))
+    if n <= 1:
+        fetch(layout.leaves)
+    else:
+        futures = [_read_pool().submit(fetch, layout.leaves[i::n]) for i in range(n)]
+        wait(futures)  # every thread done before an error is raised: none places after it
+        for fut in futures:
+            fut.result()
+    return layout.size
+
+
+def _positional_fd(out: BinaryIO) -> int | None:
+    """`out`'s descriptor if pieces can be written at offsets: a regular file, not opened to
+    append (Linux's pwrite appends there whatever the offset)."""
+    try:
+        fd = out.fileno()
+        if not out.seekable() or not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return None if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND else fd
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return None
+
+
 def read_file(store: BlockReader, root: CID | str, out: BinaryIO) -> int:
-    """Write the file `root` to `out`; returns its size. Checks it against the root's filesize."""
-    return _read(store, root, out.write)
+    """Write the file `root` to `out` at its current position; returns its size, checked
+    against the root's filesize. Into a regular file, threads fetch, re-hash and write the
+    leaves at their offsets (`_read_at`); into a pipe or a buffer, in order (`cat`)."""
+    fd = _positional_fd(out)
+    if fd is None:
+        return _read(store, root, out.write)
+    out.flush()
+    base = out.tell()
+
+    def place(offset: int, piece: bytes) -> None:
+        view, pos = memoryview(piece), base + offset
+        while view:
+            written = os.pwrite(fd, view, pos)
+            view, pos = view[written:], pos + written
+
+    size = _read_at(store, root, place, 4)
+    out.seek(base + size)
+    return size
 
 
 def check_file(store: BlockReader, root: CID | str, *, workers: int = 4) -> int:
     """Fetch (so re-hash) every block of the file `root` without keeping its bytes; returns
-    its size, checked against the root's filesize. `workers`: threads reading ahead (0:
-    read in this thread, for a caller that runs many files in a pool of its own)."""
-    return _read(store, root, lambda piece: None, workers)
+    its size, checked against the root's filesize. `workers`: threads fetching leaves (0:
+    all in this thread, for a caller that runs many files in a pool of its own)."""
+    return _read_at(store, root, lambda offset, piece: None, workers)
 
 
 def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
