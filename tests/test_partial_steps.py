@@ -37,7 +37,7 @@ from trainer.diloco import apply_outer_step
 from trainer.launch import train_local
 from workers.cli_common import user_errors
 from workers.jobfile import load_job_file
-from workers.sink import LedgerSink
+from workers.sink import LedgerSink, _put_file
 
 pytestmark = pytest.mark.slow
 
@@ -200,9 +200,10 @@ def test_a_manifest_naming_another_set_than_the_chain_fails_level_1(trained):
     assert step is not None
     present = sink._present(step)
     parent = sink._head
-    contribs = [sink._put_file(c.data) for c in step.contributions]
-    stages = [sink._put_file(s.data) for s in step.stages]
-    _, honest_manifest = sink._put_manifest(step, present, stages, parent, contribs)
+    with sink.store.batch() as staged:
+        contribs = [_put_file(staged, c.data) for c in step.contributions]
+        stages = [_put_file(staged, s.data) for s in step.stages]
+        _, honest_manifest = sink._put_manifest(staged, step, present, stages, parent, contribs)
     misnamed = put_manifest(sink.store, dataclasses.replace(honest_manifest, replicas=[0, 1]))
     claims = sink._claims(step, present, digest_of(parent), contribs)
     sink.ledger.commit_step(

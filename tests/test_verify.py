@@ -115,15 +115,21 @@ from workers.sink import LedgerSink
 from lineage.store.cid import DAG_CBOR
 from lineage.store.roundstate import round_state_ref
 calls, real = [], LedgerSink._put_start
-def put(self, data, shards):
-    cid = real(self, data, shards)
+class Seen:  # the sink's batch, remembering what was put (a batch does not read its own blocks)
+    def __init__(self, store): self.store, self.blocks = store, {}
+    def put(self, data, codec="raw"):
+        cid = self.store.put(data, codec); self.blocks[str(cid)] = bytes(data); return cid
+    def get(self, cid): return self.blocks[str(cid)]
+def put(self, store, data, shards):
+    seen = Seen(store)
+    cid = real(self, seen, data, shards)
     calls.append(cid)
     if len(calls) in (5, 6):
-        ref = round_state_ref(self.store, cid)
+        ref = round_state_ref(seen, cid)
         node = {"version": 1, "kind": "round-state", "weights": ref.weights, "rest": ref.rest,
                 "size": ref.size, "sha256": ref.sha256}
         node.update({"sha256": bytes(32)} if len(calls) == 5 else {"weights": ref.rest})
-        cid = self.store.put(dag_cbor.encode(node), DAG_CBOR)
+        cid = store.put(dag_cbor.encode(node), DAG_CBOR)
     return cid
 LedgerSink._put_start = put
 from workers.cli import main

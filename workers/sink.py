@@ -283,7 +283,7 @@ class LedgerSink:
         if all(c.start_state for c in step.contributions):
             manifests: dict[str, Manifest] = {}
             shards = [self._reference_shards(parent, s, manifests) for s in range(S)]
-            starts = [put_round_state(store, c.start_state, shards[c.stage]) for c in step.contributions]
+            starts = [self._put_start(store, c.start_state, shards[c.stage]) for c in step.contributions]
         self._forget_weights(stages, parent)
         # Timings differ between two runs of the same job; they go to a local log, not into
         # the manifest, so the same job and seed give the same checkpoint CIDs.
@@ -353,6 +353,11 @@ class LedgerSink:
         cid = _put_file(store, data)
         self._weights[str(cid)] = param_digest(data)
         return cid
+
+    def _put_start(self, store: Blockstore, data: bytes, shards: list[tuple[CID, bytes | None]]) -> CID:
+        """Store a round-start state in `store`: by reference where its weights are one of
+        `shards`' (each with its weights' digest), else as a UnixFS file."""
+        return put_round_state(store, data, shards)
 
     def _reference_shards(self, parent: CID, stage: int,
                           manifests: dict[str, Manifest]) -> list[tuple[CID, bytes | None]]:
