@@ -29,15 +29,23 @@ from trainer.config import JobConfig
 from trainer.errors import ConfigError, TrainingError
 from trainer.supervisor import SILENT, ChildOptions, Supervisor, exit_note, peer_loss
 
-__all__ = ["StopFlag", "check_local", "free_port", "stop_event", "train_local", "train_rank"]
+__all__ = ["StopFlag", "check_local", "free_port", "local_bytes", "stop_event", "train_local", "train_rank"]
 
 MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no such limit
-RANK_OVERHEAD_BYTES = 400 << 20  # an idle rank: the interpreter, torch, gloo's buffers
-# A rank's peak per parameter: float32 weights, grad, 2 AdamW moments, outer copy and
-# momentum, plus the outer step's serialised copies (round-start state, shard, gathered
-# pickles). Measured by scripts/bench_trainer.py: a 4.6M-parameter llama rank peaked at
-# 1.19 GB after three outer steps, about 170 bytes per parameter beyond the idle rank.
-BYTES_PER_PARAM = 4 * 44
+# A rank's peak = RANK_OVERHEAD_BYTES + BYTES_PER_PARAM x the parameters of its stage: the
+# floor of 28 bytes (float32 weights, grads, AdamW's two moments, the outer copy and its
+# momentum, the error-feedback residual) plus the outer step's working memory, over the
+# forked interpreter with torch (~300 MB) and the inner steps' activations. Measured by
+# scripts/bench_scale.py (README "Scale"): llamas of 11M, 43M and 132M parameters, 2 x 1,
+# peaked at 744, 1749 and 4510 MB: 32.2 bytes per parameter over ~440 MB.
+RANK_OVERHEAD_BYTES = 512 << 20
+BYTES_PER_PARAM = 32
+# The launcher holds one outer step's bytes on their way to the sink: every replica's
+# round-start state (weights, AdamW moments, residual: up to 16 bytes per parameter) and
+# each stage's shard (weights and momentum: 8). Measured: 783, 1784 and 5382 MB for the
+# same runs.
+LAUNCHER_OVERHEAD_BYTES = 400 << 20
+STATE_BYTES_PER_PARAM, SHARD_BYTES_PER_PARAM = 16, 8
 NETNS_PORT = 29500  # the store's port inside replica 0's fresh namespace
 GRACE_S = 2.0  # after the first failure, how long to wait for the root cause to arrive
 
@@ -79,6 +87,14 @@ def gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def local_bytes(job: JobConfig) -> int:
+    """About the most memory a local run of `job` holds at once: its ranks' peaks and the
+    launcher's copy of an outer step (the constants above)."""
+    n, R = job.model.n_params(), job.parallel.replicas
+    ranks = R * n * BYTES_PER_PARAM + job.world_size * RANK_OVERHEAD_BYTES
+    return ranks + LAUNCHER_OVERHEAD_BYTES + n * (STATE_BYTES_PER_PARAM * R + SHARD_BYTES_PER_PARAM)
+
+
 def check_local(job: JobConfig) -> str:
     """Refuse a local run that would overwhelm this machine, or ask for GPUs it lacks
     (ConfigError, before anything starts); return the device the ranks will use, with why.
@@ -93,14 +109,14 @@ def check_local(job: JobConfig) -> str:
             "most a local run starts on one machine (one process per rank): submit it to the "
             "job queue (dlx submit), whose workers share the ranks"
         )
-    need = R * job.model.n_params() * BYTES_PER_PARAM + world * RANK_OVERHEAD_BYTES
+    need = local_bytes(job)
     have = _available_bytes()
     if have is not None and need > 0.9 * have:
         raise ConfigError(
             f"this local run needs about {need / 2**30:.1f} GiB of memory ({world} ranks, "
             f"{R} model copies of {job.model.n_params() / 1e6:.1f}M parameters with their "
-            f"optimizer and outer state); this machine has {have / 2**30:.1f} GiB available: "
-            "use fewer replicas, or the job queue (dlx submit)"
+            f"optimizer and outer state, and the launcher's copy of a step); this machine has "
+            f"{have / 2**30:.1f} GiB available: use fewer replicas, or the job queue (dlx submit)"
         )
     want = job.parallel.device
     if want == "cpu":
