@@ -333,6 +333,28 @@ def test_spilled_bytes_reach_the_launcher_as_the_same_bytes(tmp_path) -> None:
     assert not list(tmp_path.iterdir())
 
 
+def test_a_spill_directory_left_by_a_killed_process_goes_with_the_next(tmp_path, monkeypatch) -> None:
+    """A launcher killed outright cannot remove its spill directory: the next one of the
+    same kind removes those whose process is gone, and leaves the live ones."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from trainer.artifacts import spill_directory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"dlx-spill-{int(gone.stdout)}-x"
+    live = tmp_path / f"dlx-spill-{os.getpid()}-y"
+    other = tmp_path / f"dlx-replay-{int(gone.stdout)}-z"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "state").write_bytes(b"x")
+    with spill_directory("spill") as new:
+        assert os.path.isdir(new) and not dead.exists() and live.exists() and other.exists()
+    assert not os.path.exists(new)
+
+
 @pytest.mark.parametrize("data", [
     b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ",  # too short; an empty header is fine
     (16).to_bytes(8, "little") + b'{"a":1}         ',  # an entry that is no tensor

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -22,23 +24,24 @@ if TYPE_CHECKING:  # torch is imported where tensors are: a launcher handles onl
     import torch
 
 __all__ = [
-    "KERNELS_KEY",
     "Blob",
-    "MERGE_STEP_KEY",
     "Contribution",
     "GenesisArtifacts",
+    "KERNELS_KEY",
+    "MERGE_STEP_KEY",
     "Progress",
+    "Spill",
     "StageShard",
     "StepArtifacts",
-    "Spill",
     "StepSink",
     "StoredTensors",
     "bytes_to_tensors",
     "code_hash",
     "param_tensors",
     "same_tensors",
-    "tensors_to_bytes",
+    "spill_directory",
     "tensor_views",
+    "tensors_to_bytes",
     "to_bytes",
 ]
 
@@ -322,6 +325,28 @@ class Spill:
             raise
         os.close(fd)
         return Blob(path, size)
+
+
+def spill_directory(kind: str) -> tempfile.TemporaryDirectory:
+    """A temporary directory for spilled bytes (`dlx-<kind>-<pid>-...`, removed when the
+    context ends), after removing those of the same kind whose process has died: a
+    launcher killed outright (SIGKILL) cannot remove its own."""
+    root = tempfile.gettempdir()
+    for old in Path(root).glob(f"dlx-{kind}-*-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return tempfile.TemporaryDirectory(prefix=f"dlx-{kind}-{os.getpid()}-", ignore_cleanup_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def to_bytes(data: bytes | Blob) -> bytes:

@@ -20,11 +20,10 @@ import contextlib
 import importlib.metadata
 import multiprocessing as mp
 import socket
-import tempfile
 import time
 from typing import Any, Literal
 
-from trainer.artifacts import StepSink
+from trainer.artifacts import StepSink, spill_directory
 from trainer.config import JobConfig
 from trainer.errors import ConfigError, TrainingError
 from trainer.supervisor import SILENT, ChildOptions, Supervisor, exit_note, peer_loss
@@ -207,7 +206,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             netns = [None] * job.world_size
-        spill = stack.enter_context(tempfile.TemporaryDirectory(prefix="dlx-spill-", ignore_cleanup_errors=True))
+        spill = stack.enter_context(spill_directory("spill"))
         controls = _controls(job, sink, stop, start, hooks, spill)
         return _train_local(job, sink, timeout_s, init_method, netns, controls)
 

@@ -38,13 +38,12 @@ process reads one item at a time, and nothing holds every item's states at once.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from trainer.artifacts import Blob
+from trainer.artifacts import Blob, spill_directory
 from trainer.config import JobConfig
 from trainer.errors import TrainingError
 from trainer.supervisor import ChildOptions, Supervisor
@@ -124,7 +123,7 @@ def replay_rounds(job: JobConfig, items: list[ReplayItem], *, timeout_s: float |
         raise ValueError("the partial overlap rule needs each stage's committed shard of the step before")
     results = [ReplayResult(payloads=[b""] * S, end_states=[b""] * S) for _ in items]
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    with tempfile.TemporaryDirectory(prefix="dlx-replay-", ignore_cleanup_errors=True) as files:
+    with spill_directory("replay") as files:
         per_rank = [
             [(it.step, it.replica, _filed(files, it.start_states[s]), None if it.claimed is None else it.claimed[s],
               None if it.outer is None else _filed(files, it.outer[s])) for it in items]

@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import functools
 import math
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -279,12 +278,12 @@ def replay_many(store: Any, items: list[tuple[CID | str, int]], tolerance: float
     `apply_judging`: `tolerance` None is the automatic choice (module docstring), a number
     an explicit one. Each item's start states and shards go to a temporary directory once
     checked (`trainer.artifacts.Spill`), so that memory holds one item's, not every item's."""
-    from trainer.artifacts import Spill
+    from trainer.artifacts import Spill, spill_directory
     from trainer.replay import ReplayItem, replay_rounds
 
     manifests: dict[str, Manifest] = {}
     jobs: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="dlx-verify-", ignore_cleanup_errors=True) as tmp:
+    with spill_directory("verify") as tmp:
         spill, prepared = Spill(tmp), []
         for cp, replica in items:
             p = _prepare(store, str(cp), replica, tolerance or 0.0, manifests, jobs)
