@@ -15,6 +15,14 @@ Import streams: it keeps one chunk and at most 174 pending links per tree level,
 extra memory does not grow with the file. dag-pb and UnixFS protobufs are encoded here by
 hand, byte for byte as Go's `go-merkledag` and JS's `@ipld/dag-pb` do (links before data,
 an empty `Name` always written), because the CID is the hash of exactly those bytes.
+A chunk is hashed and written from the buffer it was read into (a memoryview of the caller's
+bytes for `import_bytes`), never copied on the way.
+
+Reading back re-hashes every block. Into a regular file (`read_file`, so `dlx cas get -o`)
+the dag-pb nodes are walked first (one per 174 leaves) to place every raw leaf at its
+offset, then a few threads each fetch, hash and write their share of the leaves: handing
+each block from a reading thread to a writing one cost more than hashing it. Into a
+stream (`cat`, a pipe) the leaves are read ahead in order.
 """
 
 from __future__ import annotations
