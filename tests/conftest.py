@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lineage.chain.anvil import Anvil, dev_accounts
 from lineage.chain.client import Chain
 from lineage.chain.ledger import Ledger
+from lineage.chain.runrecord import RunRecord
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -83,6 +86,18 @@ inner_steps = {inner_steps}
 def small_job():
     """`small_job(name, steps=..., ...)`: the TOML of a small test job (see small_job_toml)."""
     return small_job_toml
+
+
+@pytest.fixture(scope="module")
+def served(trained_run, tmp_path_factory) -> Any:
+    """`trained_run`'s chain served by an anvil of its own (from a copy of its state).
+    Yields (run directory, its RunRecord, the anvil's URL)."""
+    run_dir = trained_run[0]
+    record = RunRecord.load(run_dir)
+    state = tmp_path_factory.mktemp("served") / "state.json"
+    shutil.copyfile(run_dir / record.chain_state, state)
+    with Anvil(state_path=state) as node:
+        yield run_dir, record, node.url
 
 
 @pytest.fixture(scope="session")

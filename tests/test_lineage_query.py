@@ -6,29 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from typing import Any
 
 import pytest
 from test_node_cli import one_line_error, run_dlx
 
-from lineage.chain.anvil import Anvil
-from lineage.chain.runrecord import RunRecord
 from lineage.store.ipfs import open_store
 from lineage.store.manifest import get_manifest
 from lineage.store.unixfs import read_bytes
 from trainer.artifacts import bytes_to_tensors
-
-
-@pytest.fixture(scope="module")
-def served(trained_run, tmp_path_factory) -> Any:
-    """The trained run's chain served by an anvil of its own (from a copy of its state)."""
-    run_dir = trained_run[0]
-    record = RunRecord.load(run_dir)
-    state = tmp_path_factory.mktemp("served") / "state.json"
-    shutil.copyfile(run_dir / record.chain_state, state)
-    with Anvil(state_path=state) as node:
-        yield run_dir, record, node.url
 
 
 def lineage(env: dict[str, str], *args: str) -> dict[str, Any]:

@@ -16,13 +16,11 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 from conftest import DLX, small_job_toml
 
-from lineage.chain.anvil import Anvil
 from lineage.chain.runrecord import RunRecord
 from lineage.store.ipfs import open_store
 from lineage.store.manifest import get_manifest
@@ -51,17 +49,6 @@ def error(*args: str, cwd: Path | None = None) -> str:
     assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (args, res.stderr)
     assert lines[0].startswith("dlx: error: ")
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def served(trained_run, tmp_path_factory) -> Any:
-    """The trained run's chain served by an anvil of its own (from a copy of its state)."""
-    run_dir = trained_run[0]
-    record = RunRecord.load(run_dir)
-    state = tmp_path_factory.mktemp("served") / "state.json"
-    shutil.copyfile(run_dir / record.chain_state, state)
-    with Anvil(state_path=state) as node:
-        yield run_dir, record, node.url
 
 
 @pytest.fixture(scope="module")
