@@ -263,17 +263,19 @@ class DataConfig(_Section):
         "`paths` globs, or every file under `dir`."
     )
     paths: list[str] = Field(
-        default_factory=list, description="Glob patterns of text files (source = 'files')."
+        default_factory=list, description="Glob patterns of text files (source = 'files'): absolute, `~`, or "
+        "relative to the job file's directory; each file is named relative to the patterns' glob "
+        "base (docs/data.md)."
     )
     dir: str | None = Field(
-        None, min_length=1, description="source = 'dir': a directory; every regular file under "
-        "it, recursively, by relative path, hidden files and directories skipped (as `ipfs add "
+        None, min_length=1, description="source = 'dir': a directory (absolute, `~`, or relative "
+        "to the job file's directory); every regular file under it, recursively, by relative path, hidden files and directories skipped (as `ipfs add "
         "-r`)."
     )
     tokenizer: str = Field(
         "bytes", min_length=1, description='"bytes": one token per byte; "bpe": a byte-level BPE '
         "of model.vocab_size tokens trained on the training split; or the path of a local "
-        "tokenizer.json."
+        "tokenizer.json (absolute, `~`, or relative to the job file's directory)."
     )
     text_field: str = Field(
         "text", min_length=1, description="The text's field in .jsonl records, its column in "

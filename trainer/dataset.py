@@ -65,7 +65,9 @@ __all__ = [
     "PreparedData",
     "dataset_files",
     "is_eval",
+    "glob_base",
     "prepare_data",
+    "resolve_data_paths",
     "split_files",
     "token_dtype",
     "train_bpe",
@@ -157,16 +159,57 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return sorted(found)
 
 
+def glob_base(pattern: str) -> str:
+    """The longest leading directory of `pattern` with no glob character (a pattern with
+    none at all: its parent directory), absolute: where its matches' names start."""
+    parts = os.path.abspath(os.path.expanduser(pattern)).split("/")
+    magic = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts) - 1)
+    return "/".join(parts[:magic]) or "/"
+
+
 def _glob_files(patterns: list[str]) -> list[tuple[str, Path]]:
+    """The regular files `patterns` match, named relative to their glob base (the common
+    directory of every pattern's `glob_base`), so a corpus's names, and the dataset's CID,
+    do not depend on where it lies."""
+    base = os.path.commonpath([glob_base(p) for p in patterns])
     found: dict[str, Path] = {}
     for pattern in patterns:
         for name in glob.glob(os.path.expanduser(pattern), recursive=True):
             path = Path(name)
             if path.is_file():
-                found[path.as_posix()] = path
+                rel = os.path.relpath(os.path.abspath(name), base)
+                if rel.startswith("../") or rel == "..":
+                    raise ConfigError(f"data.paths: {name} lies outside the glob base {base}")
+                found[Path(rel).as_posix()] = path
     if not found:
         raise ConfigError(f"data.paths: no files match {patterns}")
     return sorted(found.items())
+
+
+def resolve_data_paths(data: Any, base: Path) -> Any:
+    """A job's `[data]` table (as parsed from TOML) with relative `paths`, `dir` and a
+    tokenizer.json path made absolute against `base`, the job file's directory (as `[model]
+    init` is), and `~` expanded; anything else is returned unchanged for validation."""
+    if not isinstance(data, dict):
+        return data
+    root = os.path.abspath(base)
+
+    def absolute(path: object, pattern: bool = False) -> object:
+        if not isinstance(path, str) or not path:
+            return path
+        path = os.path.expanduser(path)
+        if os.path.isabs(path):
+            return os.path.normpath(path)
+        return os.path.normpath(os.path.join(glob.escape(root) if pattern else root, path))
+
+    out = dict(data)
+    if isinstance(out.get("paths"), list):
+        out["paths"] = [absolute(p, pattern=True) for p in out["paths"]]
+    if "dir" in out:
+        out["dir"] = absolute(out["dir"])
+    if out.get("tokenizer") not in (None, "bytes", "bpe"):
+        out["tokenizer"] = absolute(out["tokenizer"])
+    return out
 
 
 def _dir_files(root: Path) -> list[tuple[str, Path]]:

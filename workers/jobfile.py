@@ -172,8 +172,8 @@ class JobFile(JobConfig):
 
 
 def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
-    """Load and validate a job file; relative `[model] init` paths are resolved against
-    `base` (default: the file's own directory; a run directory's copy of the job file
+    """Load and validate a job file; relative `[model] init` and `[data]` paths (`paths`,
+    `dir`, a tokenizer.json) are resolved against `base` (default: the file's own directory; a run directory's copy of the job file
     passes the original's, which run.json records as `job_dir`)."""
     path = Path(path)
     try:
@@ -197,7 +197,12 @@ def with_init_model(data: dict, base: Path) -> dict:
     """A job whose `[model] init` names a Hugging Face directory gets the rest of its model
     section from that directory's config.json (fields it gives must agree with it), before
     the job is validated as a whole (so stage counts are checked against the real depth).
-    Relative paths are the job file's; the resolved section names the absolute path."""
+    Relative paths are the job file's; the resolved section names the absolute path. The
+    `[data]` section's paths are resolved against `base` too (trainer.dataset.resolve_data_paths)."""
+    if isinstance(data, dict) and "data" in data:
+        from trainer.dataset import resolve_data_paths
+
+        data = {**data, "data": resolve_data_paths(data["data"], base)}
     model = data.get("model") if isinstance(data, dict) else None
     if not isinstance(model, dict) or model.get("init") is None:
         return data
