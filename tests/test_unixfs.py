@@ -33,6 +33,7 @@ from lineage.store.unixfs import (
     PBLink,
     PBNode,
     UnixFSData,
+    cat,
     file_cid,
     import_bytes,
     import_file,
@@ -302,12 +303,14 @@ def test_a_leaf_longer_than_its_parent_says_fails_the_read_naming_it(tmp_path):
         read_file(store, root, fh)
 
 
-def test_a_node_without_blocksizes_is_read_in_order(tmp_path):
+def test_a_node_without_blocksizes_is_refused_before_its_leaves_are_read(tmp_path):
+    """Issue 34: without one `blocksizes` entry per link (as every UnixFS writer records
+    them) a reader could not bound what the children hold."""
     store = Blockstore(tmp_path / "bs")
     root = _two_leaf_file(store, b"12345", b"678901", [])
-    with open(tmp_path / "out", "wb") as fh:
-        assert read_file(store, root, fh) == 11
-    assert (tmp_path / "out").read_bytes() == b"12345678901"
+    for read in (lambda: read_file(store, root, open(tmp_path / "out", "wb")), lambda: b"".join(cat(store, root))):
+        with pytest.raises(StorageError, match=f"{root}: 2 links but blocksizes"):
+            read()
 
 
 def test_a_directory_is_not_read_as_a_file(tmp_path):

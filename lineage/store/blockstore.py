@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import errno
 import functools
 import hashlib
 import itertools
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -51,6 +53,7 @@ from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 from .cid import RAW, block_name, cid_from_binary, cid_of_block, parse_cid
 from .dag import reachable
+from .limits import MAX_BLOCK
 
 PIN_DIR = ".pins"
 PRUNED_DIR = ".pruned"
@@ -102,14 +105,18 @@ def _shard(name: str) -> str:
     return name[-3:-1]
 
 
-def _cid_from_name(name: str) -> CID:
-    """The CID a block file is named by (its CIDv1 in base32)."""
+def _cid_from_name(name: str, where: Path | None = None) -> CID:
+    """The CID a block file is named by (its CIDv1 in base32); StorageError naming the
+    file for a name that is none."""
     if len(name) == 59 and name[0] == "b":
         try:
             return cid_from_binary(base64.b32decode(name[1:].upper() + "======"))
         except ValueError:
             pass
-    return parse_cid(name)
+    try:
+        return parse_cid(name)
+    except ValueError:
+        raise StorageError(f"{where / name if where else name}: a file in the blockstore whose name is no CID") from None
 
 
 class Blockstore:
@@ -173,16 +180,19 @@ class Blockstore:
             return os.open(self.root, _DIR & ~os.O_NOFOLLOW)
 
     def get(self, cid: CID | str | bytes) -> bytes:
-        """The block's bytes, re-hashed against `cid`; raises if missing or corrupt."""
+        """The block's bytes, re-hashed against `cid`; raises if missing or corrupt. Only
+        a regular file is read (never through a symlink, and a FIFO or device is not even
+        waited on), and at most `MAX_BLOCK` bytes of it."""
         name, digest = block_name(cid)
         path = os.path.join(self.root, name[-3:-1], name)
         try:
-            with open(path, "rb") as fh:
-                data = fh.read()
+            data = _read_block_file(path)
         except FileNotFoundError:
             raise BlockNotFoundError(parse_cid(cid), f"the blockstore {self.root}") from None
+        except _NotABlock as exc:
+            raise CorruptBlockError(parse_cid(cid), str(exc)) from None
         except OSError as exc:
-            raise StorageError(f"cannot read block {parse_cid(cid)}: {exc}") from exc
+            raise StorageError(f"cannot read block {parse_cid(cid)}: {exc.strerror or exc}") from None
         if hashlib.sha256(data).digest() != digest:
             raise CorruptBlockError(parse_cid(cid))
         return data
@@ -216,11 +226,11 @@ class Blockstore:
         if not self.root.exists():
             return
         for shard in sorted(self.root.iterdir()):
-            if shard.name.startswith(".") or not shard.is_dir():
+            if shard.name.startswith(".") or shard.is_symlink() or not shard.is_dir():
                 continue
             for entry in sorted(shard.iterdir()):
                 if not entry.name.startswith("."):
-                    yield _cid_from_name(entry.name)
+                    yield _cid_from_name(entry.name, shard)
 
     def verify(self) -> list[CID]:
         """Re-hash every block; returns the CIDs whose bytes do not match."""
@@ -379,6 +389,39 @@ class _Staged(Blockstore):
         finally:
             os.close(fd)
         return cid
+
+
+class _NotABlock(OSError):
+    """A block file that is no regular file of at most MAX_BLOCK bytes."""
+
+
+_READ_BLOCK = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+def _read_block_file(path: str) -> bytes:
+    """A block file's bytes: a regular file (opened without following a symlink and without
+    blocking on a FIFO) of at most MAX_BLOCK bytes, read with a bound whatever it claims."""
+    try:
+        fd = os.open(path, _READ_BLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _NotABlock("the block file is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotABlock("the block file is not a regular file")
+        if st.st_size > MAX_BLOCK:
+            raise _NotABlock(f"the block file has {st.st_size} bytes, above the {MAX_BLOCK}-byte block limit")
+        chunks, left = [], MAX_BLOCK + 1
+        while left and (piece := os.read(fd, left)):
+            chunks.append(piece)
+            left -= len(piece)
+        if not left:
+            raise _NotABlock(f"the block file grew past the {MAX_BLOCK}-byte block limit")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _open_shard(root_fd: int, shard: str) -> int:

@@ -28,6 +28,8 @@ import hashlib
 
 from multiformats import CID, multibase, multicodec, multihash
 
+from lineage.errors import StorageError
+
 RAW = "raw"
 DAG_PB = "dag-pb"
 DAG_CBOR = "dag-cbor"
@@ -43,6 +45,10 @@ _new_cid = getattr(CID, "_new_instance", None)
 
 
 _CODE_OF = {c.name: code for code, c in _CODECS.items()}
+
+
+class CidError(StorageError, ValueError):
+    """Text or bytes that are no CID, or a CID whose multihash dlx does not verify."""
 
 
 def _fast(raw: bytes) -> bool:
@@ -100,14 +106,33 @@ def as_v1(cid: CID) -> CID:
 
 
 def parse_cid(text: str | bytes | CID) -> CID:
-    """A CID from text (any multibase, or `Qm...`) or binary form; v1 comes back in base32."""
+    """A CID from text (any multibase, or `Qm...`) or binary form; v1 comes back in base32.
+
+    Only a sha2-256 multihash of 32 bytes is accepted (CidError otherwise, naming the
+    hash): every block read is re-hashed with it, and a CID naming another hash (blake2b,
+    identity, ...) cannot be checked here."""
     if isinstance(text, CID):
-        return text if text.version == 0 else text.set(base="base32")
-    try:
-        cid = CID.decode(text)
-    except Exception as exc:  # multiformats raises several unrelated types
-        raise ValueError(f"not a CID: {text!r} ({exc})") from None
+        cid = text
+    else:
+        try:
+            cid = CID.decode(text)
+        except Exception as exc:  # multiformats raises several unrelated types
+            shown = repr(text) if len(text) <= 120 else f"{text[:120]!r}..."
+            raise CidError(f"not a CID: {shown} ({_first_line(exc)})") from None
+    if bytes(cid.digest[:2]) != _MH_PREFIX or len(cid.digest) != 34:
+        raise CidError(f"{cid}: its multihash is {_hash_name(bytes(cid.digest))}; dlx verifies sha2-256 only")
     return cid if cid.version == 0 else cid.set(base="base32")
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+
+
+def _hash_name(mh: bytes) -> str:
+    try:
+        return str(multihash.from_digest(mh).name)
+    except Exception:  # an unknown code or a malformed multihash
+        return f"an unknown multihash (prefix {mh[:4].hex()})"
 
 
 def cid_of_block(data: bytes | memoryview, codec: str = RAW) -> CID:

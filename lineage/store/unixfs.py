@@ -53,6 +53,7 @@ from .cid import (
     file_cid_candidates,
     parse_cid,
 )
+from .limits import max_depth
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
 MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
@@ -510,18 +511,48 @@ def _file_node(ref: CID | bytes, block: bytes) -> tuple[UnixFSData, list[bytes]]
     return fs, links
 
 
-def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Iterator[bytes]:
-    """`cat`; appends the root's UnixFS filesize (if it has one) to `sizes`."""
-    stack: list[Iterator[bytes]] = []
+def _sized_children(ref: CID | bytes, fs: UnixFSData, links: list[bytes], expected: int | None,
+                    depth: int) -> list[tuple[bytes, int]]:
+    """The links of a file node with the bytes each must hold, checked against what the node
+    and its parent declare before any child is read: its `filesize` (what the parent's
+    `blocksizes` entry says, for a child), one non-zero `blocksizes` entry per link, its
+    data and children adding up to its filesize, and the walk no deeper than the limit. So a
+    file never yields more than its root declares, and a hostile DAG is refused at its
+    first lie, not after reading it all."""
+    if fs.filesize is None:
+        raise StorageError(f"{parse_cid(ref)}: a UnixFS file node without a filesize")
+    if expected is not None and fs.filesize != expected:
+        raise StorageError(f"{parse_cid(ref)} declares {fs.filesize} bytes, its parent says {expected}")
+    if links and depth >= max_depth():
+        raise StorageError(f"{parse_cid(ref)}: the file's DAG is deeper than {max_depth()} levels "
+                           "($DLX_MAX_DAG_DEPTH)")
+    if len(fs.blocksizes) != len(links) or 0 in fs.blocksizes:
+        raise StorageError(f"{parse_cid(ref)}: {len(links)} links but blocksizes {fs.blocksizes[:8]}"
+                           f"{'...' if len(fs.blocksizes) > 8 else ''}")
+    held = len(fs.data or b"") + sum(fs.blocksizes)
+    if held != fs.filesize:
+        raise StorageError(f"{parse_cid(ref)}: its data and blocksizes add up to {held} bytes, "
+                           f"its filesize says {fs.filesize}")
+    return list(zip(links, fs.blocksizes, strict=True))
 
-    def visit(ref: CID | bytes) -> Iterable[bytes]:
-        block = store.get(ref)
-        if _codec_name(ref) == RAW:
-            return [block]
-        fs, links = _file_node(ref, block)
+
+def _leaf(store: BlockReader, link: bytes, size: int) -> bytes:
+    """A raw leaf, which must hold the `size` bytes its parent declares."""
+    block = store.get(link)
+    if len(block) != size:
+        raise StorageError(f"{parse_cid(link)} holds {len(block)} bytes, its parent says {size}")
+    return block
+
+
+def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Iterator[bytes]:
+    """`cat`; appends the root's UnixFS filesize to `sizes`."""
+    stack: list[Iterator[tuple[bytes, int]]] = []
+
+    def visit(ref: CID | bytes, expected: int | None) -> Iterable[bytes]:
+        fs, links = _file_node(ref, store.get(ref))
         if not stack and fs.filesize is not None:
             sizes.append(fs.filesize)
-        stack.append(iter(links))
+        stack.append(iter(_sized_children(ref, fs, links, expected, len(stack))))
         return [fs.data] if fs.data else []
 
     if root.codec.name == RAW:  # a file of one chunk
@@ -530,20 +561,23 @@ def _cat(store: BlockReader, root: CID, workers: int, sizes: list[int]) -> Itera
     pool = _read_pool() if workers > 0 else None
     ahead: deque[Future[bytes]] = deque()
     try:
-        yield from visit(root)
+        yield from visit(root, None)
         while stack:
-            link = next(stack[-1], None)
-            if link is None:
+            link, size = next(stack[-1], (b"", 0))
+            if not link:
                 stack.pop()
                 continue
-            if pool is not None and _codec_name(link) == RAW:
-                ahead.append(pool.submit(store.get, link))
+            if _codec_name(link) == RAW:
+                if pool is None:
+                    yield _leaf(store, link, size)
+                    continue
+                ahead.append(pool.submit(_leaf, store, link, size))
                 while len(ahead) > 2 * workers:
                     yield ahead.popleft().result()
                 continue
             while ahead:
                 yield ahead.popleft().result()
-            yield from visit(link)
+            yield from visit(link, size)
         while ahead:
             yield ahead.popleft().result()
     finally:
@@ -583,29 +617,28 @@ class _Layout:
 def _layout(store: BlockReader, root: CID) -> _Layout:
     """Walk the file `root`'s dag-pb nodes (one per 174 leaves), in file order, and lay out
     its pieces. A raw leaf's size is its parent's `blocksizes` entry (checked when it is
-    fetched); under a node without one entry per link, raw leaves are fetched here."""
+    fetched); every node is checked by `_sized_children` before its children are."""
     out = _Layout()
     if root.codec.name == RAW:  # a file of one chunk
         out.add(store.get(root))
         return out
-    fs, links = _file_node(root, store.get(root))
-    out.filesize = fs.filesize
-    stack: list[Iterator[tuple[bytes, int | None]]] = []
+    stack: list[Iterator[tuple[bytes, int]]] = []
 
-    def enter(fs: UnixFSData, links: list[bytes]) -> None:
+    def enter(ref: CID | bytes, expected: int | None) -> None:
+        fs, links = _file_node(ref, store.get(ref))
+        if not stack:
+            out.filesize = fs.filesize
+        children = _sized_children(ref, fs, links, expected, len(stack))
         out.add(fs.data or b"")
-        sizes: list[int | None] = list(fs.blocksizes) if len(fs.blocksizes) == len(links) else [None] * len(links)
-        stack.append(zip(links, sizes, strict=True))
+        stack.append(iter(children))
 
-    enter(fs, links)
+    enter(root, None)
     while stack:
-        link, size = next(stack[-1], (b"", None))
+        link, size = next(stack[-1], (b"", 0))
         if not link:
             stack.pop()
         elif _codec_name(link) != RAW:
-            enter(*_file_node(link, store.get(link)))
-        elif size is None:
-            out.add(store.get(link))
+            enter(link, size)
         else:
             out.leaves.append((out.size, link, size))
             out.size += size
@@ -631,10 +664,7 @@ def _read_at(store: BlockReader, root: CID | str, place: Callable[[int, bytes], 
             for offset, link, size in leaves:
                 if stop.is_set():
                     return
-                block = store.get(link)
-                if len(block) != size:
-                    raise StorageError(f"{parse_cid(link)} holds {len(block)} bytes, its parent says {size}")
-                place(offset, block)
+                place(offset, _leaf(store, link, size))
         except BaseException:
             stop.set()  # the other threads stop at their next leaf
             raise

@@ -37,9 +37,12 @@ output directory (`..`, `/`, empty) is an error naming the directory's CID.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import struct
+import tempfile
 from collections.abc import Iterable, Iterator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +52,7 @@ from lineage.errors import StorageError
 from trainer.errors import DlxError
 
 from .cid import DAG_PB, RAW, cid_from_digest, cid_of_block, parse_cid
+from .limits import max_depth, max_entries
 from .unixfs import (
     CHUNK_SIZE,
     T_DIRECTORY,
@@ -323,7 +327,39 @@ def _unixfs(store: BlockReader, cid: CID) -> tuple[UnixFSData, list[PBLink]]:
         raise StorageError(f"{cid} is not a UnixFS node: {exc}") from None
 
 
-def _dir_links(store: BlockReader, cid: CID, fs: UnixFSData, links: list[PBLink]) -> Iterator[PBLink]:
+class _Walk:
+    """One bounded walk: at most `max_entries()` entries, `max_depth()` directory and HAMT
+    levels, and each directory node fetched and decoded once however often the DAG names it
+    (a DAG of a few blocks naming 2^40 paths stops at the entry limit in well under a second)."""
+
+    def __init__(self, store: BlockReader, root: CID) -> None:
+        self.store, self.root = store, root
+        self.limit, self.depth = max_entries(), max_depth()
+        self.entries = 0
+        self.dirs: dict[CID, tuple[UnixFSData, list[PBLink]]] = {}
+
+    def node(self, cid: CID) -> tuple[UnixFSData, list[PBLink]]:
+        got = self.dirs.get(cid)
+        if got is None:
+            got = _unixfs(self.store, cid)
+            if got[0].type in (T_DIRECTORY, T_HAMT):
+                self.dirs[cid] = got
+        return got
+
+    def deeper(self, cid: CID, depth: int) -> int:
+        if depth >= self.depth:
+            raise StorageError(f"{self.root}: the directory DAG is deeper than {self.depth} levels at {cid} "
+                               "($DLX_MAX_DAG_DEPTH)")
+        return depth + 1
+
+    def count(self) -> None:
+        self.entries += 1
+        if self.entries > self.limit:
+            raise StorageError(f"{self.root}: the directory names more than {self.limit} entries "
+                               "($DLX_MAX_TREE_ENTRIES)")
+
+
+def _dir_links(walk: _Walk, cid: CID, fs: UnixFSData, links: list[PBLink], depth: int) -> Iterator[PBLink]:
     """The entries of a directory node, a HAMT's leaves (named without their slot prefix)."""
     if fs.type == T_DIRECTORY:
         yield from links
@@ -335,19 +371,23 @@ def _dir_links(store: BlockReader, cid: CID, fs: UnixFSData, links: list[PBLink]
         if len(link.name) > pad:
             yield PBLink(link.cid, link.tsize, link.name[pad:])
             continue
-        sub, sub_links = _unixfs(store, link.cid)
+        if link.cid.codec.name != DAG_PB:
+            raise StorageError(f"{link.cid}, a shard of {cid}, is not a HAMT shard")
+        sub, sub_links = walk.node(link.cid)
         if sub.type != T_HAMT:
             raise StorageError(f"{link.cid}, a shard of {cid}, is not a HAMT shard")
-        yield from _dir_links(store, link.cid, sub, sub_links)
+        yield from _dir_links(walk, link.cid, sub, sub_links, walk.deeper(link.cid, depth))
 
 
-def _walk(store: BlockReader, cid: CID, prefix: str) -> Iterator[_Entry]:
-    """Every file and directory below the directory `cid`, depth first (names unsorted)."""
-    fs, links = _unixfs(store, cid) if cid.codec.name == DAG_PB else (None, [])
+def _walk(walk: _Walk, cid: CID, prefix: str, depth: int = 0) -> Iterator[_Entry]:
+    """Every file and directory below the directory `cid`, depth first (names unsorted),
+    a directory before what it holds."""
+    fs, links = walk.node(cid) if cid.codec.name == DAG_PB else (None, [])
     if fs is None or fs.type not in (T_DIRECTORY, T_HAMT):
         raise StorageError(f"{cid} is not a UnixFS directory")
     seen: set[str] = set()
-    for link in _dir_links(store, cid, fs, links):
+    for link in _dir_links(walk, cid, fs, links, depth):
+        walk.count()
         name = link.name
         if name in ("", ".", "..") or "/" in name or "\0" in name or name in seen:
             raise StorageError(f"{cid}: unsafe or repeated entry name {name!r}")
@@ -358,22 +398,26 @@ def _walk(store: BlockReader, cid: CID, prefix: str) -> Iterator[_Entry]:
             continue
         if link.cid.codec.name != DAG_PB:
             raise StorageError(f"{cid}: entry {name!r} is {link.cid.codec.name}, not UnixFS")
-        child, _ = _unixfs(store, link.cid)
+        child, _ = walk.node(link.cid)
         if child.type in (T_DIRECTORY, T_HAMT):
             yield _Entry(path, link.cid, None)
-            yield from _walk(store, link.cid, path + "/")
+            yield from _walk(walk, link.cid, path + "/", walk.deeper(link.cid, depth))
         elif child.type in (T_FILE, T_RAW):
             yield _Entry(path, link.cid, child.filesize if child.filesize is not None else len(child.data or b""))
         else:
             raise StorageError(f"{link.cid} ({path}) is UnixFS type {child.type}, neither a file nor a directory")
 
 
+def _entries(store: BlockReader, root: CID) -> Iterator[_Entry]:
+    return _walk(_Walk(store, root), root, "")
+
+
 def list_tree(store: BlockReader, root: CID | str) -> list[tuple[str, CID, int]]:
     """(relative posix path, file CID, file size) of every file below the directory
     `root`, sorted by path; plain and sharded directories alike. Directory and file root
     blocks are fetched (so re-hashed); a raw file's size is its link's Tsize, checked
-    when the file is read."""
-    files = [(e.path, e.cid, e.size) for e in _walk(store, parse_cid(root), "") if e.size is not None]
+    when the file is read. Bounded: lib.store.limits (entries and depth)."""
+    files = [(e.path, e.cid, e.size) for e in _entries(store, parse_cid(root)) if e.size is not None]
     return sorted(files)
 
 
@@ -388,51 +432,106 @@ def is_directory(store: BlockReader, cid: CID | str) -> bool:
 def read_tree(store: BlockReader, root: CID | str, out_dir: Path) -> int:
     """Restore the directory `root` under `out_dir`; returns the number of files.
 
-    Every directory node is read (and re-hashed) before anything is written. A new
-    `out_dir` is built under a temporary name and renamed when complete; into an existing
-    one, each file is written to a temporary name and renamed.
+    Every directory node is read (and re-hashed, within the walk's bounds) before anything
+    is written. A new `out_dir` is built in a fresh temporary directory beside it (made with
+    mkdtemp: no existing name is ever reused or removed) and renamed into place when
+    complete. Into an existing one, every directory is opened from `out_dir` one component
+    at a time without following a symlink, and each file is written to a fresh exclusive
+    temporary file in its own directory and renamed over its name: nothing is written
+    outside `out_dir`, and no existing file but the entry's own name is replaced.
     """
     root = parse_cid(root)
-    entries = list(_walk(store, root, ""))
+    entries = list(_entries(store, root))
     out_dir = Path(out_dir)
-    if out_dir.exists():
+    if out_dir.exists() or out_dir.is_symlink():
         return _write_tree(store, entries, out_dir)
-    stage = out_dir.with_name(f".{out_dir.name}{_TMP}")
-    shutil.rmtree(stage, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name[:64]}.", suffix=_TMP, dir=out_dir.parent))
     try:
         count = _write_tree(store, entries, stage)
-        os.replace(stage, out_dir)
+        os.rename(stage, out_dir)
+    except DlxError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot write {out_dir}: {exc.strerror or exc}") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return count
 
 
-def _write_tree(store: BlockReader, entries: list[_Entry], out_dir: Path) -> int:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    base = out_dir.resolve()
-    count = 0
-    for entry in entries:
-        target = out_dir / entry.path
-        if not target.resolve().is_relative_to(base):  # a symlink already in out_dir
-            raise StorageError(f"{entry.cid}: {entry.path} would be written outside {out_dir}")
-        if entry.size is None:
-            try:
-                target.mkdir(exist_ok=True)
-            except OSError as exc:
-                raise StorageError(f"cannot create directory {target}: {exc.strerror}") from None
-            continue
-        tmp = target.with_name(f".{target.name}{_TMP}")
+_OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_parent(root_fd: int, parts: list[str], out_dir: Path, entry: _Entry) -> int:
+    """The directory `parts` under `root_fd`, opened one component at a time, never through
+    a symlink."""
+    fd = os.dup(root_fd)
+    for i, part in enumerate(parts):
         try:
-            with open(tmp, "wb") as fh:
-                written = read_file(store, entry.cid, fh)
-            if written != entry.size:
-                raise StorageError(f"{entry.cid} ({entry.path}) holds {written} bytes, its directory says {entry.size}")
-            os.replace(tmp, target)
-        except DlxError:
-            raise
+            nxt = os.open(part, _OPEN_DIR, dir_fd=fd)
         except OSError as exc:
-            raise StorageError(f"cannot write {target}: {exc.strerror}") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        count += 1
+            os.close(fd)
+            where = out_dir / "/".join(parts[:i + 1])
+            raise StorageError(f"{entry.cid}: {entry.path} is not written: {where} is not a directory "
+                               f"({exc.strerror}; a symlink is never followed)") from None
+        os.close(fd)
+        fd = nxt
+    return fd
+
+
+def _write_tree(store: BlockReader, entries: list[_Entry], out_dir: Path) -> int:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        root_fd = os.open(out_dir, _OPEN_DIR & ~os.O_NOFOLLOW)  # the user named it
+    except OSError as exc:
+        raise StorageError(f"cannot write {out_dir}: {exc.strerror}") from None
+    count = 0
+    try:
+        for entry in entries:
+            *parents, name = entry.path.split("/")
+            fd = _open_parent(root_fd, parents, out_dir, entry)
+            try:
+                if entry.size is None:
+                    _make_dir(fd, name, out_dir, entry)
+                else:
+                    _write_file(store, entry, fd, name, out_dir)
+                    count += 1
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
     return count
+
+
+def _make_dir(fd: int, name: str, out_dir: Path, entry: _Entry) -> None:
+    try:
+        os.mkdir(name, 0o777, dir_fd=fd)
+    except FileExistsError:
+        pass  # checked as a parent, without following a symlink, when it is used
+    except OSError as exc:
+        raise StorageError(f"cannot create directory {out_dir / entry.path}: {exc.strerror}") from None
+
+
+def _write_file(store: BlockReader, entry: _Entry, fd: int, name: str, out_dir: Path) -> None:
+    """The file `entry` as `name` in the directory `fd`: a fresh exclusive temporary file
+    (never opened through a symlink, never an existing name), renamed over `name`."""
+    target = out_dir / entry.path
+    tmp = f".dlx-{secrets.token_hex(8)}{_TMP}"
+    try:
+        out = os.open(tmp, _NEW_FILE, 0o666, dir_fd=fd)
+    except OSError as exc:
+        raise StorageError(f"cannot write {target}: {exc.strerror}") from None
+    try:
+        with os.fdopen(out, "wb") as fh:
+            written = read_file(store, entry.cid, fh)
+        if written != entry.size:
+            raise StorageError(f"{entry.cid} ({entry.path}) holds {written} bytes, its directory says {entry.size}")
+        os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+    except DlxError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot write {target}: {exc.strerror}") from None
+    finally:
+        with suppress(FileNotFoundError):
+            os.unlink(tmp, dir_fd=fd)
