@@ -338,7 +338,7 @@ def _open_steps(run_dir: Path, head: int) -> set[int]:
 
 def _challengeable(store: Any, m: Any) -> bool:
     """Whether the run's recorded config lets its steps be challenged (arbiters, a window)."""
-    import dag_cbor
+    from lineage.store.runconfig import RunConfig
 
-    chain = dag_cbor.decode(store.get(m.config)).get("job", {}).get("chain", {})
+    chain = RunConfig.load(store, m.config).job.get("chain", {})
     return bool(chain.get("quorum")) and bool(chain.get("challenge_window_s"))

@@ -126,14 +126,13 @@ def store_evidence(store: Any, lg: Any, accused: Accused, replay: Any, stage_rep
 
 def load_evidence(store: Any, digest: bytes) -> dict[str, Any]:
     """The evidence node whose digest a challenge carries (re-hashed on read)."""
-    import dag_cbor
-
+    from lineage.store import cbor
     from lineage.store.cid import DAG_CBOR, cid_from_digest
 
     if digest == bytes(32):
         raise AuditError("the challenge carries no evidence")
     cid = cid_from_digest(digest, DAG_CBOR)
-    doc = dag_cbor.decode(store.get(cid))
+    doc = cbor.decode(store.get(cid), f"evidence {cid}")
     if not isinstance(doc, dict) or doc.get("kind") != "replay-mismatch":
         raise AuditError(f"evidence {cid} is not a replay-mismatch record")
     return doc

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import dag_cbor
 from multiformats import CID
 
 from lineage.chain.anvil import Anvil
@@ -31,6 +30,7 @@ from lineage.chain.client import Chain
 from lineage.chain.ledger import Commit, Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import BlockNotFoundError, ChainError, StorageError
+from lineage.store import cbor
 from lineage.store.cid import DAG_CBOR, cid_from_digest, digest_of, parse_cid
 from lineage.store.manifest import Manifest, get_manifest
 
@@ -197,7 +197,7 @@ def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> tupl
     stakes = {node: ledger.registry.stake_of(node) for node in created.nodes}
     head, _ = ledger.head(run_id)
     config_cid = cid_from_digest(created.config_digest, DAG_CBOR)
-    config = _plain(dag_cbor.decode(store.get(config_cid)))
+    config = _plain(cbor.decode(store.get(config_cid), f"config {config_cid}"))
     if name is None:
         job = config.get("job") if isinstance(config, dict) else None
         name = str(job.get("name", "")) if isinstance(job, dict) else ""

@@ -20,11 +20,12 @@ from collections.abc import Iterable, Iterator
 from typing import BinaryIO
 
 import dag_cbor
-from dag_cbor.decoding.err import CBORDecodingError
 from multiformats import CID
 
 from lineage.errors import StorageError
 
+from . import cbor
+from .cbor import CborError
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
 from .unixfs import read_varint, write_varint
@@ -107,9 +108,12 @@ def _skip_varint(buf: bytes, pos: int) -> int:
 def _root_cid(value: object) -> CID:
     """A root listed in a CAR header as a CID; a value no CID can be read from (a number,
     a map) fails with ValueError, as `parse_cid` fails on text that is no CID."""
-    if isinstance(value, str | bytes | CID):
-        return parse_cid(value)
-    raise ValueError(f"not a CID: {value!r}")
+    try:
+        if isinstance(value, str | bytes | CID):
+            return parse_cid(value)
+    except ValueError as exc:
+        raise CarError(f"malformed CAR header: a root that is no CID ({exc})") from None
+    raise CarError(f"malformed CAR header: a root that is no CID: {value!r:.100}")
 
 
 def read_car(fh: BinaryIO) -> tuple[list[CID], Iterator[tuple[CID, bytes]]]:
@@ -120,8 +124,8 @@ def read_car(fh: BinaryIO) -> tuple[list[CID], Iterator[tuple[CID, bytes]]]:
     if size > MAX_SECTION:
         raise CarError(f"malformed CAR: header of {size} bytes")
     try:
-        header = dag_cbor.decode(_read_exact(fh, size, "the header"))
-    except CBORDecodingError as exc:
+        header = cbor.decode(_read_exact(fh, size, "the header"), "the CAR header")
+    except CborError as exc:
         raise CarError(f"malformed CAR header: {exc}") from None
     listed = header.get("roots") if isinstance(header, dict) else None
     if not isinstance(header, dict) or header.get("version") != 1 or not isinstance(listed, list):

@@ -10,6 +10,12 @@ lengths and map keys in canonical order) and builds our own CIDs the fast way
 unsorted or repeated key, a half-precision float, another tag, trailing bytes) is handed
 to `dag_cbor.decode`, so the result, and every error, is exactly the library's: the fast
 path only ever accepts bytes the library decodes to the same value.
+
+Both paths are bounded first: `check_nesting` walks the block's heads without recursion
+and refuses (CborError, a one-line error of the project's) a value nested deeper than
+`limits.MAX_CBOR_DEPTH`, an indefinite length (which DAG-CBOR forbids) or a block above
+`limits.MAX_BLOCK`, before either decoder recurses. Every decoding error is a CborError
+naming `what` (the CID, or the file, the caller passes).
 """
 
 from __future__ import annotations
@@ -20,9 +26,16 @@ from typing import Any
 
 import dag_cbor
 
-from .cid import cid_from_binary
+from lineage.errors import StorageError
 
-__all__ = ["decode"]
+from .cid import cid_from_binary
+from .limits import MAX_BLOCK, MAX_CBOR_DEPTH
+
+__all__ = ["CborError", "check_nesting", "decode"]
+
+
+class CborError(StorageError, ValueError):
+    """Bytes that are not a DAG-CBOR block dlx reads."""
 
 
 class _Slow(Exception):
@@ -32,15 +45,50 @@ class _Slow(Exception):
 _FLOAT = struct.Struct(">d")
 
 
-def decode(block: bytes) -> Any:
-    """`dag_cbor.decode(block)`, faster for canonical blocks; CIDs come back in base32."""
+def decode(block: bytes, what: object = "a block") -> Any:
+    """`dag_cbor.decode(block)`, faster for canonical blocks; CIDs come back in base32.
+    CborError naming `what` for anything that is not a DAG-CBOR value within the bounds."""
+    check_nesting(block, what)
     try:
         value, pos = _item(block, 0)
         if pos != len(block):
             raise _Slow
         return value
-    except (_Slow, IndexError, ValueError, UnicodeDecodeError, struct.error, RecursionError):
+    except (_Slow, IndexError, ValueError, UnicodeDecodeError, struct.error):
+        pass
+    try:
         return dag_cbor.decode(block)
+    except Exception as exc:  # the library raises its own types, and ValueError, KeyError...
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise CborError(f"{what}: not a DAG-CBOR block ({why})") from None
+
+
+def check_nesting(block: bytes, what: object = "a block", limit: int = MAX_CBOR_DEPTH) -> None:
+    """Refuse a block above MAX_BLOCK, an indefinite length, a reserved head, or a value
+    nested deeper than `limit`, reading heads in one pass with an explicit stack (each head
+    takes at least one byte, so the pass is linear in the block). A truncated block passes
+    here and is refused by the decoder."""
+    if len(block) > MAX_BLOCK:
+        raise CborError(f"{what}: a {len(block)}-byte block, above the {MAX_BLOCK}-byte limit")
+    pos, todo = 0, [1]  # items still to read at each open level
+    while todo and pos < len(block):
+        if todo[-1] == 0:
+            todo.pop()
+            continue
+        todo[-1] -= 1
+        major, info = block[pos] >> 5, block[pos] & 0x1F
+        pos += 1
+        if info > 27:
+            raise CborError(f"{what}: not DAG-CBOR (an indefinite length or a reserved head at byte {pos - 1})")
+        size = 0 if info < 24 else 1 << (info - 24)
+        n = info if info < 24 else int.from_bytes(block[pos:pos + size], "big")
+        pos += size
+        if major in (2, 3):
+            pos += n
+        elif major in (4, 5, 6):
+            todo.append(n * 2 if major == 5 else 1 if major == 6 else n)
+            if len(todo) > limit + 1:
+                raise CborError(f"{what}: a DAG-CBOR value nested deeper than {limit} levels")
 
 
 def _length(data: bytes, pos: int, info: int) -> tuple[int, int]:

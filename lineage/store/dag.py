@@ -6,12 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import dag_cbor
-from dag_cbor.decoding.err import CBORDecodingError
 from multiformats import CID
 
 from lineage.errors import BlockNotFoundError, StorageError
 
+from . import cbor
 from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, parse_cid
 from .unixfs import BlockReader, PBNode
 
@@ -25,8 +24,8 @@ def links_of(cid: CID, block: bytes) -> list[CID]:
         if codec == DAG_PB:
             return [link.cid for link in PBNode.decode(block).links]
         if codec == DAG_CBOR:
-            return list(_cbor_links(dag_cbor.decode(block)))
-    except (ValueError, UnicodeDecodeError, CBORDecodingError) as exc:
+            return list(_cbor_links(cbor.decode(block, cid)))
+    except (ValueError, UnicodeDecodeError) as exc:
         raise StorageError(f"{cid}: malformed {codec} block: {exc}") from None
     raise StorageError(f"{cid}: cannot follow links of codec {codec}")
 

@@ -7,7 +7,7 @@ directory DAG goes at most `max_depth()` nodes deep, and a directory walk lists 
 `max_entries()` entries; both may be raised by environment (a file DAG of Kubo's layout
 is 8 levels deep at 2^64 bytes; the largest dataset here has thousands of files):
 
-    DLX_MAX_DAG_DEPTH=64          DLX_MAX_TREE_ENTRIES=1000000
+    DLX_MAX_DAG_DEPTH=64          DLX_MAX_TREE_ENTRIES=100000
 
 A value that is not a positive integer is a one-line error.
 """
@@ -21,7 +21,7 @@ from trainer.errors import ConfigError
 MAX_BLOCK = 1 << 20
 MAX_CBOR_DEPTH = 64  # a manifest nests 4 levels; a DAG-CBOR value deeper is refused
 DEFAULT_DEPTH = 64
-DEFAULT_ENTRIES = 1_000_000
+DEFAULT_ENTRIES = 100_000
 
 
 def _positive(name: str, default: int) -> int:

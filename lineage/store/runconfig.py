@@ -20,6 +20,8 @@ from typing import Any
 import dag_cbor
 from multiformats import CID
 
+from lineage.errors import StorageError
+
 from .cid import DAG_CBOR
 from .datasets import DataRecord
 
@@ -61,7 +63,13 @@ class RunConfig:
     @classmethod
     def load(cls, store: Any, cid: CID | str) -> RunConfig:
         """The config block `cid` from `store`."""
-        return cls.from_doc(dag_cbor.decode(store.get(cid)))
+        from .cbor import decode
+
+        doc = decode(store.get(cid), cid)
+        try:
+            return cls.from_doc(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StorageError(f"config {cid}: not a run config block ({type(exc).__name__}: {exc})"[:300]) from None
 
     def put(self, store: Any) -> CID:
         """Store the block; returns its CID (the manifests' `config`)."""
