@@ -475,8 +475,13 @@ def _user_tokenizer(path: Path, vocab_size: int) -> tuple[Tokenizer, bytes]:
     `vocab_size`."""
     from tokenizers import Tokenizer
 
+    from trainer.bounded import JSON_LIMIT, read_bounded
+
     try:
-        blob = path.read_bytes()
+        blob = read_bounded(path, JSON_LIMIT, "data.tokenizer:")
+    except FileNotFoundError:
+        raise ConfigError(f"data.tokenizer: {path}: no such file") from None
+    try:
         tok = Tokenizer.from_str(blob.decode("utf-8"))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         why = " ".join(str(err).split())[:120]

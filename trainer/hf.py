@@ -40,6 +40,7 @@ from trainer.errors import ConfigError
 from trainer.model import skeleton
 
 __all__ = [
+    "check_params",
     "from_hf",
     "hf_config",
     "load_init_weights",
@@ -242,6 +243,13 @@ def _shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in skeleton(cfg).named_parameters()}
 
 
+def check_params(params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """ConfigError unless `params` (our names) are exactly `cfg`'s parameters with their
+    shapes, checked on the meta device: nothing is allocated, so a hostile config with
+    shards that do not fit is refused before a model is built from it."""
+    _check_names(params, cfg)
+
+
 def _check_names(params: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     want = _shapes(cfg)
     for name in sorted(set(want) | set(params)):
@@ -322,12 +330,12 @@ def resolve_init(model: ModelConfig, base: Path) -> ModelConfig:
 def _read_config(path: Path) -> dict[str, Any]:
     if not path.is_dir():
         raise ConfigError(f"model.init: no such directory: {path}")
+    from trainer.bounded import read_json
+
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = read_json(path / "config.json", "model.init:", limit=1 << 20)
     except FileNotFoundError:
         raise ConfigError(f"model.init: {path} has no config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"model.init: cannot read {path}/config.json: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model.init: {path}/config.json is not a JSON object")
     return config
@@ -338,7 +346,9 @@ def _weight_files(path: Path) -> dict[str, Path]:
     index = path / WEIGHTS_INDEX
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            from trainer.bounded import read_json
+
+            weight_map = read_json(index, "model.init:")["weight_map"]
             files = {name: path / file for name, file in weight_map.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"model.init: malformed {index}: {exc}") from None

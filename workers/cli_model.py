@@ -283,9 +283,10 @@ def generate(
                          registry=registry, ledger=ledger)
 
     from trainer.generate import generate as sample
-    from trainer.hf import load_params
+    from trainer.hf import check_params, load_params
     from trainer.model import build_model
 
+    check_params(cp.params, cp.job.model)  # before a model of the config's size is built
     model = build_model(cp.job.model, cp.job.seed)
     load_params(model, cp.params)
     ids, emit, finish = _text_codec(cp.tokenizer, prompt, sys.stdout)

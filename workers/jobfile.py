@@ -176,20 +176,22 @@ def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
     `dir`, a tokenizer.json) are resolved against `base` (default: the file's own directory; a run directory's copy of the job file
     passes the original's, which run.json records as `job_dir`)."""
     path = Path(path)
+    from trainer.bounded import read_bounded
+
+    if path.is_dir():
+        raise ConfigError(f"job file is a directory: {path}")
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, 1 << 20, "job file")
     except FileNotFoundError:
         raise ConfigError(f"job file not found: {path}") from None
-    except IsADirectoryError:
-        raise ConfigError(f"job file is a directory: {path}") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read job file {path}: {exc.strerror}") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except UnicodeDecodeError:
         raise ConfigError(f"job file {path} is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"invalid TOML in {path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"invalid TOML in {path}: nested too deeply") from None
     return load_job(with_init_model(data, base or path.parent), JobFile)
 
 

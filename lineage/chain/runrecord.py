@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.bounded import read_bounded
 from trainer.errors import ConfigError
 
 RUN_FILE = "run.json"
@@ -54,7 +55,7 @@ class RunRecord:
         if Path(run_dir).exists() and not Path(run_dir).is_dir():
             raise ConfigError(f"not a run directory (a file, not a directory): {run_dir}")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_bounded(path, 16 << 20, RUN_FILE).decode("utf-8"))
             if not isinstance(data, dict):
                 raise TypeError("expected a JSON object")
             record = cls(**data)
@@ -62,7 +63,7 @@ class RunRecord:
             raise ConfigError(f"not a run directory (no {RUN_FILE}): {run_dir}") from None
         except UnicodeDecodeError:
             raise ConfigError(f"malformed {path}: not UTF-8 text") from None
-        except (json.JSONDecodeError, TypeError) as exc:
+        except (ValueError, TypeError, RecursionError) as exc:  # JSONDecodeError, the int digit limit
             raise ConfigError(f"malformed {path}: {str(exc).removeprefix('RunRecord.__init__() ')}") from None
         except OSError as exc:
             raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
