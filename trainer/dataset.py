@@ -480,7 +480,7 @@ def _user_tokenizer(path: Path, vocab_size: int) -> tuple[Tokenizer, bytes]:
     try:
         blob = read_bounded(path, JSON_LIMIT, "data.tokenizer:")
     except FileNotFoundError:
-        raise ConfigError(f"data.tokenizer: {path}: no such file") from None
+        raise ConfigError(f"data.tokenizer: {path} is not a tokenizer.json (no such file)") from None
     try:
         tok = Tokenizer.from_str(blob.decode("utf-8"))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file

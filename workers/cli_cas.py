@@ -161,19 +161,28 @@ def get(
     if output is None:
         write(sys.stdout.buffer)
         return
+    import secrets
+
     from trainer.errors import DlxError
 
-    tmp = output.with_name(f".{output.name}.dlx-tmp")
+    # Written in full before it takes the real name, to a fresh temporary name opened
+    # exclusively and never through a symlink: no existing file is written or removed.
+    tmp = output.with_name(f".dlx-{secrets.token_hex(8)}.dlx-tmp")
+    made = False
     try:
-        with open(tmp, "wb") as fh:  # written in full before it takes the real name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        made = True
+        with os.fdopen(fd, "wb") as fh:
             write(fh)
         os.replace(tmp, output)
+        made = False
     except DlxError:
         raise
     except OSError as exc:
         _user_error(f"cannot write {output}: {exc.strerror}")
     finally:
-        tmp.unlink(missing_ok=True)
+        if made:
+            tmp.unlink(missing_ok=True)
 
 
 def _get_tree(target: Any, root: Any, output: Path | None) -> None:

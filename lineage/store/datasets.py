@@ -41,7 +41,7 @@ from lineage.errors import DlxError
 from trainer.errors import ConfigError
 
 from .cid import parse_cid
-from .unixfs import PutFn, import_file, read_file
+from .unixfs import PutFn, import_bytes, import_file, read_file
 from .unixfs_dir import import_tree, read_tree
 
 __all__ = ["DataRecord", "check_shards", "check_stored", "check_tokenization", "data_cache", "fetch_prepared",
@@ -121,12 +121,13 @@ def _tokenizer_key(cfg: Any) -> str:
     """The tokenizer as the cache key sees it: its kind, or a user file's CID."""
     if cfg.tokenizer in ("bytes", "bpe"):
         return cfg.tokenizer
+    from trainer.bounded import JSON_LIMIT, read_bounded
+
     path = Path(cfg.tokenizer)
-    try:
-        with open(path, "rb") as fh:
-            return str(import_file(fh).cid)
-    except OSError as exc:
-        raise ConfigError(f"data.tokenizer: cannot read {path}: {exc.strerror}") from None
+    try:  # a regular file of bounded size (a FIFO is refused, not waited on)
+        return str(import_bytes(read_bounded(path, JSON_LIMIT, "data.tokenizer:")).cid)
+    except FileNotFoundError:
+        raise ConfigError(f"data.tokenizer: {path} is not a tokenizer.json (no such file)") from None
 
 
 def _cache_key(cfg: Any, vocab_size: int, dataset: CID) -> str:
