@@ -32,6 +32,7 @@ from .cli_common import (
     RegistryOpt,
     RunDirOpt,
     StoreOpt,
+    TrustOpt,
     WholeRunArg,
     user_errors,
 )
@@ -142,7 +143,7 @@ def verify(
     data_full: Annotated[bool, typer.Option("--data-full", help="Also re-tokenize the stored dataset with the recorded tokenizer and check it gives the token file's CID.")] = False,
     run_dir: RunDirOpt = None,
     chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    store: StoreOpt = None, ipfs_api: ApiOpt = None, trust_endpoints: TrustOpt = False,
 ) -> None:
     """Audit every committed step: chain (links, signatures, stakes), content (every block
     present and matching its CID), aggregate (outer step recomputed bit for bit), data (each
@@ -159,7 +160,8 @@ def verify(
     from workers.console import Ticker
 
     with run_directory(ref, "dlx verify", rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
-                       run_dir=run_dir, stack=stack_dir, store=store, ipfs_api=ipfs_api) as where:
+                       run_dir=run_dir, stack=stack_dir, store=store, ipfs_api=ipfs_api,
+                       trust_endpoints=trust_endpoints) as where:
         replayer = _queue_replayer(where, stack_dir or DEFAULT_STACK) if queue and replay > 0 else None
         ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
         with ticker or nullcontext():

@@ -60,8 +60,10 @@ from .cli_common import (
     RunRef,
     StackOpt,
     StoreOpt,
+    TrustOpt,
     address,
     check_chain,
+    check_run_endpoints,
     endpoint_blocks,
     name_run,
     need_run,
@@ -140,13 +142,13 @@ def show(
     as_json: JsonOpt = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report to this file.")] = None,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None,
+    stack: StackOpt = None, store: StoreOpt = None, ipfs_api: ApiOpt = None, trust_endpoints: TrustOpt = False,
 ) -> None:
     """The commits of a run (status pending/finalized/rejected, the replicas that took part,
     signers, contributions, metrics, transaction) or the ancestors of one checkpoint, with
     the run's configuration. A CID shows that checkpoint's ancestors."""
     ref = need_run(name_run(target, run_dir=run_dir, stack=stack), "dlx lineage")
-    result = _lineage(ref, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api)
+    result = _lineage(ref, run_dir, rpc, chain_id, registry, ledger, stack, store, ipfs_api, trust_endpoints)
     doc = result.as_json()
     if html is not None:
         from lineage.audit.report import render_html
@@ -182,14 +184,19 @@ def show(
 
 def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int | None,
              registry: str | None, ledger: str | None, stack: Path | None, store: Path | None,
-             ipfs_api: str | None) -> Any:
+             ipfs_api: str | None, trust: bool = False) -> Any:
     """`dlx lineage show`'s query: a run directory read as it recorded itself, or a run id
-    or checkpoint CID read through the endpoint the options name (flags win over run.json)."""
+    or checkpoint CID read through the endpoint the options name (flags win over run.json).
+    A run directory's own endpoints are printed and checked (`check_run_endpoints`)."""
     from lineage.audit import query
     from lineage.chain.runrecord import RunRecord
 
+    if ref.run_dir is not None:
+        record = RunRecord.load(ref.run_dir)
+        check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store,
+                            trust=trust)
     if ref.run_dir is not None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
-        check_chain(RunRecord.load(ref.run_dir), rpc)
+        check_chain(record, rpc)
         return query.run_lineage(ref.run_dir, rpc)
     # flags win over run.json (README): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,

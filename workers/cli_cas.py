@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import open_blocks, user_errors
+from .cli_common import TrustOpt, check_run_endpoints, open_blocks, user_errors
 
 app = typer.Typer(name="cas", help="Content-addressed storage: add, get, CIDs, CAR export/import, verify, gc.",
                   no_args_is_help=True)
@@ -36,9 +36,16 @@ ApiOpt = Annotated[str | None, typer.Option("--ipfs-api", help="Use an IPFS daem
 DEFAULT_BLOCKS = Path.home() / ".dlx" / "blocks"
 
 
-def _open(store: Path | None, run_dir: Path | None, api: str | None) -> Any:
+def _open(store: Path | None, run_dir: Path | None, api: str | None, *, chain: bool = False,
+          trust: bool = False) -> Any:
     """The store to use, by the one precedence (workers/cli_common.py), defaulting to
-    ~/.dlx/blocks; a run's store is its blockstore directory, which `dlx cas` manages."""
+    ~/.dlx/blocks; a run's store is its blockstore directory, which `dlx cas` manages. With
+    a run directory, what is read is printed and checked (`check_run_endpoints`; `chain`:
+    the command also reads the run's chain)."""
+    if run_dir is not None and store is None and api is None:
+        from lineage.chain.runrecord import RunRecord
+
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), chain=chain, trust=trust, blocks_dir_only=True)
     return open_blocks(store, api, run_dir=run_dir, default=DEFAULT_BLOCKS, run_directory_only=True)
 
 
@@ -265,7 +272,7 @@ def gc(
     keep: Annotated[str | None, typer.Option("--keep", metavar="POLICY", help='Retention: "all", "last:N" or "every:K" (default: the run\'s storage.keep with --run-dir; "all" otherwise).')] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="List what would be removed; remove nothing.")] = False,
     grace: Annotated[float, typer.Option("--grace", min=0, help="Keep blocks younger than this (seconds): unpinned ones, and those retention would remove (a run still writing may be re-using them).")] = 600,
-    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None,
+    store: StoreOpt = None, run_dir: RunDirOpt = None, ipfs_api: ApiOpt = None, trust_endpoints: TrustOpt = False,
 ) -> None:
     """Apply each pinned run's retention policy (round-start states and superseded shards;
     never manifests, contributions, the head or what an open challenge window needs), then
@@ -275,7 +282,7 @@ def gc(
     from lineage.store.retention import ALL, parse_keep, run_policy
 
     policy = parse_keep(keep) if keep is not None else run_policy(run_dir) if run_dir else ALL
-    target = _open(store, run_dir, ipfs_api)
+    target = _open(store, run_dir, ipfs_api, chain=run_dir is not None and policy != ALL, trust=trust_endpoints)
     if not isinstance(target, Blockstore):
         if policy != ALL:
             _user_error("--keep applies to a local blockstore; an IPFS daemon keeps what it pins")

@@ -25,6 +25,12 @@ in .dlx or --stack DIR), a run id on a chain, or a checkpoint CID; `name_run` te
 `run_directory` and `run_checkpoint` give what a command reads, and every error lists the
 forms (`RUN_FORMS`). `--run-dir DIR` still names a run directory. A run of a stopped stack
 (`dlx down`) is refused naming `dlx up`, which brings its chain back (`check_chain`).
+
+Endpoints of an untrusted run: a run directory is data from whoever made it, so the chain
+and IPFS endpoints its run.json names (or the stack.json it points at) are printed on
+stderr before they are used, and one that is not on this machine (not loopback) is refused
+unless the user chose the endpoint (`--rpc`, `--ipfs-api`) or passes
+`--trust-run-endpoints` (`check_run_endpoints`; `dlx verify`, `dlx lineage`, `dlx cas`).
 """
 
 from __future__ import annotations
@@ -226,6 +232,61 @@ def _call(fn: Any, what: str, where: str) -> str:
         raise ChainError(f"no {what} contract answers at {where}") from None
 
 
+TrustOpt = Annotated[bool, typer.Option("--trust-run-endpoints", help="Use the chain and IPFS endpoints a run directory names even when they are not on this machine (default: refused; --rpc and --ipfs-api choose your own).")]
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether an RPC URL (http://host:port) or an IPFS multiaddr (/ip4/127.0.0.1/tcp/5001)
+    names this machine: localhost or a loopback address."""
+    import ipaddress
+    from urllib.parse import urlparse
+
+    if endpoint.startswith("/"):
+        parts = endpoint.split("/")
+        host = parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6", "dns", "dns4", "dns6") else ""
+    else:
+        try:
+            host = urlparse(endpoint).hostname or ""
+        except ValueError:
+            return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_run_endpoints(run_dir: Path, record: Any, *, rpc: str | None = None, ipfs_api: str | None = None,
+                        store: Path | None = None, trust: bool = False, chain: bool = True,
+                        blocks_dir_only: bool = False) -> None:
+    """Print on stderr the chain and the blocks a command reads for the run in `run_dir`,
+    and refuse (one line, exit 2) an endpoint its run.json names that is not on this machine,
+    unless the user chose it (`rpc`, `ipfs_api`) or `trust`s the run. `chain`: the command
+    reads the chain; `blocks_dir_only`: it reads the run's blockstore directory whatever
+    run.json says (`dlx cas`)."""
+    from lineage.chain.runrecord import RUN_FILE
+
+    named = Path(run_dir) / RUN_FILE
+    if chain and rpc is None and record.rpc and not trust and not is_loopback(record.rpc):
+        raise config_error(f"{named} names the chain {record.rpc}, which is not on this machine: pass --rpc URL "
+                           "to choose your own, or --trust-run-endpoints to use it")
+    if not blocks_dir_only and ipfs_api is None and store is None and record.ipfs_api and not trust and not is_loopback(record.ipfs_api):
+        raise config_error(f"{named} names the IPFS API {record.ipfs_api}, which is not on this machine: pass "
+                           "--trust-run-endpoints to use it (or import the run's CAR into a store of yours)")
+    said = []
+    if chain:
+        said.append(f"chain {rpc} (--rpc)" if rpc else f"chain {record.rpc} ({RUN_FILE})" if record.rpc
+                    else f"the run's own chain state {record.chain_state} (a local anvil)")
+    if ipfs_api or store:
+        said.append(f"blocks from IPFS API {ipfs_api} (--ipfs-api)" if ipfs_api else f"blocks from {store} (--store)")
+    elif record.ipfs_api and not blocks_dir_only:
+        said.append(f"blocks from IPFS API {record.ipfs_api} ({RUN_FILE})")
+    else:
+        said.append(f"blocks from {record.blocks_dir(Path(run_dir))}")
+    sys.stderr.write(f"dlx: run {run_dir}: {'; '.join(said)}\n")
+
+
 NO_BLOCKSTORE = "no blockstore: pass --store DIR, --ipfs-api ADDR, --run-dir DIR or --stack DIR"
 
 
@@ -377,10 +438,12 @@ def check_chain(record: Any, rpc: str | None) -> None:
 def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: int | None = None,
                   registry: str | None = None, ledger: str | None = None, run_dir: Path | None = None,
                   stack: Path | None = None, store: Path | None = None,
-                  ipfs_api: str | None = None) -> Iterator[Path]:
+                  ipfs_api: str | None = None, trust_endpoints: bool = False) -> Iterator[Path]:
     """The run directory of `ref`, whose run.json says where its chain and blocks are (what
-    `dlx verify` reads): its own; for a run id, a temporary one naming the chain and the
-    blocks the options give (as for every command). A CID names a checkpoint, not a run."""
+    `dlx verify` reads): its own (its endpoints printed and checked: `check_run_endpoints`;
+    the chain may be `rpc`, the blocks are the run's); for a run id, a temporary one naming
+    the chain and the blocks the options give (as for every command). A CID names a
+    checkpoint, not a run."""
     from lineage.chain.runrecord import RUN_FILE, RunRecord
 
     if ref.cid is not None:
@@ -390,7 +453,9 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
         ref = RunRef(ref.text, run_dir=run_dir)  # the run in --run-dir itself
     if ref.run_dir is not None:
         if (ref.run_dir / RUN_FILE).is_file():  # else the command's own checks come first, then "not a run"
-            check_chain(RunRecord.load(ref.run_dir), rpc)
+            record = RunRecord.load(ref.run_dir)
+            check_chain(record, rpc)
+            check_run_endpoints(ref.run_dir, record, rpc=rpc, trust=trust_endpoints)
         yield ref.run_dir
         return
     import tempfile
