@@ -33,6 +33,8 @@ import torch
 from safetensors.torch import load as _st_load
 from safetensors.torch import save as _st_save
 
+from trainer.errors import DlxError
+
 __all__ = ["decode", "encode", "index", "write", "write_all"]
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -134,12 +136,22 @@ def index(head: bytes | bytearray | memoryview, total: int) -> tuple[int, dict[s
     return start, {name: by_name[name] for name in header}
 
 
+class TensorBytesError(DlxError, ValueError):
+    """Bytes that are not safetensors (the library's own error, as the project's one line)."""
+
+
 def decode(data: bytes) -> dict[str, torch.Tensor]:
-    """`safetensors.torch.load(data)`, its tensors writable, keys in header order."""
+    """`safetensors.torch.load(data)`, its tensors writable, keys in header order; bytes
+    that are not safetensors raise TensorBytesError."""
     try:
         return _decode(data)
-    except (_Slow, ValueError, UnicodeDecodeError, TypeError, KeyError, OverflowError):
+    except (_Slow, ValueError, UnicodeDecodeError, TypeError, KeyError, OverflowError, RecursionError):
+        pass
+    try:
         return _st_load(data)
+    except Exception as exc:  # SafetensorError, and whatever torch says of a bad dtype or size
+        why = (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        raise TensorBytesError(f"not safetensors: {why}") from None
 
 
 def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:

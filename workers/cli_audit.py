@@ -193,11 +193,10 @@ def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int |
 
     if ref.run_dir is not None:
         record = RunRecord.load(ref.run_dir)
-        check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store,
-                            trust=trust)
-    if ref.run_dir is not None and (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
-        check_chain(record, rpc)
-        return query.run_lineage(ref.run_dir, rpc)
+        check_chain(record, rpc)  # a stopped stack's run names `dlx up` first
+        check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
+        if (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
+            return query.run_lineage(ref.run_dir, rpc)
     # flags win over run.json (README): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                           run_dir=ref.run_dir or run_dir, stack=stack)
