@@ -372,9 +372,10 @@ def _batch(runner: Runner, name: str, strategy: Any, end: float, batch: int) -> 
     one()
 
 
-def run_atheris(runner: Runner, targets: list[str], seconds: float) -> None:
+def run_atheris(runner: Runner, targets: list[str], seconds: float, report: Callable[[], None]) -> None:
     """libFuzzer through atheris: the first byte picks the target; coverage-guided over the
-    instrumented lineage, trainer and workers modules."""
+    instrumented lineage, trainer and workers modules. libFuzzer ends the process itself
+    when its time is up, so `report` is written every 2,000 inputs and at each crash."""
     import atheris
 
     with atheris.instrument_imports(include=["lineage", "trainer", "workers"]):
@@ -384,7 +385,9 @@ def run_atheris(runner: Runner, targets: list[str], seconds: float) -> None:
 
     def one(data: bytes) -> None:
         if data:
-            runner.run(targets[data[0] % len(targets)], data[1:])
+            crashed = runner.run(targets[data[0] % len(targets)], data[1:])
+            if crashed or sum(runner.inputs.values()) % 2000 == 0:
+                report()
 
     atheris.Setup([sys.argv[0], f"-max_total_time={int(seconds)}", "-rss_limit_mb=0", "-timeout=0"], one)
     try:
@@ -411,16 +414,20 @@ def main(argv: list[str] | None = None) -> int:
     limit = args.memory_mb << 20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     start = time.monotonic()
+
+    def report() -> str:
+        text = json.dumps({"engine": args.engine, "seconds": round(time.monotonic() - start, 1),
+                           "inputs": runner.inputs, "total_inputs": sum(runner.inputs.values()),
+                           "crashes": runner.crashes}, indent=2)
+        if args.report:
+            args.report.write_text(text + "\n")
+        return text
+
     if args.engine == "atheris":
-        run_atheris(runner, targets, args.seconds)
+        run_atheris(runner, targets, args.seconds, report)
     else:
         run_hypothesis(runner, targets, args.seconds)
-    report = {"engine": args.engine, "seconds": round(time.monotonic() - start, 1),
-              "inputs": runner.inputs, "total_inputs": sum(runner.inputs.values()), "crashes": runner.crashes}
-    text = json.dumps(report, indent=2)
-    if args.report:
-        args.report.write_text(text + "\n")
-    print(text)
+    print(report())
     return 1 if runner.crashes else 0
 
 
