@@ -28,9 +28,10 @@ from . import cbor
 from .cbor import CborError
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
+from .limits import MAX_BLOCK
 from .unixfs import read_varint, write_varint
 
-MAX_SECTION = 8 << 20  # larger than any block an IPFS node accepts (Kubo: 4 MiB)
+MAX_SECTION = MAX_BLOCK + 128  # a block of at most MAX_BLOCK (what a store reads back) and its CID
 
 
 class CarError(StorageError, ValueError):
