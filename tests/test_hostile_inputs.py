@@ -282,3 +282,21 @@ def test_a_run_json_with_a_huge_integer_is_a_one_line_error(tmp_path) -> None:
     refused(dlx("verify", "--run-dir", str(run), mem=4 * GIB, timeout=60), "run.json", seconds=30)
     (run / "run.json").write_text(json.dumps({"x": 1}) + " " * (17 << 20))
     refused(dlx("verify", "--run-dir", str(run), mem=4 * GIB, timeout=60), "run.json", seconds=30)
+
+
+def test_a_consistent_terabyte_over_one_leaf_is_not_read_into_memory(tmp_path, store) -> None:
+    """Sizes that add up (174^3 leaves of 256 KiB, the same leaf) declare 1.3 TB: a reader
+    into memory (`read_bytes`: shards, contributions) refuses it before the first leaf."""
+    leaf = store.put(os.urandom(262_144), RAW)
+    node = leaf
+    for level in range(4):
+        node = _file_node(store, node, 174, 174 ** level * 262_144)
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+              "from lineage.store.blockstore import Blockstore\nfrom lineage.store.unixfs import read_bytes\n"
+              "from lineage.errors import StorageError\n"
+              f"try:\n    read_bytes(Blockstore({str(store.root)!r}), {str(node)!r})\n"
+              "except StorageError as exc:\n    print(exc)\n    sys.exit(2)\n")
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "more than the" in res.stdout and str(node) in res.stdout, res.stdout + res.stderr
+    assert time.monotonic() - start < 10

@@ -37,6 +37,18 @@ def _positive(name: str, default: int) -> int:
     return value
 
 
+def max_in_memory() -> int:
+    """The largest file read whole into memory (`unixfs.read_bytes`: shards, contributions,
+    round states): half this machine's memory ($DLX_MAX_FILE_IN_MEMORY, bytes). A file DAG
+    whose sizes are consistent can still declare 1 TB over one repeated leaf; it is refused
+    before its first leaf is read."""
+    try:
+        half = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError):
+        half = 8 << 30
+    return _positive("DLX_MAX_FILE_IN_MEMORY", half)
+
+
 def max_depth() -> int:
     """The deepest file or directory DAG a walk follows ($DLX_MAX_DAG_DEPTH)."""
     return _positive("DLX_MAX_DAG_DEPTH", DEFAULT_DEPTH)

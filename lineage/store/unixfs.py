@@ -53,7 +53,7 @@ from .cid import (
     file_cid_candidates,
     parse_cid,
 )
-from .limits import max_depth
+from .limits import max_depth, max_in_memory
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
 MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
@@ -734,7 +734,14 @@ def resolve_file_digest(store: BlockReader, digest: bytes) -> CID:
 
 def read_bytes(store: BlockReader, root: CID | str, *, workers: int = 4) -> bytes:
     """The whole file `root` in memory (shards and contributions), checked as `read_file`
-    does; `workers` as for `check_file`."""
+    does; `workers` as for `check_file`. A root declaring more than `limits.max_in_memory()`
+    bytes is refused before any leaf is read."""
+    root = parse_cid(root)
+    if root.codec.name == DAG_PB:
+        fs, _ = _file_node(root, store.get(root))
+        if fs.filesize is not None and fs.filesize > max_in_memory():
+            raise StorageError(f"{root} declares {fs.filesize} bytes, more than the {max_in_memory()} read into "
+                               "memory ($DLX_MAX_FILE_IN_MEMORY)")
     pieces: list[bytes] = []
     _read(store, root, pieces.append, workers)
     return b"".join(pieces)  # one copy of the file, not two as through a BytesIO
