@@ -29,6 +29,7 @@ from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
 
 from .blockstore import Blockstore, corrupt_blocks
 from .cid import RAW, as_v1, cid_for, parse_cid
+from .limits import MAX_BLOCK
 
 DEFAULT_API = "/ip4/127.0.0.1/tcp/5001/http"
 
@@ -113,6 +114,8 @@ class IpfsStore:
             if _is_missing(exc):
                 raise BlockNotFoundError(cid, f"the IPFS daemon at {self.api}") from None
             raise StorageError(f"IPFS daemon at {self.api}: cannot read {cid}: {exc}") from None
+        if len(data) > MAX_BLOCK:
+            raise CorruptBlockError(cid, f"the daemon returned {len(data)} bytes, above the {MAX_BLOCK}-byte block limit")
         if hashlib.sha256(data).digest() != bytes(cid.raw_digest):
             raise CorruptBlockError(cid, "the daemon returned bytes that do not match the CID")
         return data
