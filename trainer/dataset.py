@@ -192,7 +192,7 @@ def resolve_data_paths(data: Any, base: Path) -> Any:
     init` is), and `~` expanded; anything else is returned unchanged for validation."""
     if not isinstance(data, dict):
         return data
-    root = os.path.abspath(base)
+    root = os.path.realpath(base)  # as `[model] init` resolves: the same for dlx submit and its rank tasks
 
     def absolute(path: object, pattern: bool = False) -> object:
         if not isinstance(path, str) or not path:
