@@ -81,6 +81,6 @@ def test_cas_on_a_run_directory_says_it_reads_the_runs_blockstore(tmp_path: Path
     run = _run(tmp_path, ipfs_api=FAR_IPFS)
     res = _dlx("cas", "verify", "--run-dir", str(run))  # the run's directory, never its IPFS API
     assert res.returncode == 0, res.stderr
-    assert res.stderr.splitlines()[0] == f"dlx: run {run}: blocks from {run / 'blocks'}"
+    assert res.stderr.splitlines()[0] == f"dlx: run {run}: blocks from {run / 'blocks'}, not its IPFS API {FAR_IPFS}"
     res = _dlx("cas", "gc", "--run-dir", str(run), "--keep", "last:1")  # retention reads the run's chain
     assert res.returncode == 2 and FAR_RPC in res.stderr and "--trust-run-endpoints" in res.stderr, res.stderr

@@ -264,7 +264,8 @@ def check_run_endpoints(run_dir: Path, record: Any, *, rpc: str | None = None, i
     and refuse (one line, exit 2) an endpoint its run.json names that is not on this machine,
     unless the user chose it (`rpc`, `ipfs_api`) or `trust`s the run. `chain`: the command
     reads the chain; `blocks_dir_only`: it reads the run's blockstore directory whatever
-    run.json says (`dlx cas`)."""
+    run.json says (`dlx cas`; then, reaching no endpoint, it says so only where run.json names
+    an IPFS API it does not use)."""
     from lineage.chain.runrecord import RUN_FILE
 
     named = Path(run_dir) / RUN_FILE
@@ -283,7 +284,10 @@ def check_run_endpoints(run_dir: Path, record: Any, *, rpc: str | None = None, i
     elif record.ipfs_api and not blocks_dir_only:
         said.append(f"blocks from IPFS API {record.ipfs_api} ({RUN_FILE})")
     else:
-        said.append(f"blocks from {record.blocks_dir(Path(run_dir))}")
+        said.append(f"blocks from {record.blocks_dir(Path(run_dir))}"
+                    + (f", not its IPFS API {record.ipfs_api}" if record.ipfs_api else ""))
+    if blocks_dir_only and not chain and not record.ipfs_api:
+        return  # the run's own directory and nothing else: nothing to tell
     sys.stderr.write(f"dlx: run {run_dir}: {'; '.join(said)}\n")
 
 
