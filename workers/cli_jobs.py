@@ -184,7 +184,7 @@ def resume(
     from lineage.chain.ledger import Ledger
     from lineage.store.cid import DAG_CBOR, cid_from_digest
     from trainer.errors import ConfigError
-    from workers.jobs import JobStore, connect
+    from workers.jobs import JobStore, connect, settle_run_file
     from workers.stack import Stack
 
     stack = Stack.load(stack_dir)
@@ -203,6 +203,7 @@ def resume(
     store.r.delete(store.key(job_id, "cancel"))
     store.update(job_id, state="queued", attempt=attempt, error=None, rpc=rpc,
                  resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
+    settle_run_file(rec["run_dir"], "queued")  # until its sink writes `running` again
     _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
     sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
 
@@ -277,14 +278,59 @@ def runs(
 def logs(
     job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
     stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    rank: Annotated[int | None, typer.Option("--rank", min=0, help="Only this rank's training output.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing the ranks' new lines until the job ends.")] = False,
 ) -> None:
     """A job's logs: each rank's training output (every attempt, from the run directory)
     and what the stack's workers logged about the job's tasks."""
     from workers.stack import job_logs
 
-    for title, lines in job_logs(stack_dir, job_id):
+    for title, lines in job_logs(stack_dir, job_id, rank):
         sys.stdout.write(f"== {title}\n")
         sys.stdout.writelines(lines)
+    sys.stdout.flush()
+    if follow:
+        _follow_logs(stack_dir, job_id, rank)
+
+
+def _follow_logs(stack_dir: Path, job_id: str, rank: int | None) -> None:
+    """`dlx logs --follow`: print what the rank logs gain (a new attempt's log too, under its
+    title) until the job is in a final state and its logs are still; Ctrl-C stops."""
+    from workers.jobs import TERMINAL, JobError, JobStore, connect
+    from workers.stack import Stack, rank_log_title, rank_logs
+
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    seen = {p: p.stat().st_size for p in rank_logs(stack_dir, job_id, rank)}
+    current: Path | None = max(seen, default=None, key=lambda p: p.stat().st_mtime)
+    try:
+        while True:
+            state = store.state(job_id)
+            grew = False
+            for path in rank_logs(stack_dir, job_id, rank):
+                size = path.stat().st_size
+                if size <= seen.get(path, 0):
+                    continue
+                with open(path, "rb") as fh:
+                    fh.seek(seen.get(path, 0))
+                    chunk = fh.read(size - seen.get(path, 0))
+                cut = chunk.rfind(b"\n") + 1  # whole lines only; the rest comes with the next read
+                if cut == 0:
+                    continue
+                if path != current:
+                    sys.stdout.write(f"== {rank_log_title(path)}\n")
+                    current = path
+                sys.stdout.write(chunk[:cut].decode(errors="replace"))
+                seen[path] = seen.get(path, 0) + cut
+                grew = True
+            sys.stdout.flush()
+            if state in TERMINAL and not grew:
+                sys.stdout.write(f"== job {job_id} {state}\n")
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return
+    except JobError as exc:
+        raise JobError(f"--follow: {exc} (`dlx up` if the stack is down)") from None
 
 
 def register(app: typer.Typer) -> None:

@@ -54,6 +54,7 @@ from .jobs import (
     JobError,
     JobStore,
     connect,
+    settle_run_file,
 )
 from .membership import EpochRecord, GrowFlag, Members, Regroup, join_epoch, run_blocks, store_port
 from .node import NodeIdentity
@@ -363,6 +364,19 @@ class RankTask:
         finally:
             sup.close(kill=True)
             _GPUS.give(gpu)
+            self._settle_run_file()
+
+    def _settle_run_file(self) -> None:
+        """The sink's task, once its relay ended: the job's final state into run.json again
+        (`JobStore.finish` wrote it, but a step the sink saved afterwards says `running`)."""
+        if self.sink is None:
+            return
+        try:
+            state = self.store.state(self.job_id)
+        except Exception:  # Redis gone: `finish` wrote what it could
+            return
+        if state in TERMINAL:
+            settle_run_file(self.rec["run_dir"], state)
 
     @functools.cached_property
     def training(self) -> Any:
@@ -609,6 +623,7 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         record = RunRecord.load(run_dir)
+        record.status = "running"  # a resumed job's record said how its last attempt ended
     except Exception:
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
