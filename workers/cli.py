@@ -258,9 +258,51 @@ cli_model.register(app)  # export, generate
 app.command(name="plan")(cli_plan.plan)  # dlx plan JOB: cost at scale (workers/plan.py)
 
 
+def command() -> Any:
+    """The `dlx` command tree (click's), its help made plain for a terminal: typer's rich
+    panels read `[data]` in a help string as markup and drop it, keep a docstring's line
+    breaks in the command list, and show flags as `--json <bool>` (which `--json true`
+    is not accepted as). Here every page is click's own layout, rewrapped to the terminal;
+    placeholders are upper case throughout (`JOB_FILE`, `CID`, `PATH`, `TEXT`); and a
+    command's line in its group's list is its first sentence, whole."""
+    cmd = typer.main.get_command(app)
+    _plain_help(cmd)
+    return cmd
+
+
+_TYPE_METAVAR = {"<path>": "PATH", "<str>": "TEXT", "<int>": "INTEGER", "<float>": "NUMBER",
+                 "<int range>": "INTEGER", "<float range>": "NUMBER"}
+
+
+def _plain_help(cmd: Any) -> None:
+    cmd.rich_markup_mode = None
+    if cmd.help and not cmd.short_help:
+        first = " ".join(cmd.help.split("\n\n")[0].split())
+        cmd.short_help = first.split(". ")[0].rstrip(".") + "."
+    ctx = typer.Context(cmd, info_name=cmd.name)
+    for param in cmd.params:
+        if param.param_type_name == "argument":
+            _plain_argument(param)
+        elif param.param_type_name == "option" and param.metavar is None and not param.is_flag:
+            shown = param.display_type(ctx)
+            param.metavar = _TYPE_METAVAR.get(shown, shown.strip("<>").upper())
+    for sub in getattr(cmd, "commands", {}).values():
+        _plain_help(sub)
+
+
+def _plain_argument(param: Any) -> None:
+    """An argument's placeholder: its name in upper case (`JOB_FILE`), in brackets where it
+    may be left out, as click writes it (typer's own writes `{job_file}` and `[job_file]`)."""
+    name = (param.metavar or param.name).upper()
+    many = "..." if param.nargs != 1 else ""
+    param.metavar = name
+    param.get_usage_pieces = lambda ctx: [f"{name}{many}" if param.required else f"[{name}{many}]"]
+    param.display_type_rich = lambda ctx: None
+
+
 def main() -> None:
     try:
-        app()
+        command()(prog_name="dlx")
         code: Any = 0
     except SystemExit as exc:
         code = exc.code
