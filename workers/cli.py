@@ -105,7 +105,9 @@ def train(
         sent[0] = art.metrics.get("bytes_sent", 0.0)
         bar.note(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
 
-    cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
+    cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed,
+                   resuming=lambda step, cid: bar.note(f"resuming from step {step}/{T} (checkpoint {cid}): "
+                                                       f"outer step {step + 1} next"))
     m = job.model
     n = m.n_params()
     size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"

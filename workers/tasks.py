@@ -628,6 +628,8 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
                            stack=rec.get("stack"))
+    if not head:
+        _note_resume(rec)
     data = DataRecord.from_doc(rec["data"]) if "data" in rec else None
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(chain.chain_id, ledger.ledger.address)
@@ -645,6 +647,16 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     elif rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])
     return sink
+
+
+def _note_resume(rec: dict[str, Any]) -> None:
+    """A resumed attempt's sink, before it writes: mark the earlier attempt's inner-step
+    metrics past the head (`workers.tracking.mark_resume`), once per attempt."""
+    from workers.tracking import mark_resume
+
+    resume = rec.get("resume_from")
+    if resume:
+        mark_resume(Path(rec["run_dir"]), int(resume["step"]))
 
 
 def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
