@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_doc_samples import check_sample
 from tests.test_queue import DLX, _job, dlx, submit, wait_for
 
 pytestmark = pytest.mark.slow
@@ -48,6 +49,8 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
         assert f"rank {r}: outer step 2: contribution ready" in res.stdout
     assert "rank 0: outer step 2/2 inner 4/4 loss" in res.stdout
     assert "rank 0: outer step 2 done, eval loss" in res.stdout
+    zero = dlx("logs", done, "--rank", "0", "--stack", str(stack))
+    check_sample("dlx logs --rank 0", zero.stdout)
     one = dlx("logs", done, "--rank", "1", "--stack", str(stack))
     assert one.returncode == 0, one.stderr
     assert "== rank 1, attempt 1" in one.stdout and "rank 0" not in one.stdout and "worker-" not in one.stdout
@@ -67,6 +70,7 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
     assert follow.returncode == 0, err
     assert "rank 0: outer step 1 done" in out and out.rstrip().endswith(f"== job {long} cancelled"), out[-2000:]
     assert "rank 0: cancelled" in out
+    check_sample("dlx logs --follow, cancelled", out)
     time.sleep(1)  # the sink's task settles run.json once its relay ends
     assert _run_file(st)["status"] == "cancelled"
 
@@ -75,3 +79,4 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
     assert res.returncode == 0, res.stderr
     states = {Path(r["run_dir"]).name: r["state"] for r in json.loads(res.stdout)}
     assert states == {done: "completed", long: "cancelled"}, states
+    check_sample("dlx runs after down", dlx("runs", "--stack", str(stack)).stdout)

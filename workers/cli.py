@@ -83,7 +83,7 @@ def train(
 
     from trainer.launch import check_local
     from workers.cli_data import ticking
-    from workers.console import Ticker, console, human_seconds, megabytes
+    from workers.console import Ticker, console, count, human_seconds, megabytes
     from workers.local import Callbacks, default_run_dir, preflight, resume_job, run_job
 
     run_dir = resume or run_dir or default_run_dir(job)
@@ -112,7 +112,7 @@ def train(
     n = m.n_params()
     size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
     err.print(f"training {job.name}: {m.family} {size} parameters, "
-              f"{job.parallel.replicas} replicas x {job.parallel.stages} stages on {device}, "
+              f"{count(job.parallel.replicas, 'replica')} x {count(job.parallel.stages, 'stage')} on {device}, "
               f"{T} outer steps x {H} inner steps; run directory {run_dir}")
     signalled: list[int] = []
 

@@ -219,6 +219,7 @@ def up(
     import ipaddress
 
     from trainer.errors import ConfigError
+    from workers.console import count
     from workers.jobs import redact
     from workers.stack import up as stack_up
 
@@ -229,7 +230,7 @@ def up(
     sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
     stack = stack_up(stack_dir, workers, slots, host=host)
     sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
-                     f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
+                     f"ledger {stack.ledger}\n{count(len(stack.workers), 'worker')} x {count(slots, 'slot')}\n")
 
 
 @user_errors
@@ -250,8 +251,10 @@ def runs(
     directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
 ) -> None:
-    """The runs a stack or a directory holds: id, name, steps, head, state and eval loss.
-    A stack's runs show their job's state when the stack is up."""
+    """The runs a stack or a directory holds: id, name, steps, state, eval loss, when its
+    run.json was last written, head. A run id counts on its own chain: each `dlx train`
+    run without --rpc has a chain of its own, so each is run 1. A stack's runs show their
+    job's state, from Redis while the stack is up, else from their run.json."""
     from trainer.errors import ConfigError
     from workers.stack import run_summaries
 
@@ -268,10 +271,10 @@ def runs(
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     for row in [{"id": "id", "name": "name", "steps": "steps", "state": "state", "loss": "loss",
-                 "head": "head", "run_dir": "run dir"}, *rows]:
+                 "updated": "last written", "head": "head", "run_dir": "run dir"}, *rows]:
         loss = row["loss"] if isinstance(row["loss"], str) else "-" if row["loss"] is None else f"{row['loss']:.4f}"
         sys.stdout.write(f"{row['id']!s:>4}  {row['name']!s:<16} {row['steps']!s:>5}  {row['state']!s:<10} "
-                         f"{loss:>7}  {row['head'] or '-'}  {row['run_dir']}\n")
+                         f"{loss:>7}  {row['updated']:<16}  {row['head'] or '-'}  {row['run_dir']}\n")
 
 
 @user_errors
@@ -473,13 +476,13 @@ def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
     o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
     done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
     text = f"{rec['state']} outer {o}/{T} inner {i}/{H}"
+    if rec.get("eta_s") is not None and rec["state"] == "running":  # early: a narrow terminal cuts the tail
+        text += f" left {human_seconds(rec['eta_s'])}"
     if rec.get("loss") is not None:
         text += f" loss {rec['loss']:.3f}"
     if rec.get("lr") is not None:
         text += f" lr {rec['lr']:.2e} {rec.get('tokens_per_s') or 0:,.0f} tok/s"
     text += f" sent {megabytes(rec.get('bytes_sent') or 0)}"
-    if rec.get("eta_s") is not None and rec["state"] == "running":
-        text += f" left {human_seconds(rec['eta_s'])}"
     return done, text
 
 

@@ -359,8 +359,9 @@ def _summary(run_dir: Path, job_state: str | None) -> dict:
             loss = get_manifest(record.open_store(run_dir), record.head).metrics.get("eval_loss")
         except Exception:  # a store that is gone or unreachable: the row still lists the run
             loss = None
+    written = time.strftime("%Y-%m-%d %H:%M", time.localtime((run_dir / "run.json").stat().st_mtime))
     return {"id": record.run_id, "name": record.name, "steps": record.steps, "head": record.head or None,
-            "state": job_state or record.status, "loss": loss, "run_dir": str(run_dir)}
+            "state": job_state or record.status, "loss": loss, "updated": written, "run_dir": str(run_dir)}
 
 
 def _job_states(stack_dir: Path | None, job_ids: list[str]) -> dict[str, str]:
