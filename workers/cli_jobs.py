@@ -286,9 +286,16 @@ def logs(
 ) -> None:
     """A job's logs: each rank's training output (every attempt, from the run directory)
     and what the stack's workers logged about the job's tasks."""
+    from trainer.errors import ConfigError
     from workers.stack import job_logs
 
-    for title, lines in job_logs(stack_dir, job_id, rank):
+    try:
+        found = job_logs(stack_dir, job_id, rank)
+    except ConfigError:
+        if not follow:
+            raise
+        found = []  # a queued or starting job: its logs come as its ranks start
+    for title, lines in found:
         sys.stdout.write(f"== {title}\n")
         sys.stdout.writelines(lines)
     sys.stdout.flush()

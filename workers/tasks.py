@@ -348,13 +348,14 @@ class RankTask:
         self.rank, self.epoch = rank, epoch
         control = self.control(start, members, epoch)
         control.gpu = gpu = _GPUS.take()
+        log_path = rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank, self.attempt)
+        if start is not None:
+            _log_line(log_path, f"attempt {self.attempt} {'joins' if members else 'resumes'} from step {start.step}")
         sup = Supervisor()
         try:
             proc = sup.start(rank, train_rank, (rank, world, init_method, self.training, control),
                              name=f"dlx-rank-{rank}", daemon=False,
-                             options=ChildOptions(log=str(rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank,
-                                                                           self.attempt)),
-                                                  ignore_sigint=True))
+                             options=ChildOptions(log=str(log_path), ignore_sigint=True))
         except BaseException:
             _GPUS.give(gpu)
             sup.close(kill=True)
@@ -539,6 +540,16 @@ def rank_log(run_dir: str | Path, rank: int, attempt: int) -> Path:
     """Where a rank's training process writes its output, on the worker that ran it
     (`dlx logs JOB` reads these; on the local stack every worker shares the run directory)."""
     return Path(run_dir) / "logs" / f"rank-{rank}-attempt-{attempt}.log"
+
+
+def _log_line(path: Path, text: str) -> None:
+    """A line of the task's own in its rank's log (the rank process appends after it)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+    except OSError:  # not writable on this host: the rank's output stays with the worker's
+        pass
 
 
 def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[str], rank: int,
