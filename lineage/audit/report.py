@@ -129,7 +129,11 @@ def _plot_svg(label: str, series: dict[str, tuple[list[tuple[float, float]], str
     ys = [y for pts, _ in series.values() for _, y in pts] + [y for _, y in marked]
     if not ys:
         return f'<p class="muted">no data for the {_e(label)}</p>'
-    W, H, L, B, T, Rm = 640, 260, 64, 30, 12, 120
+    # The legend's column fits its longest name (about 7 px a character at the page's font
+    # size), widening the chart rather than cutting the name off.
+    names = [*series, *([mark_name] if marked else [])]
+    Rm = max(120, 36 + 7 * max(map(len, names), default=0))
+    W, H, L, B, T = 520 + Rm, 260, 64, 30, 12
     lo, hi = min(ys), max(ys)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
