@@ -99,4 +99,6 @@ def test_a_child_can_write_its_output_to_a_log_file(tmp_path) -> None:
     with Supervisor() as sup:
         sup.start(0, writes_output, (), name="dlx-test-0", options=ChildOptions(log=str(log)))
         events_until(sup, {"done"})
-    assert log.read_text().splitlines() == ["from the child", "native stderr"]
+    lines = log.read_text().splitlines()  # the rank's own lines between its start and end (trainer.supervisor.say)
+    assert "rank 0: started (pid" in lines[0] and lines[-1].endswith(" rank 0: done")
+    assert lines[1:-1] == ["from the child", "native stderr"]

@@ -33,6 +33,24 @@ class ResumePoint:
     shard: bytes
     state: bytes = b""
     claimed: bytes = b""
+    #: The run's cumulative counters through `step`, from the head's metrics (`carried`):
+    #: this rank's `bytes_sent` and `modelled_comm_s`, and the run's `tokens`; the resumed
+    #: run counts on from them, so its manifests read as an uninterrupted run's. Empty: from
+    #: zero (a head recorded before per-rank counters), tokens as an uninterrupted run's.
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+#: The per-rank cumulative counters a step's metrics record (as `<name>.r<rank>`), which a
+#: resumed rank continues from.
+RANK_COUNTERS = ("bytes_sent", "modelled_comm_s")
+
+
+def carried(metrics: dict[str, float], rank: int) -> dict[str, float]:
+    """What rank `rank` of a resumed run continues from, out of the head's metrics."""
+    out = {name: metrics[f"{name}.r{rank}"] for name in RANK_COUNTERS if f"{name}.r{rank}" in metrics}
+    if "tokens" in metrics:
+        out["tokens"] = metrics["tokens"]
+    return out
 
 
 @dataclass(frozen=True)

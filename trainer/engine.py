@@ -100,7 +100,7 @@ from trainer.artifacts import (
 )
 from trainer.compress import Compressor
 from trainer.config import JobConfig
-from trainer.control import Membership, RankControl, ResumePoint
+from trainer.control import RANK_COUNTERS, Membership, RankControl, ResumePoint
 from trainer.data import derive_seed, load_corpus
 from trainer.diloco import (
     AppliedStep,
@@ -896,6 +896,14 @@ class RoundLoop:
         with torch.no_grad():
             self.diloco.reset_local()
         self.first_round = start.step + 1
+        self._carry(start.counters)
+
+    def _carry(self, counters: dict[str, float]) -> None:
+        """A resumed rank counts on from the head's cumulative counters (`ResumePoint.counters`)."""
+        t = self.transport
+        t.bytes_sent = int(counters.get("bytes_sent", t.bytes_sent))
+        t.modelled_s = float(counters.get("modelled_comm_s", t.modelled_s))
+        self.tokens = int(counters.get("tokens", self.tokens))
 
     # -- elastic training: membership epochs ----------------------------------------------
 
@@ -1322,6 +1330,8 @@ class RoundLoop:
             metrics[key] = max(st[key] for st in rank_stats)  # the slowest rank
         for key in ("extra_memory_bytes", "param_bytes"):  # one replica's stages
             metrics[key] = sum(st[key] for st in rank_stats[:S])
+        for key in RANK_COUNTERS:  # each rank's own, which a resumed rank continues from
+            metrics.update({f"{key}.r{r}": st[key] for r, st in enumerate(rank_stats)})
         if self.taus:  # the partial rule: the tau each round merged at, mean so far
             metrics["tau_mean"] = sum(self.taus) / len(self.taus)
         for key in ("rel_error", "rank_mean", "bits_mean", "residual_norm"):

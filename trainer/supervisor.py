@@ -141,6 +141,43 @@ class Emitter:
         self.events.put((kind, self.rank, payload))
 
 
+class EchoEmitter(Emitter):
+    """A child whose output goes to a log file of its own (`ChildOptions.log`: a queue
+    job's rank): every event is also written there as one line, so the log shows the
+    rank's training as it happens (global rank 0 reports inner steps and outer steps;
+    every rank its contributions and re-formed worlds)."""
+
+    def __call__(self, kind: str, payload: Any) -> None:
+        super().__call__(kind, payload)
+        line = echo_line(kind, payload)
+        if line:
+            say(self.rank, line)
+
+
+def say(rank: int, text: str) -> None:
+    """One timestamped line of a rank's log (its stdout, line-buffered: `output_to`)."""
+    sys.stdout.write(f"{time.strftime('%H:%M:%S')} rank {rank}: {text}\n")
+    sys.stdout.flush()
+
+
+def echo_line(kind: str, payload: Any) -> str:
+    """What a rank's log says about one of its events ("" for none)."""
+    if kind == "progress":
+        return (f"outer step {payload.outer_step}/{payload.outer_steps} inner {payload.inner_step}/"
+                f"{payload.inner_steps} loss {payload.loss:.4f} lr {payload.lr:.3g}")
+    if kind == "step":
+        ev = payload.metrics.get("eval_loss")
+        return f"outer step {payload.step} done" + (f", eval loss {ev:.4f}" if ev is not None else "")
+    if kind == "contribution":
+        step, contribution = payload
+        return f"outer step {step}: contribution ready, loss {contribution.loss:.4f}"
+    if kind == "genesis":
+        return "genesis shards ready"
+    if kind == "epoch":
+        return f"world re-formed: epoch {payload['epoch']}, rank {payload['rank']}, replicas {payload['members']}"
+    return ""
+
+
 @dataclass(frozen=True)
 class ChildOptions:
     """How a child starts before its work: `log` (append stdout and stderr to this file),
@@ -170,20 +207,29 @@ def child_main(events: Any, rank: int, work: Callable[..., None], args: tuple[An
     if options.ignore_sigint:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with_parent()
+    emit = Emitter(events, rank)
     if options.log is not None:
         output_to(options.log)
+        emit = EchoEmitter(events, rank)
+        say(rank, f"started (pid {os.getpid()})")
     if options.netns is not None:  # before any socket: the replica's shaped namespace
         from trainer.netns import enter_netns
 
         enter_netns(options.netns)
     try:
-        work(Emitter(events, rank), *args)
+        work(emit, *args)
     except Cancelled as exc:
+        if options.log is not None:
+            say(rank, f"cancelled: {exc}")
         events.put(("cancelled", rank, str(exc)))
         exit_quietly(events, 0)
     except BaseException as exc:  # every failure, even SystemExit, must reach the parent
+        if options.log is not None:
+            traceback.print_exc()  # the whole story in the rank's log; the parent gets one line
         events.put(("error", rank, error_line(exc, options.where)))
         exit_quietly(events, 1)
+    if options.log is not None:
+        say(rank, "done")
     events.put(("done", rank, None))
     exit_quietly(events, 0)
 
@@ -232,9 +278,16 @@ def output_to(path: str) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError:  # not writable on this host: the output stays with the launcher's
         return
+    sys.stdout.flush()
+    sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    # Line-buffered, so `dlx logs --follow` sees each line as it is written and a killed
+    # rank loses none; fresh objects, since a launcher (Celery) may have replaced the
+    # originals with proxies that write elsewhere.
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
 
 
 def exit_quietly(events: Any, code: int) -> None:

@@ -84,7 +84,7 @@ def train(
 
     from trainer.launch import check_local
     from workers.cli_data import ticking
-    from workers.console import Ticker, console, human_seconds, megabytes
+    from workers.console import Ticker, console, count, human_seconds, megabytes
     from workers.local import Callbacks, default_run_dir, preflight, resume_job, run_job
 
     run_dir = resume or run_dir or default_run_dir(job)
@@ -106,12 +106,14 @@ def train(
         sent[0] = art.metrics.get("bytes_sent", 0.0)
         bar.note(f"step {step}/{T}  eval_loss {art.metrics['eval_loss']:.4f}  checkpoint {cid}")
 
-    cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed)
+    cb = Callbacks(warn=lambda m: err.print(f"[yellow]warning:[/] {m}"), progress=progress, committed=committed,
+                   resuming=lambda step, cid: bar.note(f"resuming from step {step}/{T} (checkpoint {cid}): "
+                                                       f"outer step {step + 1} next"))
     m = job.model
     n = m.n_params()
     size = f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
     err.print(f"training {job.name}: {m.family} {size} parameters, "
-              f"{job.parallel.replicas} replicas x {job.parallel.stages} stages on {device}, "
+              f"{count(job.parallel.replicas, 'replica')} x {count(job.parallel.stages, 'stage')} on {device}, "
               f"{T} outer steps x {H} inner steps; run directory {run_dir}")
     signalled: list[int] = []
 
@@ -260,9 +262,51 @@ cli_model.register(app)  # export, generate
 app.command(name="plan")(cli_plan.plan)  # dlx plan JOB: cost at scale (workers/plan.py)
 
 
+def command() -> Any:
+    """The `dlx` command tree (click's), its help made plain for a terminal: typer's rich
+    panels read `[data]` in a help string as markup and drop it, keep a docstring's line
+    breaks in the command list, and show flags as `--json <bool>` (which `--json true`
+    is not accepted as). Here every page is click's own layout, rewrapped to the terminal;
+    placeholders are upper case throughout (`JOB_FILE`, `CID`, `PATH`, `TEXT`); and a
+    command's line in its group's list is its first sentence, whole."""
+    cmd = typer.main.get_command(app)
+    _plain_help(cmd)
+    return cmd
+
+
+_TYPE_METAVAR = {"<path>": "PATH", "<str>": "TEXT", "<int>": "INTEGER", "<float>": "NUMBER",
+                 "<int range>": "INTEGER", "<float range>": "NUMBER"}
+
+
+def _plain_help(cmd: Any) -> None:
+    cmd.rich_markup_mode = None
+    if cmd.help and not cmd.short_help:
+        first = " ".join(cmd.help.split("\n\n")[0].split())
+        cmd.short_help = first.split(". ")[0].rstrip(".") + "."
+    ctx = typer.Context(cmd, info_name=cmd.name)
+    for param in cmd.params:
+        if param.param_type_name == "argument":
+            _plain_argument(param)
+        elif param.param_type_name == "option" and param.metavar is None and not param.is_flag:
+            shown = param.display_type(ctx)
+            param.metavar = _TYPE_METAVAR.get(shown, shown.strip("<>").upper())
+    for sub in getattr(cmd, "commands", {}).values():
+        _plain_help(sub)
+
+
+def _plain_argument(param: Any) -> None:
+    """An argument's placeholder: its name in upper case (`JOB_FILE`), in brackets where it
+    may be left out, as click writes it (typer's own writes `{job_file}` and `[job_file]`)."""
+    name = (param.metavar or param.name).upper()
+    many = "..." if param.nargs != 1 else ""
+    param.metavar = name
+    param.get_usage_pieces = lambda ctx: [f"{name}{many}" if param.required else f"[{name}{many}]"]
+    param.display_type_rich = lambda ctx: None
+
+
 def main() -> None:
     try:
-        app()
+        command()(prog_name="dlx")
         code: Any = 0
     except SystemExit as exc:
         code = exc.code

@@ -184,7 +184,7 @@ def resume(
     from lineage.chain.ledger import Ledger
     from lineage.store.cid import DAG_CBOR, cid_from_digest
     from trainer.errors import ConfigError
-    from workers.jobs import JobStore, connect
+    from workers.jobs import JobStore, connect, settle_run_file
     from workers.stack import Stack
 
     stack = Stack.load(stack_dir)
@@ -203,6 +203,7 @@ def resume(
     store.r.delete(store.key(job_id, "cancel"))
     store.update(job_id, state="queued", attempt=attempt, error=None, rpc=rpc,
                  resume_from={"step": step, "checkpoint": str(cid_from_digest(head, DAG_CBOR))})
+    settle_run_file(rec["run_dir"], "queued")  # until its sink writes `running` again
     _send_ranks(stack.redis_url, job_id, int(rec["world"]), attempt)
     sys.stdout.write(f"job {job_id} resumes from step {step} (attempt {attempt})\n")
 
@@ -218,6 +219,7 @@ def up(
     import ipaddress
 
     from trainer.errors import ConfigError
+    from workers.console import count
     from workers.jobs import redact
     from workers.stack import up as stack_up
 
@@ -228,7 +230,7 @@ def up(
     sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
     stack = stack_up(stack_dir, workers, slots, host=host)
     sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
-                     f"ledger {stack.ledger}\nworkers {len(stack.workers)} x {slots} slots\n")
+                     f"ledger {stack.ledger}\n{count(len(stack.workers), 'worker')} x {count(slots, 'slot')}\n")
 
 
 @user_errors
@@ -249,8 +251,10 @@ def runs(
     directory: Annotated[Path | None, typer.Option("--dir", help="List the run directories in this directory (e.g. runs/ of `dlx train`).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON (a list of runs).")] = False,
 ) -> None:
-    """The runs a stack or a directory holds: id, name, steps, head, state and eval loss.
-    A stack's runs show their job's state when the stack is up."""
+    """The runs a stack or a directory holds: id, name, steps, state, eval loss, when its
+    run.json was last written, head. A run id counts on its own chain: each `dlx train`
+    run without --rpc has a chain of its own, so each is run 1. A stack's runs show their
+    job's state, from Redis while the stack is up, else from their run.json."""
     from trainer.errors import ConfigError
     from workers.stack import run_summaries
 
@@ -267,24 +271,76 @@ def runs(
         sys.stdout.write(json.dumps(rows, indent=2) + "\n")
         return
     for row in [{"id": "id", "name": "name", "steps": "steps", "state": "state", "loss": "loss",
-                 "head": "head", "run_dir": "run dir"}, *rows]:
+                 "updated": "last written", "head": "head", "run_dir": "run dir"}, *rows]:
         loss = row["loss"] if isinstance(row["loss"], str) else "-" if row["loss"] is None else f"{row['loss']:.4f}"
         sys.stdout.write(f"{row['id']!s:>4}  {row['name']!s:<16} {row['steps']!s:>5}  {row['state']!s:<10} "
-                         f"{loss:>7}  {row['head'] or '-'}  {row['run_dir']}\n")
+                         f"{loss:>7}  {row['updated']:<16}  {row['head'] or '-'}  {row['run_dir']}\n")
 
 
 @user_errors
 def logs(
     job_id: Annotated[str, typer.Argument(help="Job id printed by `dlx submit`.")],
     stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
+    rank: Annotated[int | None, typer.Option("--rank", min=0, help="Only this rank's training output.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing the ranks' new lines until the job ends.")] = False,
 ) -> None:
     """A job's logs: each rank's training output (every attempt, from the run directory)
     and what the stack's workers logged about the job's tasks."""
+    from trainer.errors import ConfigError
     from workers.stack import job_logs
 
-    for title, lines in job_logs(stack_dir, job_id):
+    try:
+        found = job_logs(stack_dir, job_id, rank)
+    except ConfigError:
+        if not follow:
+            raise
+        found = []  # a queued or starting job: its logs come as its ranks start
+    for title, lines in found:
         sys.stdout.write(f"== {title}\n")
         sys.stdout.writelines(lines)
+    sys.stdout.flush()
+    if follow:
+        _follow_logs(stack_dir, job_id, rank)
+
+
+def _follow_logs(stack_dir: Path, job_id: str, rank: int | None) -> None:
+    """`dlx logs --follow`: print what the rank logs gain (a new attempt's log too, under its
+    title) until the job is in a final state and its logs are still; Ctrl-C stops."""
+    from workers.jobs import TERMINAL, JobError, JobStore, connect
+    from workers.stack import Stack, rank_log_title, rank_logs
+
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    seen = {p: p.stat().st_size for p in rank_logs(stack_dir, job_id, rank)}
+    current: Path | None = max(seen, default=None, key=lambda p: p.stat().st_mtime)
+    try:
+        while True:
+            state = store.state(job_id)
+            grew = False
+            for path in rank_logs(stack_dir, job_id, rank):
+                size = path.stat().st_size
+                if size <= seen.get(path, 0):
+                    continue
+                with open(path, "rb") as fh:
+                    fh.seek(seen.get(path, 0))
+                    chunk = fh.read(size - seen.get(path, 0))
+                cut = chunk.rfind(b"\n") + 1  # whole lines only; the rest comes with the next read
+                if cut == 0:
+                    continue
+                if path != current:
+                    sys.stdout.write(f"== {rank_log_title(path)}\n")
+                    current = path
+                sys.stdout.write(chunk[:cut].decode(errors="replace"))
+                seen[path] = seen.get(path, 0) + cut
+                grew = True
+            sys.stdout.flush()
+            if state in TERMINAL and not grew:
+                sys.stdout.write(f"== job {job_id} {state}\n")
+                return
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return
+    except JobError as exc:
+        raise JobError(f"--follow: {exc} (`dlx up` if the stack is down)") from None
 
 
 def register(app: typer.Typer) -> None:
@@ -427,13 +483,13 @@ def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
     o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
     done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
     text = f"{rec['state']} outer {o}/{T} inner {i}/{H}"
+    if rec.get("eta_s") is not None and rec["state"] == "running":  # early: a narrow terminal cuts the tail
+        text += f" left {human_seconds(rec['eta_s'])}"
     if rec.get("loss") is not None:
         text += f" loss {rec['loss']:.3f}"
     if rec.get("lr") is not None:
         text += f" lr {rec['lr']:.2e} {rec.get('tokens_per_s') or 0:,.0f} tok/s"
     text += f" sent {megabytes(rec.get('bytes_sent') or 0)}"
-    if rec.get("eta_s") is not None and rec["state"] == "running":
-        text += f" left {human_seconds(rec['eta_s'])}"
     return done, text
 
 

@@ -41,6 +41,11 @@ def console(stderr: bool = False) -> Any:
                    force_terminal=False, force_interactive=False)
 
 
+def count(n: int, noun: str) -> str:
+    """`1 stage`, `2 stages`: a number with its noun (plural in -s) agreeing."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def cid_column(table: Any, header: str) -> None:
     """Add a table column for CIDs, hashes or addresses: never folded or cut, even on a
     narrow terminal (the row grows past the edge instead)."""
@@ -64,10 +69,15 @@ class Ticker:
         self._task: Any = None
         if is_tty(stderr=True):
             from rich.progress import BarColumn, Progress, TextColumn
+            from rich.table import Column
 
             # A short bar and no clock leave the terminal's width to the text (train's says the time left).
-            self._bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(bar_width=10),
-                                 TextColumn("{task.fields[text]}"), console=self.console)
+            # The label (a job id) is never cut; a narrow terminal cuts the text's tail instead.
+            self._bar = Progress(TextColumn("[bold]{task.description}",
+                                            table_column=Column(no_wrap=True, min_width=len(label))),
+                                 BarColumn(bar_width=10),
+                                 TextColumn("{task.fields[text]}", table_column=Column(no_wrap=True, ratio=1)),
+                                 console=self.console)
             self._task = self._bar.add_task(label, total=total or None, text="")
 
     def __enter__(self) -> Ticker:

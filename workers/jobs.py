@@ -24,10 +24,12 @@ appendonly), so a job survives a short outage; a longer one fails it.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -162,7 +164,12 @@ class JobStore:
         return 1
         """
         err = json.dumps(error) if error else ""
-        return bool(self.r.eval(script, 1, self.key(job_id), json.dumps(state), err, json.dumps(time.time())))
+        moved = bool(self.r.eval(script, 1, self.key(job_id), json.dumps(state), err, json.dumps(time.time())))
+        if moved:
+            run_dir = self.r.hget(self.key(job_id), "run_dir")
+            if run_dir is not None:
+                settle_run_file(json.loads(run_dir), state)
+        return moved
 
     @staticmethod
     def key(job_id: str, *parts: object) -> str:
@@ -262,6 +269,31 @@ class JobStore:
             r, s = k.decode().split(",")
             out[(int(r), int(s))] = bytes.fromhex(v.decode())
         return out
+
+
+def settle_run_file(run_dir: str | Path, state: str) -> bool:
+    """Write a queue job's state (terminal, or `running` again on a resume) into its run.json
+    as the run's `status`, so that the file tells the truth once Redis is gone (`dlx runs`
+    after `dlx down`). Only where the run's directory is (the host of its sink; every host
+    of the local stack); a run that never reached genesis has no run.json and is left so.
+    The file is replaced atomically through a temporary file of this writer's own: the
+    sink may be saving a step through its own at the same moment."""
+    path = Path(run_dir) / "run.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(doc, dict) or doc.get("status") == state:
+        return False
+    doc["status"] = state
+    tmp = path.with_name(f".run.json.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
 
 
 #: A worker renews its record this often; one that stops for WORKER_TTL_S is gone.

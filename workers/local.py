@@ -50,6 +50,7 @@ from trainer.launch import check_local, stop_event, train_local
 
 from .jobfile import ETHER, JobFile, load_job_file
 from .sink import HONEST, LedgerSink, Signer, local_signer
+from .tracking import mark_resume
 
 CHAIN_STATE = "chain/state.json"
 EQUIVOCATION_DIR = "equivocation"
@@ -63,6 +64,7 @@ class Callbacks:
     progress: Callable[[Progress], None] = lambda p: None
     committed: Callable[[int, object, StepArtifacts], None] = lambda step, cid, art: None
     stopping: Callable[[str], None] = lambda signal_name: None  # a stop was asked for
+    resuming: Callable[[int, object], None] = lambda step, checkpoint: None  # resume: the head it starts from
 
 
 class PersistedChain(Chain):
@@ -298,6 +300,8 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
             record.status = "completed"
             record.save(run_dir)
             return record
+        cb.resuming(step, checkpoint)
+        mark_resume(run_dir, step)  # the stopped attempt's rounds past the head: kept, marked
         sink = _sink(job, record, run_dir, ledger, submitter, slot_keys, cb)
         sink.resume_from(checkpoint)
         manifest = get_manifest(sink.store, checkpoint)
@@ -330,17 +334,19 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
     from lineage.store.roundstate import read_start_state
     from lineage.store.unixfs import read_bytes
+    from trainer.control import carried
     from trainer.engine import ResumePoint
 
     replica, stage = divmod(rank, job.parallel.stages)
     shard = read_bytes(store, manifest.stages[stage])
+    counters = carried(manifest.metrics, rank)  # bytes sent, modelled comm time, tokens count on
     if not manifest.replay or job.outer.delay != 0:  # no start states to re-run the round from
-        return ResumePoint(step=manifest.step, shard=shard)
+        return ResumePoint(step=manifest.step, shard=shard, counters=counters)
     if replica not in manifest.replica_ids(job.parallel.replicas):  # absent from that step: fresh state
-        return ResumePoint(step=manifest.step, shard=shard)
+        return ResumePoint(step=manifest.step, shard=shard, counters=counters)
     row = manifest.row(replica)
     return ResumePoint(step=manifest.step, shard=shard, state=read_start_state(store, manifest, row, stage),
-                       claimed=read_bytes(store, manifest.contributions[row][stage]))
+                       claimed=read_bytes(store, manifest.contributions[row][stage]), counters=counters)
 
 
 def _open_chain(stack: ExitStack, state: Path | None, rpc: str | None, chain_id: int | None,

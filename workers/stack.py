@@ -334,8 +334,8 @@ def down(directory: Path) -> list[int]:
 def run_summaries(directory: Path | None, stack_dir: Path | None) -> list[dict]:
     """One row per run in `directory` (or the directory itself, if it is a run), else in the
     stack's `runs/`: id, name, steps, head, state, eval loss at the head, run directory. A
-    stack's run takes its job's state from Redis while the stack is up (its run.json only
-    says `running`: the rank tasks record steps, the job record the outcome)."""
+    stack's run takes its job's state from Redis while the stack is up, else from its
+    run.json (where the job's end is written too: `workers.jobs.settle_run_file`)."""
     from lineage.chain.runrecord import RUN_FILE
 
     root = Path(directory) if directory is not None else Path(stack_dir or ".dlx") / "runs"
@@ -359,8 +359,9 @@ def _summary(run_dir: Path, job_state: str | None) -> dict:
             loss = get_manifest(record.open_store(run_dir), record.head).metrics.get("eval_loss")
         except Exception:  # a store that is gone or unreachable: the row still lists the run
             loss = None
+    written = time.strftime("%Y-%m-%d %H:%M", time.localtime((run_dir / "run.json").stat().st_mtime))
     return {"id": record.run_id, "name": record.name, "steps": record.steps, "head": record.head or None,
-            "state": job_state or record.status, "loss": loss, "run_dir": str(run_dir)}
+            "state": job_state or record.status, "loss": loss, "updated": written, "run_dir": str(run_dir)}
 
 
 def _job_states(stack_dir: Path | None, job_ids: list[str]) -> dict[str, str]:
@@ -379,9 +380,9 @@ def _job_states(stack_dir: Path | None, job_ids: list[str]) -> dict[str, str]:
     return states
 
 
-def job_logs(stack_dir: Path, job_id: str) -> list[tuple[str, list[str]]]:
-    """(title, lines) for each of a job's rank logs (`workers.tasks.rank_log`, every attempt)
-    and each worker log that mentions the job (task received, finished, failed)."""
+def rank_logs(stack_dir: Path, job_id: str, rank: int | None = None) -> list[Path]:
+    """A job's rank logs (`workers.tasks.rank_log`), every attempt, in (rank, attempt)
+    order; only rank `rank`'s when given."""
     from .tasks import rank_log
 
     stack_dir = Path(stack_dir)
@@ -393,14 +394,29 @@ def job_logs(stack_dir: Path, job_id: str) -> list[tuple[str, list[str]]]:
             run_dir = Path(JobStore(connect(Stack.load(stack_dir).redis_url)).get(job_id)["run_dir"])
         except (JobError, KeyError):
             pass
-    ranks = sorted(rank_log(run_dir, 0, 0).parent.glob("rank-*.log"),
-                   key=lambda p: [int(x) for x in p.stem.split("-")[1::2]])
-    found = [(f"{p.stem.replace('-', ' ', 1).replace('-attempt-', ', attempt ')} ({p})",
-              p.read_text(errors="replace").splitlines(keepends=True)) for p in ranks]
-    for log in sorted((stack_dir / "logs").glob("worker-*.log")):
+    logs = sorted(rank_log(run_dir, 0, 0).parent.glob("rank-*.log"),
+                  key=lambda p: [int(x) for x in p.stem.split("-")[1::2]])
+    return [p for p in logs if rank is None or p.stem.split("-")[1] == str(rank)]
+
+
+def rank_log_title(path: Path) -> str:
+    """`rank 1, attempt 2 (PATH)` for a rank log's path."""
+    return f"{path.stem.replace('-', ' ', 1).replace('-attempt-', ', attempt ')} ({path})"
+
+
+def job_logs(stack_dir: Path, job_id: str, rank: int | None = None) -> list[tuple[str, list[str]]]:
+    """(title, lines) for each of a job's rank logs (every attempt; rank `rank`'s only when
+    given) and, for all ranks, each worker log that mentions the job (task received,
+    finished, failed)."""
+    stack_dir = Path(stack_dir)
+    found = [(rank_log_title(p), p.read_text(errors="replace").splitlines(keepends=True))
+             for p in rank_logs(stack_dir, job_id, rank)]
+    for log in sorted((stack_dir / "logs").glob("worker-*.log")) if rank is None else []:
         lines = [line for line in log.read_text(errors="replace").splitlines(keepends=True) if job_id in line]
         if lines:
             found.append((f"{log.stem} ({log})", lines))
     if not found:
-        raise ConfigError(f"no logs of job {job_id} in {stack_dir}")
+        which = f"rank {rank} of job {job_id}" if rank is not None else f"job {job_id}"
+        raise ConfigError(f"no logs of {which} in {stack_dir}" + ("" if rank is None else
+                          " (`dlx logs JOB` without --rank lists every rank's)"))
     return found

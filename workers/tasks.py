@@ -54,6 +54,7 @@ from .jobs import (
     JobError,
     JobStore,
     connect,
+    settle_run_file,
 )
 from .membership import EpochRecord, GrowFlag, Members, Regroup, join_epoch, run_blocks, store_port
 from .node import NodeIdentity
@@ -347,13 +348,14 @@ class RankTask:
         self.rank, self.epoch = rank, epoch
         control = self.control(start, members, epoch)
         control.gpu = gpu = _GPUS.take()
+        log_path = rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank, self.attempt)
+        if start is not None:
+            _log_line(log_path, f"attempt {self.attempt} {'joins' if members else 'resumes'} from step {start.step}")
         sup = Supervisor()
         try:
             proc = sup.start(rank, train_rank, (rank, world, init_method, self.training, control),
                              name=f"dlx-rank-{rank}", daemon=False,
-                             options=ChildOptions(log=str(rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank,
-                                                                           self.attempt)),
-                                                  ignore_sigint=True))
+                             options=ChildOptions(log=str(log_path), ignore_sigint=True))
         except BaseException:
             _GPUS.give(gpu)
             sup.close(kill=True)
@@ -363,6 +365,19 @@ class RankTask:
         finally:
             sup.close(kill=True)
             _GPUS.give(gpu)
+            self._settle_run_file()
+
+    def _settle_run_file(self) -> None:
+        """The sink's task, once its relay ended: the job's final state into run.json again
+        (`JobStore.finish` wrote it, but a step the sink saved afterwards says `running`)."""
+        if self.sink is None:
+            return
+        try:
+            state = self.store.state(self.job_id)
+        except Exception:  # Redis gone: `finish` wrote what it could
+            return
+        if state in TERMINAL:
+            settle_run_file(self.rec["run_dir"], state)
 
     @functools.cached_property
     def training(self) -> Any:
@@ -527,6 +542,16 @@ def rank_log(run_dir: str | Path, rank: int, attempt: int) -> Path:
     return Path(run_dir) / "logs" / f"rank-{rank}-attempt-{attempt}.log"
 
 
+def _log_line(path: Path, text: str) -> None:
+    """A line of the task's own in its rank's log (the rank process appends after it)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as fh:
+            fh.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+    except OSError:  # not writable on this host: the rank's output stays with the worker's
+        pass
+
+
 def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[str], rank: int,
            me: NodeIdentity, error: str) -> str:
     """Name the lost rank when a peer vanished (its heartbeat expires), else this rank's error."""
@@ -609,10 +634,13 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     run_dir.mkdir(parents=True, exist_ok=True)
     try:
         record = RunRecord.load(run_dir)
+        record.status = "running"  # a resumed job's record said how its last attempt ended
     except Exception:
         record = RunRecord(name=job.name, chain_id=chain.chain_id, rpc=rec["rpc"], chain_state=None,
                            registry=rec["registry"], ledger=rec["ledger"], blocks=rec["blocks"],
                            stack=rec.get("stack"))
+    if not head:
+        _note_resume(rec)
     data = DataRecord.from_doc(rec["data"]) if "data" in rec else None
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(chain.chain_id, ledger.ledger.address)
@@ -630,6 +658,16 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     elif rec.get("resume_from"):
         sink.resume_from(rec["resume_from"]["checkpoint"])
     return sink
+
+
+def _note_resume(rec: dict[str, Any]) -> None:
+    """A resumed attempt's sink, before it writes: mark the earlier attempt's inner-step
+    metrics past the head (`workers.tracking.mark_resume`), once per attempt."""
+    from workers.tracking import mark_resume
+
+    resume = rec.get("resume_from")
+    if resume:
+        mark_resume(Path(rec["run_dir"]), int(resume["step"]))
 
 
 def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:

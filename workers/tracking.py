@@ -10,7 +10,10 @@ and MLflow when the job's `[tracking]` section asks.
   "rank0_bytes_sent", "eta_s"}`` per inner step of replica 0 (`trainer.artifacts.Progress`);
 - ``{"kind": "outer", "step", "checkpoint", ...}`` per committed outer step, with every
   metric the engine reported for it (`trainer.artifacts.StepArtifacts.metrics`: eval_loss,
-  train_loss, bytes_sent, rel_error, wall_s, ...).
+  train_loss, bytes_sent, rel_error, wall_s, ...);
+- ``{"kind": "resume", "step", "time"}`` where a resumed attempt starts from committed step
+  `step` (`mark_resume`): the inner lines an earlier attempt wrote for rounds past it stay,
+  with ``"abandoned": true``, and charts leave them out (`lineage.audit.report.committed_inner`).
 
 TensorBoard and MLflow are imported only when a job asks for them (the `tracking` extra).
 """
@@ -86,6 +89,24 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def mark_resume(run_dir: Path, step: int) -> int:
+    """A resume from committed step `step`: mark the inner lines of rounds past it (a stopped
+    or failed attempt's work, which no commit kept) `"abandoned": true`, and note the
+    resume; the file is replaced atomically. Returns how many lines were marked."""
+    path = Path(run_dir) / METRICS_FILE
+    records = read_metrics(run_dir)
+    marked = 0
+    for r in records:
+        if r.get("kind") == "inner" and int(r.get("step", 0)) > step and not r.get("abandoned"):
+            r["abandoned"] = True
+            marked += 1
+    records.append({"kind": "resume", "step": step, "time": time.time()})
+    tmp = path.with_name(f".{METRICS_FILE}.{os.getpid()}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return marked
 
 
 class TensorBoard:

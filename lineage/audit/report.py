@@ -129,7 +129,11 @@ def _plot_svg(label: str, series: dict[str, tuple[list[tuple[float, float]], str
     ys = [y for pts, _ in series.values() for _, y in pts] + [y for _, y in marked]
     if not ys:
         return f'<p class="muted">no data for the {_e(label)}</p>'
-    W, H, L, B, T, Rm = 640, 260, 64, 30, 12, 120
+    # The legend's column fits its longest name (about 7 px a character at the page's font
+    # size), widening the chart rather than cutting the name off.
+    names = [*series, *([mark_name] if marked else [])]
+    Rm = max(120, 36 + 7 * max(map(len, names), default=0))
+    W, H, L, B, T = 520 + Rm, 260, 64, 30, 12
     lo, hi = min(ys), max(ys)
     if hi - lo < 1e-9:
         lo, hi = lo - 0.5, hi + 0.5
@@ -170,11 +174,19 @@ def _plot_svg(label: str, series: dict[str, tuple[list[tuple[float, float]], str
     return "".join(parts)
 
 
+def committed_inner(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The inner-step lines of a run's metrics.jsonl on its committed path: those an
+    abandoned attempt wrote past the step a resume started from (`"abandoned": true`) left
+    out, and each inner step once (the last written), in inner-step order."""
+    kept = {r["global_step"]: r for r in records if r.get("kind") == "inner" and not r.get("abandoned")}
+    return [kept[k] for k in sorted(kept)]
+
+
 def _training_plots(steps: list[dict[str, Any]], inner: list[dict[str, Any]] | None) -> str:
     """Inner loss per inner step (from the run's metrics.jsonl), bytes sent and
     compression error per outer step (from the manifests' metrics)."""
     live = [s for s in steps if s.get("status") != "rejected"]
-    inner_pts = [(r["global_step"], r["loss"]) for r in inner or [] if r.get("kind") == "inner"]
+    inner_pts = [(r["global_step"], r["loss"]) for r in committed_inner(inner or [])]
     return "".join([
         "<h2>Inner loss</h2>",
         _plot_svg("inner loss", {"inner loss (replica 0)": (inner_pts, "#0b7285")}, "inner step")
@@ -291,7 +303,7 @@ def render_compare_html(a: dict[str, Any], b: dict[str, Any], inner_a: list[dict
     def outer(key: str) -> dict[str, tuple[list[tuple[float, float]], str]]:
         return {names[k]: (_metric(live(doc), key), colors[k]) for k, (doc, _) in runs.items()}
 
-    inner = {names[k]: ([(r["global_step"], r["loss"]) for r in recs or [] if r.get("kind") == "inner"], colors[k])
+    inner = {names[k]: ([(r["global_step"], r["loss"]) for r in committed_inner(recs or [])], colors[k])
              for k, (_, recs) in runs.items()}
     out = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>compare: {_e(names['A'])} / {_e(names['B'])}</title>"
            f"<style>{_CSS}</style></head><body>",
