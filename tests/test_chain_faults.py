@@ -304,6 +304,11 @@ class Faults:
             self.done.append("base fee 300 gwei")
         if not self._wait_step(4):
             return
+        if _when_pending(self.url):  # no blocks for 5 s: the commit is stuck, and replaced
+            rpc_call(self.url, "evm_setIntervalMining", [0])
+            time.sleep(5)
+            rpc_call(self.url, "evm_setIntervalMining", [1])
+            self.done.append("no blocks for 5 s")
         self.proxy.fail_until = time.monotonic() + 12
         self.done.append("429 for 12 s")
 
@@ -327,9 +332,15 @@ def test_a_run_completes_through_a_freeze_a_reorg_a_drop_a_fee_jump_and_rate_lim
         faults.thread.join(30)
     took = time.monotonic() - started
     assert res.returncode == 0, res.stderr[-3000:]
-    assert faults.done == ["freeze 6 s", "reorg 4", "drop", "base fee 300 gwei", "429 for 12 s"], faults.done
+    assert faults.done == ["freeze 6 s", "reorg 4", "drop", "base fee 300 gwei", "no blocks for 5 s",
+                           "429 for 12 s"], faults.done
     assert proxy.throttled > 0
-    repairs = [line for line in res.stderr.splitlines() if "removed by a reorganisation" in line]
+    lines = res.stderr.splitlines()
+    repairs = [line for line in lines if "removed by a reorganisation; committing it again" in line]
+    assert len(repairs) == 1 and "step 2 " in repairs[0], res.stderr[-3000:]
+    # the dropped transaction, and the one below the jumped base fee (anvil drops it too), sent again
+    assert sum("the node lost the transaction" in line for line in lines) >= 2, res.stderr[-3000:]
+    assert any("replaced with the same nonce" in line for line in lines), res.stderr[-3000:]
     record = RunRecord.load(run_dir)
     assert record.status == "completed" and record.steps == 5
     assert record.created_block > 0
@@ -341,7 +352,8 @@ def test_a_run_completes_through_a_freeze_a_reorg_a_drop_a_fee_jump_and_rate_lim
     verify = subprocess.run([DLX, "verify", str(run_dir), "--rpc", url], capture_output=True, text=True,
                             timeout=300)
     assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
-    print(f"faults run: {took:.0f} s, repairs: {repairs}, 429 answers: {proxy.throttled}")
+    print(f"faults run: {took:.0f} s, 429 answers: {proxy.throttled}; chain lines:",
+          *[line for line in lines if line.startswith("chain: ")], sep="\n  ")
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ Keys never appear in a message: errors name the context, the endpoint and the no
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -38,6 +39,8 @@ from web3.exceptions import ContractLogicError, TransactionNotFound, Web3Excepti
 from lineage.errors import ChainError, ChainFeeError, ChainUnavailable
 
 GWEI = 10**9
+#: Replacements and resends, one line each (on stderr where nothing configured logging).
+log = logging.getLogger("dlx.chain")
 #: The least a replacement must raise both fee fields by (geth's and anvil's price bump).
 MIN_BUMP = 0.125
 #: The first and the longest wait between two tries of a failing request, seconds.
@@ -348,6 +351,8 @@ def _replace(chain: Any, attempt: _Attempt, sender: Any, context: str) -> None:
                 attempt.sent_at = time.monotonic()
                 return
             raise chain.failure(context, exc) from None
+        log.warning("chain: %s not mined in %.0f s; replaced with the same nonce at %.3g gwei per gas",
+                    context, time.monotonic() - attempt.sent_at, new.max_fee / GWEI)
         attempt.tx, attempt.fees, attempt.sent_at = tx, new, time.monotonic()
         return
 
@@ -385,6 +390,8 @@ def _wait_mined(chain: Any, attempt: _Attempt, fn: Any, sender: Any, value: int,
                     # more (a receipt may have arrived in between), then send anew
                     if any(_receipt(w3, h) is not None for h in attempt.hashes):
                         continue
+                log.warning("chain: %s: the node lost the transaction (dropped, or in blocks a reorganisation "
+                            "removed); sending it again", context)
                 new = _send_new(chain, fn, sender, value, context)
                 attempt.tx, attempt.fees, attempt.sent_at = new.tx, new.fees, new.sent_at
                 attempt.hashes = new.hashes
