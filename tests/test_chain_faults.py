@@ -485,3 +485,44 @@ def test_lineage_after_100k_blocks_through_an_endpoint_capped_at_10k_blocks(tmp_
     assert queries == 3 * (head // 10_000 + 1) and p.log_queries == 2
     print(f"capped lineage of 3 steps at block {head}: {from_zero:.2f} s from block 0 ({queries} eth_getLogs), "
           f"{from_created:.3f} s from the creation block")
+
+
+# -- at most max_pending steps wait to be committed -----------------------------------------
+
+
+class _SlowSink:
+    """A sink whose first commit takes `delay_s` (a chain outage), with `max_pending` set."""
+
+    def __init__(self, max_pending: int | None, delay_s: float) -> None:
+        self.max_pending, self.delay_s = max_pending, delay_s
+        self.called: dict[int, float] = {}
+        self.returned: dict[int, float] = {}
+
+    def on_genesis(self, genesis: Any) -> None:
+        pass
+
+    def on_step(self, step: Any) -> None:
+        self.called[step.step] = time.monotonic()
+        if step.step == 1:
+            time.sleep(self.delay_s)
+        self.returned[step.step] = time.monotonic()
+
+    def on_progress(self, progress: Any) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_the_ranks_pause_while_max_pending_steps_wait_to_be_committed():
+    from test_trainer import SMALL_JOB
+
+    from trainer.config import load_job
+    from trainer.launch import train_local
+
+    job = load_job({**SMALL_JOB, "outer": {"steps": 3, "inner_steps": 20}})
+    sink = _SlowSink(max_pending=1, delay_s=4.0)
+    assert train_local(job, sink, timeout_s=180) == "completed"
+    # Step 2 was trained while step 1 was committed, but step 3 only after step 2 could be
+    # handed over: a whole round after step 1's commit returned (measured: 0.30 s). Without
+    # the pause both would have been queued long before (measured: 0.013 s).
+    assert sink.called[3] - sink.returned[1] > 0.1, (sink.called, sink.returned)
+    assert sink.called[2] - sink.returned[1] < 0.1

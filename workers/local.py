@@ -373,7 +373,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, on_progress=cb.progress,
         on_committed=Retention.for_job(job, record.open_store(run_dir), ledger, record, cb.committed),
-        tracking=job.tracking, hooks=cheats or HONEST,
+        tracking=job.tracking, hooks=cheats or HONEST, max_pending=job.chain.max_pending,
     )
 
 

@@ -126,6 +126,7 @@ class SinkOptions(TypedDict, total=False):
     tracking: object | None  # the job file's `[tracking]` section (workers.jobfile.TrackingConfig)
     hooks: CommitHooks  # what is stored, committed on and signed (default HONEST; a test injects cheats)
     say: Callable[[str], None] | None  # one line per repaired reorganisation (default: stderr)
+    max_pending: int | None  # steps that may wait to be committed before the ranks pause (None: no limit)
 
 
 def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> tuple[list[str], Signer]:
@@ -166,6 +167,9 @@ class LedgerSink:
         self.code = code_hash()
         self._progress = options.get("on_progress")
         self.commits = StepCommits(ledger, self.submitter, options.get("say") or _say)
+        #: Steps that may wait to be committed before the ranks pause (`[chain] max_pending`;
+        #: trainer.launch reads it, as `shard_digest`).
+        self.max_pending = options.get("max_pending")
         self._committed = options.get("on_committed")
         self._config_cid: CID | None = None
         self._head: CID | None = None
