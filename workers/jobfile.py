@@ -59,7 +59,8 @@ class ChainConfig(_Section):
     )
     outage_s: float = Field(
         600, ge=0, description="Seconds an outage of the endpoint (refused, timed out, HTTP 429 or 5xx) is retried "
-        "before the run fails (exit 1; --resume continues).",
+        "before the run fails (exit 1; --resume continues); not on the embedded anvil or the stack's, whose outage "
+        "is a dead process.",
     )
     max_pending: int = Field(
         2, ge=1, description="Outer steps that may wait to be committed before the ranks pause.",
@@ -82,12 +83,14 @@ class ChainConfig(_Section):
         return rpc
 
     def policy(self, embedded: bool) -> Any:
-        """The `lineage.chain.tx.TxPolicy` of these settings, on the embedded anvil or not."""
+        """The `lineage.chain.tx.TxPolicy` of these settings, on a local anvil of our own
+        (`embedded`: `dlx train`'s, or the stack's) or not. A local anvil that refuses has
+        died, and no wait brings it back: there outages are not waited for."""
         from lineage.chain.tx import TxPolicy
 
         confirmations = self.confirmations if self.confirmations is not None else (0 if embedded else 2)
-        return TxPolicy(confirmations=confirmations, outage_s=self.outage_s, max_fee_gwei=self.max_fee_gwei,
-                        replace_after_s=self.replace_after_s)
+        return TxPolicy(confirmations=confirmations, outage_s=0.0 if embedded else self.outage_s,
+                        max_fee_gwei=self.max_fee_gwei, replace_after_s=self.replace_after_s)
 
     @model_validator(mode="after")
     def _stake_covers_minimum(self) -> ChainConfig:

@@ -35,6 +35,7 @@ from eth_account.signers.local import LocalAccount
 from lineage.chain.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
 from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain.client import Chain, artifact
+from lineage.chain.commits import guard
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.chain.tx import TxPolicy
@@ -254,9 +255,8 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
                                 job.chain.chain_id, job.world_size, job.chain.policy(embedded))
             submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
             shutil.copyfile(job_path, run_dir / "job.toml")
-            ledger = Ledger.deploy(chain, submitter)
-            for node in {k.address: k for k in slot_keys}.values():
-                ledger.registry.ensure_staked(node, job.chain.stake_wei)
+            ledger = guard(lambda: _deploy_and_stake(chain, submitter, slot_keys, job.chain.stake_wei),
+                           "deploying the ledger")
             blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
             record = RunRecord(
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,
@@ -292,7 +292,7 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
                             job.world_size, job.chain.policy(embedded))
         submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
         ledger = Ledger(chain, record.registry, record.ledger)
-        head, step = ledger.head(record.run_id)
+        head, step = guard(lambda: ledger.head(record.run_id), f"runHead({record.run_id})")
         checkpoint = cid_from_digest(head, DAG_CBOR)
         record.head, record.steps = str(checkpoint), step  # the chain's head, whatever run.json said
         if step >= job.outer.steps:  # it crashed after its last commit: only run.json lagged
@@ -310,6 +310,14 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
         except BaseException as exc:
             _record_end(record, run_dir, exc)
             raise
+
+
+def _deploy_and_stake(chain: Chain, submitter: LocalAccount, slot_keys: list[LocalAccount], stake: int) -> Ledger:
+    """A registry and ledger of the run's own, each slot's node staked on it."""
+    ledger = Ledger.deploy(chain, submitter)
+    for node in {k.address: k for k in slot_keys}.values():
+        ledger.registry.ensure_staked(node, stake)
+    return ledger
 
 
 def resumable(run_dir: Path) -> tuple[RunRecord, JobFile]:

@@ -366,10 +366,12 @@ class LedgerSink:
         raise TrainingDiverged(message)
 
     def _already_committed(self, step: int, checkpoint: CID) -> bool:
-        _, head_step = self.ledger.head(self.record.run_id)
+        run_id = self.record.run_id
+        _, head_step = guard(lambda: self.ledger.head(run_id), f"runHead({run_id})")
         if head_step < step:
             return False
-        on_chain = self.ledger.ledger.functions.stepCheckpoint(self.record.run_id, step).call()
+        on_chain = guard(self.ledger.ledger.functions.stepCheckpoint(run_id, step).call,
+                         f"stepCheckpoint({run_id}, {step})")
         if bytes(on_chain) != digest_of(checkpoint):
             raise TrainingError(f"step {step} is already committed with another checkpoint "
                                 f"(0x{bytes(on_chain).hex()}); this run cannot continue from {self._head}")
