@@ -526,3 +526,59 @@ def test_the_ranks_pause_while_max_pending_steps_wait_to_be_committed():
     # the pause both would have been queued long before (measured: 0.013 s).
     assert sink.called[3] - sink.returned[1] > 0.1, (sink.called, sink.returned)
     assert sink.called[2] - sink.returned[1] < 0.1
+
+
+# -- the job queue's sink ------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_queued_job_completes_through_a_freeze_and_a_reorganisation_of_the_stacks_chain(tmp_path):
+    from workers.jobs import JobStore, connect
+    from workers.stack import Stack
+
+    stack = tmp_path / ".dlx"
+    up = subprocess.run([DLX, "up", "--workers", "2", "--slots", "2", "--stack", str(stack)], capture_output=True,
+                        text=True, timeout=180)
+    assert up.returncode == 0, up.stderr
+    try:
+        s = Stack.load(stack)
+        job_file = tmp_path / "job.toml"
+        job_file.write_text(small_job_toml("q-faults", seed=3, steps=4, inner_steps=3))
+        sub = subprocess.run([DLX, "submit", str(job_file), "--stack", str(stack)], capture_output=True, text=True,
+                             timeout=180)
+        assert sub.returncode == 0, sub.stderr
+        job = sub.stdout.strip()
+        store = JobStore(connect(s.redis_url))
+
+        def wait(pred: Any) -> dict[str, Any]:
+            deadline = time.monotonic() + 300
+            while not pred(rec := store.get(job)):
+                assert time.monotonic() < deadline and rec.get("state") not in ("failed", "cancelled"), rec
+                time.sleep(0.1)
+            return rec
+
+        wait(lambda r: (r.get("step") or 0) >= 1)
+        os.kill(s.anvil_pid, signal.SIGSTOP)  # every worker's requests hang for 6 s
+        try:
+            time.sleep(6)
+        finally:
+            os.kill(s.anvil_pid, signal.SIGCONT)
+        rec = wait(lambda r: (r.get("step") or 0) >= 2)
+        ledger = Ledger(Chain(s.rpc), rec["registry"], rec["ledger"])
+        before = ledger.head(int(rec["run_id"]))[1]
+        rpc_call(s.rpc, "anvil_reorg", [1, []])  # the last block (step 2's commit) is gone
+        after = ledger.head(int(rec["run_id"]))[1]
+        rec = wait(lambda r: r.get("state") in ("completed", "failed", "cancelled"))
+        assert rec["state"] == "completed", rec
+        commits = ledger.commits(int(rec["run_id"]))
+        assert [c.record.step for c in commits if c.status != "rejected"] == [1, 2, 3, 4]
+        assert len(commits) == 4
+        verify = subprocess.run([DLX, "verify", rec["run_dir"]], capture_output=True, text=True, timeout=300)
+        assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
+        logs = [*(Path(rec["run_dir"]) / "logs").glob("*.log"), *(stack / "logs").glob("*.log")]
+        lines = [line for log in sorted(logs) for line in log.read_text().splitlines() if "chain: " in line]
+        print(f"stack: head {before} -> {after} after the reorganisation; sink lines:", *lines, sep="\n  ")
+        if after < before:  # step 2's commit was the chain's last block: the sink repaired it
+            assert any(f"step {before} of run" in line and "committing it again" in line for line in lines), lines
+    finally:
+        subprocess.run([DLX, "down", "--stack", str(stack)], capture_output=True, text=True, timeout=120)
