@@ -41,6 +41,8 @@ from lineage.errors import ChainError, ChainFeeError, ChainUnavailable
 GWEI = 10**9
 #: Replacements and resends, one line each (on stderr where nothing configured logging).
 log = logging.getLogger("dlx.chain")
+#: Seconds the node must not know a sent transaction before it counts as lost and is sent again.
+LOST_AFTER_S = 1.0
 #: The least a replacement must raise both fee fields by (geth's and anvil's price bump).
 MIN_BUMP = 0.125
 #: The first and the longest wait between two tries of a failing request, seconds.
@@ -280,6 +282,7 @@ class _Attempt:
     fees: Fees
     hashes: list[bytes]
     sent_at: float
+    unknown_since: float | None = None  # when the node first said it knew none of `hashes`
 
 
 def send(chain: Any, fn: Any, sender: Any, *, value: int = 0, context: str) -> Any:
@@ -384,7 +387,13 @@ def _wait_mined(chain: Any, attempt: _Attempt, fn: Any, sender: Any, value: int,
                 receipt = _receipt(w3, tx_hash)
                 if receipt is not None:
                     return receipt
-            if not any(_known(w3, h) for h in attempt.hashes):
+            if any(_known(w3, h) for h in attempt.hashes):
+                attempt.unknown_since = None
+            else:
+                # a node behind a load balancer may not know a transaction a moment after
+                # another accepted it: lost only once unknown for LOST_AFTER_S
+                attempt.unknown_since = attempt.unknown_since or time.monotonic()
+            if attempt.unknown_since is not None and time.monotonic() - attempt.unknown_since >= LOST_AFTER_S:
                 if w3.eth.get_transaction_count(sender.address, "latest") > attempt.tx["nonce"]:
                     # the nonce is used, but by none of ours that the node knows: look once
                     # more (a receipt may have arrived in between), then send anew
@@ -394,8 +403,8 @@ def _wait_mined(chain: Any, attempt: _Attempt, fn: Any, sender: Any, value: int,
                             "removed); sending it again", context)
                 new = _send_new(chain, fn, sender, value, context)
                 attempt.tx, attempt.fees, attempt.sent_at = new.tx, new.fees, new.sent_at
-                attempt.hashes = new.hashes
-            elif time.monotonic() - attempt.sent_at > policy.replace_after_s:
+                attempt.hashes, attempt.unknown_since = new.hashes, None
+            elif attempt.unknown_since is None and time.monotonic() - attempt.sent_at > policy.replace_after_s:
                 _replace(chain, attempt, sender, context)
         except (OSError, Web3Exception) as exc:
             raise chain.failure(context, exc) from None
