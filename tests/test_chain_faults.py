@@ -440,6 +440,26 @@ def test_steps_a_reorganisation_removed_are_committed_again_in_order(anvil, ledg
         rpc_call(anvil.url, "evm_revert", [snapshot])
 
 
+def test_a_reorganisation_between_the_check_and_the_commit_is_repaired_too(anvil, ledger, accounts):
+    said: list[str] = []
+    snapshot = rpc_call(anvil.url, "evm_snapshot")
+    try:
+        run_id, commits, sent = _commits(ledger, accounts, 1, said.append)
+        before_2 = rpc_call(anvil.url, "evm_snapshot")
+        nodes = accounts[1:5]
+        c2 = StepCommit(run_id=run_id, step=2, parent=sent[0].checkpoint, checkpoint=h("ckpt2"),
+                        metrics_digest=h("m"), attestations=_attest(ledger, run_id, 2, sent[0].checkpoint, nodes))
+        commits.commit(c2)
+        rpc_call(anvil.url, "evm_revert", [before_2])  # step 2 gone after commit()'s own check
+        c3 = StepCommit(run_id=run_id, step=3, parent=c2.checkpoint, checkpoint=h("ckpt3"),
+                        metrics_digest=h("m"), attestations=_attest(ledger, run_id, 3, c2.checkpoint, nodes))
+        commits._send(c3)  # refused (LedgerWrongStep): step 2 is repaired, then step 3 sent again
+        assert ledger.head(run_id) == (h("ckpt3"), 3)
+        assert said == [f"chain: step 2 of run {run_id} was removed by a reorganisation; committing it again"]
+    finally:
+        rpc_call(anvil.url, "evm_revert", [snapshot])
+
+
 # -- reads at scale -------------------------------------------------------------------------
 
 

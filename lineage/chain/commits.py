@@ -76,19 +76,20 @@ class StepCommits:
     def _head(self, run_id: int) -> int:
         return int(guard(lambda: self.ledger.head(run_id), f"runHead({run_id})")[1])
 
-    def _send(self, c: StepCommit) -> None:
+    def _send(self, c: StepCommit, again: bool = True) -> None:
         try:
             self.ledger.commit_step(
                 self.submitter, run_id=c.run_id, step=c.step, parent=c.parent, checkpoint=c.checkpoint,
                 metrics_digest=c.metrics_digest, attestations=c.attestations, replica_set=c.replica_set)
-        except ChainRevertError as exc:
+        except TrainingError:  # the endpoint stayed away, fees above the cap: nothing to check
+            raise
+        except ChainError as exc:  # a refusal, or a failed transaction
             if self.recorded(c):  # sent before (lost, then mined after all, or sent twice): done
                 return
-            raise ChainFailure(str(exc)) from None
-        except TrainingError:
-            raise
-        except ChainError as exc:
-            if self.recorded(c):
+            # a reorganisation between the check before this commit and its block removed
+            # its parent: repair, then send it once more
+            if again and self._head(c.run_id) < c.step - 1 and self.repair(c.run_id, c.step - 1):
+                self._send(c, again=False)
                 return
             raise ChainFailure(str(exc)) from None
 

@@ -68,7 +68,7 @@ class TxPolicy:
     #: Seconds between two polls for a receipt or a new block.
     poll_s: float = 0.2
     #: Seconds one HTTP request may take before it counts as a timeout.
-    request_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0
 
 
 def transient(exc: BaseException) -> bool:
@@ -132,11 +132,13 @@ class Outage:
 
 class PatientProvider(HTTPProvider):
     """An HTTPProvider that retries transient failures (`transient`) for `outage_s` seconds;
-    web3's own retry (a few quick tries of read methods only) is off."""
+    web3's own retry (a few quick tries of read methods only) is off then, and kept where
+    no outage is waited for (`outage_s` 0: the readers, a local anvil)."""
 
     def __init__(self, url: str, policy: TxPolicy, **kwargs: Any) -> None:
-        super().__init__(url, request_kwargs={"timeout": policy.request_timeout_s},
-                         exception_retry_configuration=None, **kwargs)
+        if policy.outage_s > 0:
+            kwargs["exception_retry_configuration"] = None
+        super().__init__(url, request_kwargs={"timeout": policy.request_timeout_s}, **kwargs)
         self.policy = policy
 
     def make_request(self, method: Any, params: Any) -> Any:
