@@ -6,7 +6,7 @@ the matching built-in, so callers can catch either.
 
 from __future__ import annotations
 
-from trainer.errors import DlxError
+from trainer.errors import DlxError, TrainingError
 
 
 class StorageError(DlxError, OSError):
@@ -51,3 +51,17 @@ def _fmt(value: object) -> str:
     if isinstance(value, bytes | bytearray):
         return "0x" + bytes(value).hex()
     return str(value)
+
+
+class ChainFailure(ChainError, TrainingError):
+    """A run's chain failed it after it started (exit code 1, not the bad-input 2): the
+    endpoint stayed unavailable, fees rose past the cap, or a commit was refused; the chain
+    holds every step committed before, and `--resume` continues (docs/chain.md)."""
+
+
+class ChainUnavailable(ChainFailure):
+    """The endpoint refused, timed out or rate-limited for longer than `[chain] outage_s`."""
+
+
+class ChainFeeError(ChainFailure):
+    """The chain's base fee is above `[chain] max_fee_gwei`."""

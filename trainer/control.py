@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.hooks import RankHooks
 
@@ -108,3 +109,8 @@ class RankControl:
     # this host; every rank of a world gets the same directory (their object collectives
     # pass file names). None: the rank holds them in memory.
     spill_dir: str | None = None
+    # A semaphore global rank 0 takes before each ("step", ...) event and the launcher gives
+    # back once its sink has taken the step (committed it on a chain): at most its initial
+    # value of steps wait, and then rank 0, and with it every rank at the next collective,
+    # pauses (a sink's `max_pending`: a chain outage). None: steps never wait.
+    step_slots: Any = None

@@ -1262,6 +1262,8 @@ class RoundLoop:
         gathered = self._gather((contribution, shard, eval_loss, self._rank_stats()))
         if topo.rank == 0:
             assert gathered is not None
+            if self.control.step_slots is not None:  # the sink's backlog is full: wait for it
+                self.control.step_slots.acquire()
             self.emit("step", self._step_artifacts(applied.round, gathered))
         del gathered, contribution, shard
         release_free_memory()

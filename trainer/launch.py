@@ -217,7 +217,7 @@ def _train_local(job: JobConfig, sink: StepSink, timeout_s: float | None, init_m
         for rank, control in enumerate(controls):
             sup.start(rank, train_rank, (rank, job.world_size, init_method, job, control),
                       name=f"dlx-rank-{rank}", options=ChildOptions(netns=netns[rank], ignore_sigint=True))
-        return _supervise(sup, job.world_size, sink, timeout_s)
+        return _supervise(sup, job.world_size, sink, timeout_s, controls[0].step_slots)
 
 
 def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None, hooks: Any,
@@ -227,8 +227,11 @@ def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None
     from trainer.control import RankControl
 
     cuda = check_local(job).startswith("cuda")
+    pending = getattr(sink, "max_pending", None)  # a chain's sink: steps that may wait to be committed
+    slots = mp.get_context("spawn").Semaphore(pending) if pending else None
     return [
         RankControl(stop_requested=StopFlag(stop) if stop is not None and rank == 0 else None,
+                    step_slots=slots if rank == 0 else None,
                     cancellable=stop is not None, start=start[rank] if start else None,
                     shard_digest=getattr(sink, "shard_digest", None),  # a ledger's sink co-signs shards
                     gpu=rank if cuda else None, spill_dir=spill_dir, **({} if hooks is None else {"hooks": hooks}))
@@ -236,8 +239,10 @@ def _controls(job: JobConfig, sink: StepSink, stop: Any, start: list[Any] | None
     ]
 
 
-def _supervise(sup: Supervisor, world: int, sink: StepSink, timeout_s: float | None) -> Outcome:
-    """Pass rank 0's events to `sink` until every rank is done or stopped; on a failure
+def _supervise(sup: Supervisor, world: int, sink: StepSink, timeout_s: float | None,
+               step_slots: Any = None) -> Outcome:
+    """Pass rank 0's events to `sink` until every rank is done or stopped, giving back one
+    of `step_slots` (`RankControl.step_slots`) for each step the sink took; on a failure
     wait GRACE_S for the root cause and raise one TrainingError naming it."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     done: set[int] = set()
@@ -262,6 +267,8 @@ def _supervise(sup: Supervisor, world: int, sink: StepSink, timeout_s: float | N
                 stopped.add(rank)
             elif failed_at is None:
                 _dispatch(sink, kind, payload)
+                if kind == "step" and step_slots is not None:
+                    step_slots.release()
         for rank, code in sup.dead():
             if rank not in errors:
                 # Died, maybe without a word (killed, segfault). A rank that raised

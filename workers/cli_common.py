@@ -218,7 +218,10 @@ class Endpoint:
             ledger = _call(chain.contract("NodeRegistry", registry).functions.ledger(), "registry", registry)
         # A registry no ledger is bound to yet still serves the node commands; its Ledger
         # object then points its ledger half at the registry, and `node_status` knows.
-        yield Ledger(chain, registry, registry if ledger == ZERO_ADDRESS else ledger)
+        out = Ledger(chain, registry, registry if ledger == ZERO_ADDRESS else ledger)
+        if self.record is not None and self.run_dir is not None and ledger == self.record.ledger:
+            self.record.read_from(out, self.run_dir)  # from the run's creation block
+        yield out
 
 
 def _call(fn: Any, what: str, where: str) -> str:

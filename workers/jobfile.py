@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -52,6 +52,28 @@ class ChainConfig(_Section):
         description="What may not sign slots of two replicas of one step: a node key (keys), or the nodes of one "
         "operator, the registry's operator address of a node (operators).",
     )
+    confirmations: int | None = Field(
+        None, ge=0, le=64,
+        description="Blocks on top of a commit before its step is named in run.json, printed and reported; unset: "
+        "0 on the embedded anvil (nothing else writes to it, it never reorganises), 2 on any other chain.",
+    )
+    outage_s: float = Field(
+        600, ge=0, description="Seconds an outage of the endpoint (refused, timed out, HTTP 429 or 5xx) is retried "
+        "before the run fails (exit 1; --resume continues); not on the embedded anvil or the stack's, whose outage "
+        "is a dead process.",
+    )
+    max_pending: int = Field(
+        2, ge=1, description="Outer steps that may wait to be committed before the ranks pause.",
+    )
+    max_fee_gwei: float | None = Field(
+        None, gt=0, description="The most a transaction pays per gas, in gwei; unset: no cap.",
+    )
+    replace_after_s: float = Field(
+        30, gt=0, description="Seconds a transaction may wait unmined before it is replaced with 12.5% higher fees.",
+    )
+    log_range: int = Field(
+        10_000, ge=1, description="Blocks per eth_getLogs request when the ledger's events are read (endpoints cap it).",
+    )
 
     @field_validator("rpc")
     @classmethod
@@ -59,6 +81,16 @@ class ChainConfig(_Section):
         if rpc is not None and not rpc.startswith(("http://", "https://")):
             raise ValueError(f"must be an http:// or https:// JSON-RPC URL (got {rpc!r})")
         return rpc
+
+    def policy(self, embedded: bool) -> Any:
+        """The `lineage.chain.tx.TxPolicy` of these settings, on a local anvil of our own
+        (`embedded`: `dlx train`'s, or the stack's) or not. A local anvil that refuses has
+        died, and no wait brings it back: there outages are not waited for."""
+        from lineage.chain.tx import TxPolicy
+
+        confirmations = self.confirmations if self.confirmations is not None else (0 if embedded else 2)
+        return TxPolicy(confirmations=confirmations, outage_s=0.0 if embedded else self.outage_s,
+                        max_fee_gwei=self.max_fee_gwei, replace_after_s=self.replace_after_s)
 
     @model_validator(mode="after")
     def _stake_covers_minimum(self) -> ChainConfig:

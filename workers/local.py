@@ -35,8 +35,10 @@ from eth_account.signers.local import LocalAccount
 from lineage.chain.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
 from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
 from lineage.chain.client import Chain, artifact
+from lineage.chain.commits import guard
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
+from lineage.chain.tx import TxPolicy
 from lineage.store.cid import DAG_CBOR, cid_from_digest
 from lineage.store.datasets import prepare_dataset
 from lineage.store.manifest import get_manifest
@@ -72,8 +74,8 @@ class PersistedChain(Chain):
     it sends, before the caller learns it went through: what the caller records next
     (run.json's head) is already in the file, even if anvil is killed a moment later."""
 
-    def __init__(self, anvil: Anvil, expected_chain_id: int | None = None) -> None:
-        super().__init__(anvil.url, expected_chain_id)
+    def __init__(self, anvil: Anvil, expected_chain_id: int | None = None, policy: TxPolicy | None = None) -> None:
+        super().__init__(anvil.url, expected_chain_id, policy)
         self.anvil = anvil
 
     def transact(self, fn: Any, sender: LocalAccount, *, value: int = 0, context: str) -> Any:
@@ -252,12 +254,11 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
             stop = stack.enter_context(stop_on_signals(cb))
             run_dir.mkdir(parents=True, exist_ok=True)
             chain = _open_chain(stack, run_dir / CHAIN_STATE if embedded else None, rpc,
-                                job.chain.chain_id, job.world_size)
+                                job.chain.chain_id, job.world_size, job.chain.policy(embedded))
             submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
             shutil.copyfile(job_path, run_dir / "job.toml")
-            ledger = Ledger.deploy(chain, submitter)
-            for node in {k.address: k for k in slot_keys}.values():
-                ledger.registry.ensure_staked(node, job.chain.stake_wei)
+            ledger = guard(lambda: _deploy_and_stake(chain, submitter, slot_keys, job.chain.stake_wei),
+                           "deploying the ledger")
             blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
             record = RunRecord(
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,
@@ -290,10 +291,10 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
         if embedded and not state.is_file():
             raise ConfigError(f"the run's chain state file is missing: {state}")
         chain = _open_chain(stack, state if embedded else None, rpc or record.rpc, record.chain_id,
-                            job.world_size)
+                            job.world_size, job.chain.policy(embedded))
         submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
         ledger = Ledger(chain, record.registry, record.ledger)
-        head, step = ledger.head(record.run_id)
+        head, step = guard(lambda: ledger.head(record.run_id), f"runHead({record.run_id})")
         checkpoint = cid_from_digest(head, DAG_CBOR)
         record.head, record.steps = str(checkpoint), step  # the chain's head, whatever run.json said
         if step >= job.outer.steps:  # it crashed after its last commit: only run.json lagged
@@ -313,6 +314,14 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
         except BaseException as exc:
             _record_end(record, run_dir, exc)
             raise
+
+
+def _deploy_and_stake(chain: Chain, submitter: LocalAccount, slot_keys: list[LocalAccount], stake: int) -> Ledger:
+    """A registry and ledger of the run's own, each slot's node staked on it."""
+    ledger = Ledger.deploy(chain, submitter)
+    for node in {k.address: k for k in slot_keys}.values():
+        ledger.registry.ensure_staked(node, stake)
+    return ledger
 
 
 def resumable(run_dir: Path) -> tuple[RunRecord, JobFile]:
@@ -350,13 +359,14 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
 
 
 def _open_chain(stack: ExitStack, state: Path | None, rpc: str | None, chain_id: int | None,
-                world: int) -> Chain:
+                world: int, policy: TxPolicy | None = None) -> Chain:
     """The run's chain: the embedded anvil on `state` (in its own process group, dying with
-    this process; stopped when `stack` closes), or the chain at `rpc`."""
+    this process; stopped when `stack` closes), or the chain at `rpc`; sending with `policy`
+    (the job's `[chain]` confirmations, outage budget and fee cap)."""
     if state is None:
-        return Chain(rpc, chain_id)  # type: ignore[arg-type]
+        return Chain(rpc, chain_id, policy)  # type: ignore[arg-type]
     anvil = stack.enter_context(Anvil(state_path=state, accounts=world + 1, own_group=True))
-    return PersistedChain(anvil, chain_id)
+    return PersistedChain(anvil, chain_id, policy)
 
 
 def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submitter: LocalAccount,
@@ -377,7 +387,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, on_progress=cb.progress,
         on_committed=Retention.for_job(job, record.open_store(run_dir), ledger, record, cb.committed),
-        tracking=job.tracking, hooks=cheats or HONEST,
+        tracking=job.tracking, hooks=cheats or HONEST, max_pending=job.chain.max_pending,
     )
 
 
@@ -385,6 +395,7 @@ def _train(sink: LedgerSink, job: JobFile, record: RunRecord, run_dir: Path, sto
            start: list[Any] | None = None) -> RunRecord:
     """Run the ranks to the end or to a requested stop; record how the run ended."""
     outcome = train_local(sink.job, sink, stop=stop, start=start, hooks=cheat.hooks(job.cheat, job))
+    sink.finish()  # the chain's head is still the last step committed (a reorganisation repaired)
     record.status = outcome
     record.save(run_dir)
     return record

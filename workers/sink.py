@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Required, TypedDict, Unpack
@@ -39,6 +40,7 @@ from lineage.chain.attest import (
     replica_bitmap,
     shard_digest,
 )
+from lineage.chain.commits import StepCommit, StepCommits, guard
 from lineage.chain.ledger import Attestation, Ledger, RunSpec
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -123,6 +125,8 @@ class SinkOptions(TypedDict, total=False):
     on_committed: Callable[[int, CID, StepArtifacts], None] | None
     tracking: object | None  # the job file's `[tracking]` section (workers.jobfile.TrackingConfig)
     hooks: CommitHooks  # what is stored, committed on and signed (default HONEST; a test injects cheats)
+    say: Callable[[str], None] | None  # one line per repaired reorganisation (default: stderr)
+    max_pending: int | None  # steps that may wait to be committed before the ranks pause (None: no limit)
 
 
 def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> tuple[list[str], Signer]:
@@ -162,9 +166,14 @@ class LedgerSink:
         self.independence = options.get("independence", "keys")
         self.code = code_hash()
         self._progress = options.get("on_progress")
+        self.commits = StepCommits(ledger, self.submitter, options.get("say") or _say)
+        #: Steps that may wait to be committed before the ranks pause (`[chain] max_pending`;
+        #: trainer.launch reads it, as `shard_digest`).
+        self.max_pending = options.get("max_pending")
         self._committed = options.get("on_committed")
         self._config_cid: CID | None = None
         self._head: CID | None = None
+        self._head_genesis: CID | None = None  # the genesis manifest, while createRun is sent
         # the `param_digest` of the shards stored lately, by CID text: what round-start
         # states may refer to (a resumed run reads its last ones back once)
         self._weights: dict[str, bytes | None] = {}
@@ -187,8 +196,23 @@ class LedgerSink:
             stages = [self._put_shard(staged, s.data) for s in genesis.stages]
             manifest = Manifest(step=0, parent=None, config=self._config_cid, stages=stages, code=self.code)
             head = put_manifest(staged, manifest)
+        self._head_genesis = head
         nodes = list(dict.fromkeys(self.slot_nodes))
-        run_id = self.ledger.create_run(self.submitter, RunSpec(
+        before = guard(lambda: self.ledger.chain.w3.eth.block_number, "eth_blockNumber")
+        run_id = guard(lambda: self._create_run(nodes), "createRun")
+        self._head = head
+        r = self.record
+        r.run_id, r.config, r.genesis, r.head, r.nodes, r.status = (
+            run_id, str(self._config_cid), str(head), str(head), nodes, "running",
+        )
+        r.created_block = self._created_block(run_id, before)
+        r.save(self.run_dir)
+        self._pin(head)
+
+    def _create_run(self, nodes: list[str]) -> int:
+        head = self._head_genesis
+        assert self._config_cid is not None and head is not None
+        return int(self.ledger.create_run(self.submitter, RunSpec(
             config_digest=digest_of(self._config_cid),
             genesis_digest=digest_of(head),
             nodes=nodes,
@@ -200,14 +224,17 @@ class LedgerSink:
             arbiters=self.arbiters,
             quorum=self.quorum,
             independence=self.independence,
-        ))
-        self._head = head
-        r = self.record
-        r.run_id, r.config, r.genesis, r.head, r.nodes, r.status = (
-            run_id, str(self._config_cid), str(head), str(head), nodes, "running",
-        )
-        r.save(self.run_dir)
-        self._pin(head)
+        )))
+
+    def _created_block(self, run_id: int, before: int) -> int:
+        """The block the run's createRun was mined in (searched from `before`, the head
+        when it was sent), where reads of its events start (`RunRecord.created_block`)."""
+        from lineage.chain.logs import ranged_logs
+
+        event = self.ledger.ledger.events.RunCreated()
+        logs = guard(lambda: ranged_logs(event, from_block=max(0, before - 64), argument_filters={"runId": run_id}),
+                      "RunCreated")
+        return int(logs[0]["blockNumber"]) if logs else 0
 
     def on_step(self, step: StepArtifacts) -> None:
         if self._head is None or self._config_cid is None:
@@ -230,16 +257,11 @@ class LedgerSink:
                             c.new_shard, c.replica_set)
                 for c, sig in zip(claims, signatures, strict=True)
             ]
-            self.ledger.commit_step(
-                self.submitter,
-                run_id=self.record.run_id,
-                step=step.step,
-                parent=digest_of(parent_cid),
-                checkpoint=digest_of(checkpoint),
-                metrics_digest=manifest.metrics_digest(),
-                attestations=attestations,
-                replica_set=replica_bitmap(present),
-            )
+            self.commits.commit(StepCommit(
+                run_id=self.record.run_id, step=step.step, parent=digest_of(parent_cid),
+                checkpoint=digest_of(checkpoint), metrics_digest=manifest.metrics_digest(),
+                attestations=attestations, replica_set=replica_bitmap(present),
+            ))
         self._head = checkpoint
         timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         with open(self.run_dir / TIMINGS_FILE, "a") as fh:
@@ -253,6 +275,14 @@ class LedgerSink:
                 tracker.finish(True)
         if self._committed:
             self._committed(step.step, checkpoint, step)
+        if step.step == self.job.outer.steps:
+            self.finish()
+
+    def finish(self) -> None:
+        """At the end of a run: check that the chain's head is the last step committed,
+        committing again what a reorganisation removed (`StepCommits.repair`)."""
+        if self.record.run_id and self.record.steps:
+            self.commits.repair(self.record.run_id, self.record.steps)
 
     def _present(self, step: StepArtifacts) -> tuple[int, ...]:
         """The replica ids `step` averages (all R when it names none), checked against the
@@ -336,10 +366,12 @@ class LedgerSink:
         raise TrainingDiverged(message)
 
     def _already_committed(self, step: int, checkpoint: CID) -> bool:
-        _, head_step = self.ledger.head(self.record.run_id)
+        run_id = self.record.run_id
+        _, head_step = guard(lambda: self.ledger.head(run_id), f"runHead({run_id})")
         if head_step < step:
             return False
-        on_chain = self.ledger.ledger.functions.stepCheckpoint(self.record.run_id, step).call()
+        on_chain = guard(self.ledger.ledger.functions.stepCheckpoint(run_id, step).call,
+                         f"stepCheckpoint({run_id}, {step})")
         if bytes(on_chain) != digest_of(checkpoint):
             raise TrainingError(f"step {step} is already committed with another checkpoint "
                                 f"(0x{bytes(on_chain).hex()}); this run cannot continue from {self._head}")
@@ -390,6 +422,11 @@ class LedgerSink:
             tracker.inner(record)
         if self._progress:
             self._progress(progress)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _put_file(store: Blockstore, data: bytes) -> CID:

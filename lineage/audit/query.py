@@ -45,6 +45,13 @@ def open_ledger(run_dir: Path, record: RunRecord, rpc: str | None = None, *,
     """Connect to the run's chain; for an embedded chain, start anvil on its state file:
     on a copy to read, or on the file itself (`writable`), which anvil rewrites at exit so
     transactions sent meanwhile stay in the run's chain."""
+    with _open_ledger(run_dir, record, rpc, writable=writable) as ledger:
+        record.read_from(ledger, run_dir)
+        yield ledger
+
+
+@contextmanager
+def _open_ledger(run_dir: Path, record: RunRecord, rpc: str | None, *, writable: bool) -> Iterator[Ledger]:
     url = rpc or record.rpc
     if url:
         yield Ledger(Chain(url, record.chain_id), record.registry, record.ledger)
@@ -182,7 +189,7 @@ def checkpoint_lineage(ledger: Ledger, store: Any, checkpoint: str | CID) -> Lin
 
 
 def _run_of_genesis(ledger: Ledger, genesis: CID) -> int:
-    logs = ledger.ledger.events.RunCreated().get_logs(from_block=0)
+    logs = ledger.logs(ledger.ledger.events.RunCreated(), {})
     runs = [int(log["args"]["runId"]) for log in logs if bytes(log["args"]["genesisDigest"]) == digest_of(genesis)]
     if len(runs) != 1:
         where = f"runs {', '.join(map(str, runs))}" if runs else "no run"

@@ -208,6 +208,10 @@ class Anvil:
         self.stop()
 
 
+#: Seconds `keep_state` goes on asking a chain that does not answer before it stops.
+KEEP_PATIENCE_S = 30.0
+
+
 def keep_state(url: str, path: Path, poll_s: float = 0.25) -> None:
     """Save the state of the anvil at `url` to `path` after every new block, until SIGTERM
     (then once more) or until anvil stops answering: for a chain whose transactions come
@@ -220,14 +224,20 @@ def keep_state(url: str, path: Path, poll_s: float = 0.25) -> None:
 
     signal.signal(signal.SIGTERM, stop)
     saved: object = None
+    failing_since: float | None = None
     while True:
         try:
             block = rpc_call(url, "eth_blockNumber")
             if block != saved or stopping:
                 dump_state(url, path)
                 saved = block
+            failing_since = None
         except (OSError, ChainError):
-            return  # anvil is gone; its last state is in the file
+            # gone, or only slow or frozen for a while (SIGSTOP, a loaded machine): give up
+            # after KEEP_PATIENCE_S without an answer; its last state is in the file
+            failing_since = failing_since or time.monotonic()
+            if stopping or time.monotonic() - failing_since > KEEP_PATIENCE_S:
+                return
         if stopping:
             return
         time.sleep(poll_s)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -21,11 +19,12 @@ from eth_abi import decode as abi_decode
 from eth_account.signers.local import LocalAccount
 from eth_utils import keccak, to_checksum_address
 from web3 import Web3
-from web3.exceptions import ContractLogicError, TimeExhausted, Web3Exception, Web3RPCError
+from web3.exceptions import ContractLogicError, Web3Exception
 
 from lineage.errors import ChainError, ChainRevertError
 
 from .anvil import PROJECT_ROOT
+from .tx import PatientProvider, TxPolicy, send, why_failed
 
 
 def contracts_out() -> Path:
@@ -81,35 +80,6 @@ def decode_revert(data: str | bytes | dict[str, str] | None, context: str = "") 
     return ChainRevertError(item["name"], {i["name"]: v for i, v in zip(item["inputs"], values, strict=True)}, context)
 
 
-def why_failed(exc: BaseException) -> str:
-    """What a failed chain request means, in the user's terms: not urllib3's retry chain,
-    requests' adapter names or a JSON-RPC error dict."""
-    import requests
-
-    if isinstance(exc, requests.exceptions.InvalidSchema | requests.exceptions.MissingSchema
-                  | requests.exceptions.InvalidURL):
-        return "not an http:// or https:// URL"
-    if isinstance(exc, requests.exceptions.Timeout):
-        return "no answer in time"
-    if isinstance(exc, requests.exceptions.ConnectionError):
-        text = str(exc)
-        if "refused" in text.lower():
-            return "connection refused"
-        if "resolve" in text or "Name or service not known" in text:
-            return "unknown host"
-        return "connection lost"
-    if isinstance(exc, requests.exceptions.HTTPError) and exc.response is not None:
-        return f"HTTP {exc.response.status_code} (not a JSON-RPC endpoint)"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, Web3RPCError) and isinstance(exc.rpc_response, dict):
-        error = exc.rpc_response.get("error")
-        if isinstance(error, dict) and error.get("message"):
-            return str(error["message"])
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else exc.__class__.__name__
-
-
 def chain_failure(context: str, exc: BaseException, url: str | None) -> ChainError:
     """One line for a failed request: a transport failure names the endpoint (the chain was
     refused, lost or is no chain at all); a JSON-RPC error gives the node's message."""
@@ -135,31 +105,15 @@ def call_view(fn: Any, context: str) -> Any:
         raise chain_failure(context, exc, endpoint_of(fn)) from None
 
 
-_NONCE_RETRIES = 8
-_SENDER_LOCKS: dict[str, threading.Lock] = {}
-_SENDER_LOCKS_GUARD = threading.Lock()
-
-
-def _sender_lock(address: str) -> threading.Lock:
-    with _SENDER_LOCKS_GUARD:
-        return _SENDER_LOCKS.setdefault(address.lower(), threading.Lock())
-
-
-def _nonce_taken(exc: Exception) -> bool:
-    """Whether a send failed because another transaction took its nonce first."""
-    text = str(exc).lower()
-    return any(m in text for m in ("nonce too low", "already known", "replacement transaction underpriced",
-                                   "transaction already imported"))
-
-
 class Chain:
     """A web3 connection plus a signer-side transaction helper."""
 
-    def __init__(self, rpc_url: str, expected_chain_id: int | None = None) -> None:
+    def __init__(self, rpc_url: str, expected_chain_id: int | None = None, policy: TxPolicy | None = None) -> None:
         self.rpc_url = rpc_url
+        self.policy = policy or TxPolicy()
         # eth_chainId is cached: web3 asks for it before every call and transaction.
-        self.w3 = Web3(Web3.HTTPProvider(rpc_url, request_kwargs={"timeout": 30}, cache_allowed_requests=True,
-                                         cacheable_requests={"eth_chainId"}))
+        self.w3 = Web3(PatientProvider(rpc_url, self.policy, cache_allowed_requests=True,
+                                       cacheable_requests={"eth_chainId"}))
         try:
             self.chain_id = self.w3.eth.chain_id
         except (OSError, Web3Exception) as exc:
@@ -168,44 +122,19 @@ class Chain:
             raise ChainError(f"wrong chain id at {rpc_url}: expected {expected_chain_id}, got {self.chain_id}")
 
     def transact(self, fn: Any, sender: LocalAccount, *, value: int = 0, context: str) -> Any:
-        """Sign and send a contract call (or constructor) from `sender`; return the receipt.
+        """Sign and send a contract call (or constructor) from `sender`; return the receipt
+        once it has `policy.confirmations` blocks on top (`lineage.chain.tx.send`: fees,
+        replacement of a stuck transaction, a lost one sent again, one nonce at a time per
+        key in this process, and a nonce another process took first retried)."""
+        return send(self, fn, sender, value=value, context=context)
 
-        Nonces: one sender's transactions from this process go out one at a time (a lock per
-        address), and a nonce another process took first ("nonce too low") is retried with
-        the chain's next pending nonce, so several senders, or several tools sharing one
-        key, can transact at once.
-        """
-        with _sender_lock(sender.address):
-            for attempt in range(_NONCE_RETRIES):
-                try:
-                    tx = fn.build_transaction({
-                        "from": sender.address,
-                        "value": value,
-                        "nonce": self.w3.eth.get_transaction_count(sender.address, "pending"),
-                        "chainId": self.chain_id,
-                    })
-                except ContractLogicError as exc:
-                    raise decode_revert(exc.data, context) from None
-                except (OSError, Web3Exception) as exc:
-                    raise chain_failure(context, exc, self.rpc_url) from None
-                signed = sender.sign_transaction(tx)
-                try:
-                    tx_hash = self.w3.eth.send_raw_transaction(signed.raw_transaction)
-                except (OSError, Web3Exception) as exc:
-                    if _nonce_taken(exc) and attempt + 1 < _NONCE_RETRIES:
-                        time.sleep(0.05 * (attempt + 1))
-                        continue
-                    raise chain_failure(context, exc, self.rpc_url) from None
-                break
-            try:
-                receipt = self.w3.eth.wait_for_transaction_receipt(tx_hash, timeout=120)
-            except TimeExhausted:
-                raise ChainError(f"{context}: no receipt within 120 s") from None
-            except (OSError, Web3Exception) as exc:
-                raise chain_failure(context, exc, self.rpc_url) from None
-        if receipt["status"] != 1:
-            raise ChainError(f"{context}: transaction {tx_hash.to_0x_hex()} failed")
-        return receipt
+    def revert(self, data: Any, context: str) -> ChainError:
+        """`decode_revert` (the contract's custom error by name)."""
+        return decode_revert(data, context)
+
+    def failure(self, context: str, exc: BaseException) -> ChainError:
+        """`chain_failure` on this chain's endpoint."""
+        return chain_failure(context, exc, self.rpc_url)
 
     def require_funds(self, account: str, amount: int, what: str) -> None:
         """Refuse, before anything is sent, a payment `account` cannot make with gas on top

@@ -45,6 +45,7 @@ from .client import (
     call_view,
     chain_failure,
 )
+from .logs import DEFAULT_LOG_RANGE, ranged_logs
 from .registry import Registry
 
 #: Where slashed stake goes when no treasury is named: nobody holds its key.
@@ -299,6 +300,9 @@ class Ledger:
 
     def __init__(self, chain: Chain, registry: str, ledger: str) -> None:
         self.chain = chain
+        #: Where event reads start (a run's `RunRecord.created_block`) and how many blocks
+        #: one `eth_getLogs` spans (`[chain] log_range`): `lineage.chain.logs`.
+        self.from_block, self.log_range = 0, DEFAULT_LOG_RANGE
         self.registry = Registry(chain, registry)
         self.version = ledger_version(chain, ledger)
         name = "TrainingLedger" if self.version == DOMAIN_VERSION else f"TrainingLedger-v{self.version}"
@@ -386,10 +390,15 @@ class Ledger:
         return bytes(head), int(step)
 
     def _run_created_log(self, run_id: int) -> Any:
-        logs = self.ledger.events.RunCreated().get_logs(from_block=0, argument_filters={"runId": run_id})
+        logs = self.logs(self.ledger.events.RunCreated(), {"runId": run_id})
         if not logs:
             raise ChainError(f"run {run_id} not found on ledger {self.ledger.address}")
         return logs[0]
+
+    def logs(self, event: Any, argument_filters: dict[str, Any]) -> list[Any]:
+        """`event`'s logs matching `argument_filters`, from `from_block`, in ranges of `log_range`."""
+        return ranged_logs(event, from_block=self.from_block, log_range=self.log_range,
+                           argument_filters=argument_filters)
 
     def run_created(self, run_id: int) -> RunInfo:
         """The run's `RunCreated` event."""
@@ -426,12 +435,8 @@ class Ledger:
 
     def _commit_records(self, run_id: int) -> list[StepRecord]:
         """Every `StepCommitted` event of `run_id` with its attestations, oldest first."""
-        committed = self.ledger.events.StepCommitted().get_logs(
-            from_block=0, argument_filters={"runId": run_id}
-        )
-        attested = self.ledger.events.ContributionAttested().get_logs(
-            from_block=0, argument_filters={"runId": run_id}
-        )
+        committed = self.logs(self.ledger.events.StepCommitted(), {"runId": run_id})
+        attested = self.logs(self.ledger.events.ContributionAttested(), {"runId": run_id})
         by_tx: dict[str, list[dict[str, Any]]] = {}
         for log in attested:
             by_tx.setdefault(log["transactionHash"].to_0x_hex(), []).append(dict(log["args"]))
@@ -572,8 +577,7 @@ class Ledger:
         if self.version == "1":  # no aggregate challenges before co-signed shards
             c = (*c[:6], False, *c[6:])
         run_id, step, epoch, replica, stage, resolved, aggregate, opened_at, node, challenger, bond = c
-        logs = self.ledger.events.ChallengeOpened().get_logs(
-            from_block=0, argument_filters={"challengeId": challenge_id})
+        logs = self.logs(self.ledger.events.ChallengeOpened(), {"challengeId": challenge_id})
         return ChallengeRecord(
             challenge_id=challenge_id, run_id=int(run_id), step=int(step), epoch=int(epoch), replica=int(replica),
             stage=int(stage), resolved=bool(resolved), aggregate=bool(aggregate), opened_at=int(opened_at),
@@ -585,11 +589,11 @@ class Ledger:
         what became of it (`OpenedChallenge`)."""
         filters = {"runId": run_id} if run_id is not None else {}
         events = self.ledger.events
-        opened = events.ChallengeOpened().get_logs(from_block=0, argument_filters=filters)
+        opened = self.logs(events.ChallengeOpened(), filters)
         resolved = {int(log["args"]["challengeId"]): bool(log["args"]["upheld"])
-                    for log in events.ChallengeResolved().get_logs(from_block=0, argument_filters=filters)}
+                    for log in self.logs(events.ChallengeResolved(), filters)}
         expired = {int(log["args"]["challengeId"])
-                   for log in events.ChallengeExpired().get_logs(from_block=0, argument_filters=filters)}
+                   for log in self.logs(events.ChallengeExpired(), filters)}
         out = []
         for log in opened:
             a = log["args"]
@@ -701,7 +705,7 @@ class Ledger:
 
     def rejections(self, run_id: int) -> list[Rejection]:
         """Every `StepRejected` event of `run_id`, oldest first."""
-        logs = self.ledger.events.StepRejected().get_logs(from_block=0, argument_filters={"runId": run_id})
+        logs = self.logs(self.ledger.events.StepRejected(), {"runId": run_id})
         return [Rejection(int(a["runId"]), int(a["step"]), bytes(a["checkpoint"]), int(a["challengeId"]))
                 for a in (log["args"] for log in logs)]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,20 @@ class RunRecord:
     ipfs_api: str | None = None  # set: blocks live in this IPFS daemon, not in `blocks`
     stack: str | None = None  # set: the local stack (`dlx up`) whose chain this run is on
     job_dir: str | None = None  # the job file's directory (its relative `[model] init` paths)
+    created_block: int = 0   # the block createRun was mined in: where reads of the run's events start
+
+    def read_from(self, ledger: Any, run_dir: Path) -> None:
+        """Have `ledger` (`lineage.chain.ledger.Ledger`) read this run's events from its
+        creation block, `log_range` blocks at a time (the run's job file's `[chain]
+        log_range`, else the default)."""
+        ledger.from_block = self.created_block
+        try:
+            with open(Path(run_dir) / "job.toml", "rb") as fh:
+                log_range = tomllib.load(fh).get("chain", {}).get("log_range")
+        except (OSError, tomllib.TOMLDecodeError, AttributeError):
+            log_range = None
+        if isinstance(log_range, int) and log_range >= 1:
+            ledger.log_range = log_range
 
     def save(self, run_dir: Path) -> None:
         tmp = run_dir / f".{RUN_FILE}.tmp"
