@@ -9,8 +9,9 @@ import {INodeRegistry} from "./interfaces/INodeRegistry.sol";
 /// @notice Registers node keys for their operators, holds the native ETH they stake, escrows
 /// challenge bonds, and pays everything out as pull payments.
 /// @dev ETH enters only through {stake} and {holdBond} (there is no receive or fallback
-/// function) and leaves only through {withdraw} and {claim}, so
-/// `address(this).balance == totalStaked + totalBonds + totalCredits` at all times (forced
+/// function, and {depositPool} from the ledger) and leaves only through {withdraw} and
+/// {claim}, so `address(this).balance == totalStaked + totalBonds + totalCredits + totalPools`
+/// at all times (forced
 /// ETH from `selfdestruct` aside, which can only make the balance larger).
 ///
 /// Why unbonding cannot outrun a challenge: {unbond} moves the whole active stake out, and
@@ -27,6 +28,8 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         uint32 openChallenges;
         uint256 stake;
         uint256 unbonding;
+        uint192 locked;
+        uint64 slashedAt;
     }
 
     uint256 private constant _BPS = 10_000;
@@ -41,10 +44,12 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     uint256 private _totalStaked;
     uint256 private _totalBonds;
     uint256 private _totalCredits;
+    uint256 private _totalPools;
     mapping(address node => Node) private _nodes;
     mapping(address account => uint256) private _credits;
 
-    /// @param treasury_ Receives the non-reporter share of slashed stake (a burn address works).
+    /// @param treasury_ Kept for the deployment ABI; since issue 35 the non-reporter share of
+    /// a slash goes to the run's pool, and the treasury receives nothing.
     /// @param reporterShareBps_ The reporter's share of a slash, in basis points (at most 10,000).
     /// @param unbondingDelay_ Seconds from {unbond} to {withdraw}; the ledger keeps every
     /// challenge window below it.
@@ -108,6 +113,7 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         if (node.releaseAt != 0) revert RegistryUnbonding(nodeKey, node.releaseAt);
         uint256 amount = node.stake;
         if (amount == 0) revert RegistryNothingToUnbond(nodeKey);
+        if (node.locked != 0) revert RegistryStakeLocked(nodeKey, node.locked);
 
         uint64 releaseAt = uint64(block.timestamp) + _unbondingDelay;
         node.stake = 0;
@@ -154,11 +160,57 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         node.stake = 0;
         node.unbonding = 0;
         node.releaseAt = 0;
+        node.slashedAt = uint64(block.timestamp);
         _stakeDecreases += 1;
         _totalStaked -= amount;
+        _totalPools += amount - reward;
         emit Slashed(nodeKey, reporter, amount, reward);
         _credit(reporter, reward);
-        _credit(_treasury, amount - reward);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function lockStake(address nodeKey, uint256 amount) external onlyLedger {
+        Node storage node = _nodes[nodeKey];
+        uint256 locked = node.locked;
+        uint256 free = node.stake > locked ? node.stake - locked : 0;
+        if (free < amount) revert RegistryInsufficientFreeStake(nodeKey, free, amount);
+        locked += amount;
+        // casting to 'uint192' is safe because locked <= stake, and all stake is wei in this contract
+        // forge-lint: disable-next-line(unsafe-typecast)
+        node.locked = uint192(locked);
+        emit StakeLocked(nodeKey, amount, locked);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function unlockStake(address nodeKey, uint256 amount) external onlyLedger {
+        Node storage node = _nodes[nodeKey];
+        uint256 locked = node.locked;
+        locked = locked > amount ? locked - amount : 0;
+        // casting to 'uint192' is safe because it is at most the stored uint192
+        // forge-lint: disable-next-line(unsafe-typecast)
+        node.locked = uint192(locked);
+        emit StakeUnlocked(nodeKey, amount, locked);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function depositPool() external payable onlyLedger {
+        _totalPools += msg.value;
+        emit PoolDeposited(msg.value);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function payFromPool(address[] calldata to, uint256 share) external onlyLedger returns (uint256 total) {
+        if (share == 0) return 0;
+        for (uint256 i = 0; i < to.length; ++i) {
+            if (to[i] == address(0)) continue;
+            total += share;
+            _credits[to[i]] += share;
+            emit Credited(to[i], share);
+        }
+        // Underflow (paying more than the pools hold) reverts with a panic: only a broken
+        // ledger could cause it.
+        _totalPools -= total;
+        _totalCredits += total;
     }
 
     /// @inheritdoc INodeRegistry
@@ -247,6 +299,24 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     /// @inheritdoc INodeRegistry
     function totalStaked() external view returns (uint256) {
         return _totalStaked;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function lockedOf(address node) external view returns (uint256) {
+        return _nodes[node].locked;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function slashedAtOf(address[] calldata nodes) external view returns (uint64[] memory slashedAt) {
+        slashedAt = new uint64[](nodes.length);
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            slashedAt[i] = _nodes[nodes[i]].slashedAt;
+        }
+    }
+
+    /// @inheritdoc INodeRegistry
+    function totalPools() external view returns (uint256) {
+        return _totalPools;
     }
 
     /// @inheritdoc INodeRegistry

@@ -25,7 +25,7 @@ contract LedgerSlashingTest is LedgerFixture {
     }
 
     function _assertAccounting() internal view {
-        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits());
+        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits() + registry.totalPools());
     }
 
     /// @dev A second, different contribution for slot `slot` of `c`, signed by the same key.
@@ -143,7 +143,7 @@ contract LedgerSlashingTest is LedgerFixture {
         assertEq(slashed, MIN_STAKE);
         assertEq(_stakeTotal(nodes[2]), 0);
         assertEq(registry.creditOf(reporter), MIN_STAKE / 2);
-        assertEq(registry.creditOf(treasury), MIN_STAKE / 2);
+        assertEq(registry.totalPools(), MIN_STAKE / 2);
         assertTrue(ledger.isSlashed(ledger.offenceId(0, runId, 1, 1, 0, c.parent, nodes[2])));
         _assertAccounting();
     }
@@ -425,7 +425,7 @@ contract LedgerSlashingTest is LedgerFixture {
         assertEq(_stakeTotal(nodes[1]), 0);
         // Bond back plus the reporter's half of the slashed stake.
         assertEq(registry.creditOf(verifier), MIN_STAKE + MIN_STAKE / 2);
-        assertEq(registry.creditOf(treasury), MIN_STAKE / 2);
+        assertEq(registry.totalPools(), MIN_STAKE / 2);
         assertEq(registry.openChallengesOf(nodes[1]), 0);
         assertTrue(ledger.challenge(id).resolved);
         _assertAccounting();

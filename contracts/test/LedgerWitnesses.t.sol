@@ -17,7 +17,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     }
 
     function _assertAccounting() internal view {
-        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits());
+        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits() + registry.totalPools());
     }
 
     /// @dev Slot `slot` of `c` with its new shard replaced by `shard`, signed by `key`.
@@ -467,12 +467,12 @@ contract LedgerWitnessesTest is LedgerFixture {
         for (uint256 i = 0; i < n; ++i) {
             ids[i] = _challengeAggregate(c, stage);
         }
-        uint256 treasuryBefore = registry.creditOf(treasury);
+        uint256 poolsBefore = registry.totalPools();
         for (uint256 i = 0; i < n; ++i) {
             ledger.resolveChallenge(ids[i], true, _verdicts(ids[i], true, 2));
         }
-        // Two co-signers slashed once each: the treasury got half of each stake, no more.
-        assertEq(registry.creditOf(treasury) - treasuryBefore, MIN_STAKE);
+        // Two co-signers slashed once each: the run's pool got half of each stake, no more.
+        assertEq(registry.totalPools() - poolsBefore, MIN_STAKE);
         assertEq(_stakeTotal(nodes[stage]) + _stakeTotal(nodes[2 + stage]), 0);
         assertEq(_stakeTotal(nodes[1 - stage]), MIN_STAKE);
         _assertAccounting();

@@ -84,7 +84,7 @@ contract NodeRegistryTest is Test {
     }
 
     function _assertAccounting() internal view {
-        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits());
+        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits() + registry.totalPools());
     }
 
     // ---------------------------------------------------------------- constructor and binding
@@ -392,7 +392,7 @@ contract NodeRegistryTest is Test {
 
     // ---------------------------------------------------------------- slash, bonds, credits
 
-    function test_slash_takesActiveAndUnbondingStake_andSplitsItBetweenReporterAndTreasury() public {
+    function test_slash_takesActiveAndUnbondingStake_andSplitsItBetweenReporterAndPools() public {
         _unbonding(4 ether);
         vm.expectEmit(address(registry));
         emit INodeRegistry.Slashed(node, reporter, 4 ether, 1 ether);
@@ -401,7 +401,8 @@ contract NodeRegistryTest is Test {
         assertEq(amount, 4 ether);
         assertEq(reward, 1 ether);
         assertEq(registry.creditOf(reporter), 1 ether);
-        assertEq(registry.creditOf(treasury), 3 ether);
+        assertEq(registry.totalPools(), 3 ether);
+        assertEq(registry.creditOf(treasury), 0);
         assertEq(registry.totalStaked(), 0);
         (uint256 unbonding, uint64 releaseAt) = registry.unbondingOf(node);
         assertEq(unbonding, 0);
@@ -542,8 +543,8 @@ contract NodeRegistryTest is Test {
         (uint256 slashed, uint256 reward) = fuzzed.slash(node, reporter);
         assertEq(slashed, amount);
         assertEq(reward, amount * bps / 10_000);
-        assertEq(fuzzed.creditOf(reporter) + fuzzed.creditOf(treasury), amount);
-        assertEq(address(fuzzed).balance, fuzzed.totalStaked() + fuzzed.totalBonds() + fuzzed.totalCredits());
+        assertEq(fuzzed.creditOf(reporter) + fuzzed.totalPools(), amount);
+        assertEq(address(fuzzed).balance, fuzzed.totalStaked() + fuzzed.totalBonds() + fuzzed.totalCredits() + fuzzed.totalPools());
     }
 }
 
@@ -576,7 +577,7 @@ contract NodeRegistryInvariantTest is Test {
             credits += registry.creditOf(payees[i]);
         }
         assertEq(credits, registry.totalCredits());
-        assertEq(address(registry).balance, stakes + registry.totalBonds() + credits);
+        assertEq(address(registry).balance, stakes + registry.totalBonds() + credits + registry.totalPools());
     }
 
     // Every wei that came in is either still held or was paid out.

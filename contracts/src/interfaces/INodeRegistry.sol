@@ -155,7 +155,8 @@ interface INodeRegistry {
     function claim() external;
 
     /// @notice Takes all of `node`'s stake (active and unbonding): `reporter` is credited
-    /// {reporterShareBps} of it, the treasury the rest. Returns the amounts.
+    /// {reporterShareBps} of it, and the rest goes to the pools (the ledger adds it to the
+    /// run's pool; since issue 35 the treasury receives nothing). Returns the amounts.
     /// @dev Emits a {Slashed} event, and one {Credited} event per non-zero share.
     ///
     /// Requirements:
@@ -248,4 +249,48 @@ interface INodeRegistry {
 
     /// @notice Seconds between {unbond} and {withdraw}; longer than any run's challenge window.
     function unbondingDelay() external view returns (uint64);
+
+    // ------------------------------------------------------------ stake locks and pools (issue 35)
+
+    /// @notice `node` has `free` wei of stake not locked by runs; `required` is needed.
+    error RegistryInsufficientFreeStake(address node, uint256 free, uint256 required);
+
+    /// @notice `node`'s stake is locked (`locked` wei) by runs it is a member of.
+    error RegistryStakeLocked(address node, uint256 locked);
+
+    /// @notice The ledger locked `amount` of `node`'s stake (now `locked` in all).
+    event StakeLocked(address indexed node, uint256 amount, uint256 locked);
+
+    /// @notice The ledger released `amount` of `node`'s locked stake (now `locked`).
+    event StakeUnlocked(address indexed node, uint256 amount, uint256 locked);
+
+    /// @notice `amount` wei entered the run pools the ledger keeps.
+    event PoolDeposited(uint256 amount);
+
+    /// @notice Locks `amount` of `node`'s active stake for a run it joined. Only the ledger.
+    /// @dev Emits a {StakeLocked} event. Reverts with {RegistryInsufficientFreeStake} unless
+    /// the active stake less what is locked already is at least `amount`.
+    function lockStake(address node, uint256 amount) external;
+
+    /// @notice Releases `amount` of `node`'s locked stake (at most what is locked). Only the ledger.
+    /// @dev Emits a {StakeUnlocked} event.
+    function unlockStake(address node, uint256 amount) external;
+
+    /// @notice Adds `msg.value` to the pools. Only the ledger (which keeps each run's share).
+    /// @dev Emits a {PoolDeposited} event.
+    function depositPool() external payable;
+
+    /// @notice Credits `share` wei of the pools to each non-zero entry of `to` (an address
+    /// listed twice is paid twice: one share per slot). Only the ledger. Returns the total.
+    /// @dev Emits one {Credited} event per payee.
+    function payFromPool(address[] calldata to, uint256 share) external returns (uint256 total);
+
+    /// @notice Wei of `node`'s stake locked by runs.
+    function lockedOf(address node) external view returns (uint256);
+
+    /// @notice When each of `nodes` was last slashed (block timestamp; 0: never).
+    function slashedAtOf(address[] calldata nodes) external view returns (uint64[] memory);
+
+    /// @notice Wei held for the ledger's run pools.
+    function totalPools() external view returns (uint256);
 }
