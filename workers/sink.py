@@ -27,7 +27,7 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Required, TypedDict, Unpack
+from typing import Any, Required, TypedDict, Unpack
 
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
@@ -40,6 +40,7 @@ from lineage.chain.attest import (
     shard_digest,
 )
 from lineage.chain.ledger import Attestation, Ledger, RunSpec
+from lineage.chain.rewards import finalize_due
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
@@ -136,6 +137,14 @@ def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> t
     return nodes, signer
 
 
+def _reward_terms(config: dict[str, Any]) -> dict[str, Any]:
+    """The run's admission rule and reward terms (issue 35) from the recorded job file's
+    `[chain]` section; a job file from before them makes a closed run without rewards."""
+    chain = (config.get("job") or {}).get("chain") or {}
+    return {"admission": chain.get("admission", "closed"),
+            "reward_per_step": int(chain.get("reward_wei_per_step", 0)), "fund_wei": int(chain.get("fund_wei", 0))}
+
+
 class LedgerSink:
     """Stores and commits each outer step; one node key per (replica, stage) slot."""
 
@@ -200,6 +209,7 @@ class LedgerSink:
             arbiters=self.arbiters,
             quorum=self.quorum,
             independence=self.independence,
+            **_reward_terms(self.config),
         ))
         self._head = head
         r = self.record
@@ -241,6 +251,9 @@ class LedgerSink:
                 replica_set=replica_bitmap(present),
             )
         self._head = checkpoint
+        if _reward_terms(self.config)["reward_per_step"]:
+            # Nobody has to finalize by hand: each commit pays the steps whose window closed.
+            finalize_due(self.ledger, self.submitter, self.record.run_id)
         timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         with open(self.run_dir / TIMINGS_FILE, "a") as fh:
             fh.write(json.dumps({"step": step.step, "checkpoint": str(checkpoint), **timings}) + "\n")

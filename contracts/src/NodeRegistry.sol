@@ -32,6 +32,14 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         uint64 slashedAt;
     }
 
+    /// @dev A run's reward pool: what is in it, the funding not yet withdrawn, and each
+    /// funder's part of that.
+    struct Pool {
+        uint256 balance;
+        uint256 funded;
+        mapping(address funder => uint256) fundedBy;
+    }
+
     uint256 private constant _BPS = 10_000;
 
     address private immutable _deployer;
@@ -47,6 +55,7 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     uint256 private _totalPools;
     mapping(address node => Node) private _nodes;
     mapping(address account => uint256) private _credits;
+    mapping(uint256 runId => Pool) private _pools;
 
     /// @param treasury_ Kept for the deployment ABI; since issue 35 the non-reporter share of
     /// a slash goes to the run's pool, and the treasury receives nothing.
@@ -152,7 +161,11 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
-    function slash(address nodeKey, address reporter) external onlyLedger returns (uint256 amount, uint256 reward) {
+    function slash(address nodeKey, address reporter, uint256 runId, address poolFunder)
+        external
+        onlyLedger
+        returns (uint256 amount, uint256 reward)
+    {
         Node storage node = _nodes[nodeKey];
         amount = node.stake + node.unbonding;
         reward = amount * _reporterShareBps / _BPS;
@@ -163,9 +176,9 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         node.slashedAt = uint64(block.timestamp);
         _stakeDecreases += 1;
         _totalStaked -= amount;
-        _totalPools += amount - reward;
         emit Slashed(nodeKey, reporter, amount, reward);
         _credit(reporter, reward);
+        if (amount != reward) _fund(runId, poolFunder, amount - reward);
     }
 
     /// @inheritdoc INodeRegistry
@@ -193,24 +206,50 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
-    function depositPool() external payable onlyLedger {
-        _totalPools += msg.value;
-        emit PoolDeposited(msg.value);
+    function fundPool(uint256 runId, address funder) external payable onlyLedger {
+        if (msg.value == 0) revert RegistryZeroAmount();
+        _fund(runId, funder, msg.value);
     }
 
     /// @inheritdoc INodeRegistry
-    function payFromPool(address[] calldata to, uint256 share) external onlyLedger returns (uint256 total) {
+    function payStep(uint256 runId, uint64 step, address[] calldata signers, uint256 reward, uint256 committedAt)
+        external
+        onlyLedger
+        returns (uint256 total)
+    {
+        Pool storage pool = _pools[runId];
+        uint256 balance = pool.balance;
+        if (reward > balance) reward = balance;
+        uint256 share = reward / signers.length;
         if (share == 0) return 0;
-        for (uint256 i = 0; i < to.length; ++i) {
-            if (to[i] == address(0)) continue;
+        address[] memory paid = new address[](signers.length);
+        for (uint256 i = 0; i < signers.length; ++i) {
+            uint64 slashedAt = _nodes[signers[i]].slashedAt;
+            if (slashedAt != 0 && slashedAt >= committedAt) continue;
+            paid[i] = signers[i];
             total += share;
-            _credits[to[i]] += share;
-            emit Credited(to[i], share);
+            _credits[signers[i]] += share;
+            emit Credited(signers[i], share);
         }
-        // Underflow (paying more than the pools hold) reverts with a panic: only a broken
-        // ledger could cause it.
+        pool.balance = balance - total;
         _totalPools -= total;
         _totalCredits += total;
+        emit StepRewarded(runId, step, share, paid);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function withdrawPool(uint256 runId, address funder) external onlyLedger returns (uint256 amount) {
+        Pool storage pool = _pools[runId];
+        uint256 part = pool.fundedBy[funder];
+        if (part == 0) revert RegistryNothingToWithdraw(runId, funder);
+        // Pro rata of what is left: the last funder out takes the whole remainder.
+        amount = pool.balance * part / pool.funded;
+        pool.fundedBy[funder] = 0;
+        pool.funded -= part;
+        pool.balance -= amount;
+        _totalPools -= amount;
+        emit PoolWithdrawn(runId, funder, amount);
+        _credit(funder, amount);
     }
 
     /// @inheritdoc INodeRegistry
@@ -315,6 +354,16 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
+    function poolOf(uint256 runId) external view returns (uint256 pool, uint256 funded) {
+        return (_pools[runId].balance, _pools[runId].funded);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function fundedBy(uint256 runId, address funder) external view returns (uint256) {
+        return _pools[runId].fundedBy[funder];
+    }
+
+    /// @inheritdoc INodeRegistry
     function totalPools() external view returns (uint256) {
         return _totalPools;
     }
@@ -347,6 +396,17 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     /// @inheritdoc INodeRegistry
     function unbondingDelay() external view returns (uint64) {
         return _unbondingDelay;
+    }
+
+    /// @dev Adds `amount` wei (already in this contract) to run `runId`'s pool as `funder`'s.
+    function _fund(uint256 runId, address funder, uint256 amount) private {
+        Pool storage pool = _pools[runId];
+        uint256 balance = pool.balance + amount;
+        pool.balance = balance;
+        pool.funded += amount;
+        pool.fundedBy[funder] += amount;
+        _totalPools += amount;
+        emit PoolFunded(runId, funder, amount, balance);
     }
 
     /// @dev Adds `amount` to `account`'s claimable credit (nothing for zero).

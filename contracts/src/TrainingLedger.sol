@@ -88,9 +88,6 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         Admission admission;
         uint64 endedAt;
         uint128 rewardPerStep;
-        uint256 pool;
-        uint256 funded;
-        mapping(address funder => uint256) fundedBy;
         mapping(address node => uint8) members;
         mapping(address arbiter => bool) isArbiter;
         mapping(uint64 step => StepInfo) steps;
@@ -116,43 +113,6 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     }
 
     // ------------------------------------------------------------------------ runs and steps
-
-    /// @inheritdoc ITrainingLedger
-    /// @dev `arbiters` is copied to memory: with eleven parameters the ABI decoder has no
-    /// stack slot left for a second calldata array without via-ir.
-    function createRun(
-        bytes32 configDigest,
-        bytes32 genesisDigest,
-        address[] calldata nodes,
-        uint32 replicas,
-        uint32 stages,
-        uint32 minReplicas,
-        uint64 challengeWindow_,
-        uint256 minStake,
-        address[] memory arbiters,
-        uint32 quorum,
-        uint8 independence
-    ) external returns (uint256 runId) {
-        _checkShape(replicas, stages, minReplicas, independence, challengeWindow_);
-        if (nodes.length == 0) revert LedgerNoNodes();
-        if (quorum > arbiters.length || (quorum == 0 && arbiters.length != 0)) {
-            revert LedgerInvalidQuorum(quorum, arbiters.length);
-        }
-        if (genesisDigest == bytes32(0)) revert LedgerZeroDigest();
-
-        runId = _storeRun(configDigest, genesisDigest, challengeWindow_, minStake);
-        Run storage run = _runs[runId];
-        run.replicas = replicas;
-        run.stages = stages;
-        run.quorum = quorum;
-        // casting to 'uint16' is safe because minReplicas <= replicas <= 256
-        // forge-lint: disable-next-line(unsafe-typecast)
-        run.minReplicas = uint16(minReplicas);
-        run.independence = Independence(independence);
-        _addMembers(run, nodes);
-        _addArbiters(run, arbiters);
-        _emitRunCreated(runId, nodes);
-    }
 
     /// @inheritdoc ITrainingLedger
     function commitStep(
@@ -210,7 +170,9 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
             StepWitness calldata w = witnesses[i];
             StepInfo storage record = _finalizeNext(run, runId, ++finalized);
             _checkWitnesses(record, w.signers, w.shardsRoot, w.replicaSet);
-            _payStep(run, runId, finalized, record.committedAt, w.signers);
+            uint256 reward = run.rewardPerStep;
+            // slither-disable-next-line unused-return,calls-loop -- the registry's StepRewarded event has the amounts; the registry is fixed at deployment.
+            if (reward != 0) _registry.payStep(runId, finalized, w.signers, reward, record.committedAt);
         }
     }
 
@@ -241,7 +203,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         _addArbiters(run, spec.arbiters);
         _emitRunCreated(runId, spec.nodes);
         emit RunTermsSet(runId, run.admission, spec.rewardPerStep);
-        if (msg.value != 0) _fund(run, runId, msg.sender, msg.value);
+        if (msg.value != 0) _registry.fundPool{value: msg.value}(runId, msg.sender);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -274,9 +236,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     /// @inheritdoc ITrainingLedger
     function fundRun(uint256 runId) external payable {
-        Run storage run = _existingRun(runId);
-        if (msg.value == 0) revert INodeRegistry.RegistryZeroAmount();
-        _fund(run, runId, msg.sender, msg.value);
+        _existingRun(runId);
+        _registry.fundPool{value: msg.value}(runId, msg.sender);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -297,19 +258,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         // slither-disable-next-line timestamp -- the delay is days; block times move by seconds.
         if (block.timestamp < until) revert LedgerPoolLocked(runId, until);
         if (run.finalizedStep != run.headStep) revert LedgerStepsNotFinal(runId, run.finalizedStep, run.headStep);
-        uint256 share = run.fundedBy[msg.sender];
-        if (share == 0) revert LedgerNothingToWithdraw(runId, msg.sender);
-
-        // Pro rata of what is left: the last funder out takes the whole remainder.
-        uint256 amount = run.pool * share / run.funded;
-        run.fundedBy[msg.sender] = 0;
-        run.funded -= share;
-        run.pool -= amount;
-        emit PoolWithdrawn(runId, msg.sender, amount);
-        address[] memory to = new address[](1);
-        to[0] = msg.sender;
-        // slither-disable-next-line unused-return -- the amount is the one passed.
-        _registry.payFromPool(to, amount);
+        // slither-disable-next-line unused-return -- the registry's PoolWithdrawn event has the amount.
+        _registry.withdrawPool(runId, msg.sender);
     }
 
     // ------------------------------------------------------------------------ slashing
@@ -552,15 +502,10 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     function runTerms(uint256 runId)
         external
         view
-        returns (Admission admission, uint128 rewardPerStep, uint256 pool, uint64 endedAt)
+        returns (Admission admission, uint128 rewardPerStep, uint64 endedAt)
     {
         Run storage run = _existingRun(runId);
-        return (run.admission, run.rewardPerStep, run.pool, run.endedAt);
-    }
-
-    /// @inheritdoc ITrainingLedger
-    function fundedBy(uint256 runId, address funder) external view returns (uint256) {
-        return _existingRun(runId).fundedBy[funder];
+        return (run.admission, run.rewardPerStep, run.endedAt);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -637,56 +582,12 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         emit StepFinalized(runId, step, record.checkpoint);
     }
 
-    /// @dev Pays final step `step` (committed at `committedAt`, signed by `signers` in slot
-    /// order) its reward from `run`'s pool: min(rewardPerStep, pool) split equally over the
-    /// slots; a node slashed at or after the commit forfeits its share to the pool.
-    function _payStep(Run storage run, uint256 runId, uint64 step, uint40 committedAt, address[] calldata signers)
-        private
-    {
-        uint256 reward = run.rewardPerStep;
-        uint256 pool = run.pool;
-        if (reward > pool) reward = pool;
-        uint256 share = reward / signers.length;
-        if (share == 0) return;
-        // slither-disable-next-line calls-loop -- the registry is this ledger's own, fixed at deployment.
-        uint64[] memory slashedAt = _registry.slashedAtOf(signers);
-        address[] memory paid = new address[](signers.length);
-        uint256 total = 0;
-        for (uint256 i = 0; i < signers.length; ++i) {
-            if (slashedAt[i] != 0 && slashedAt[i] >= committedAt) continue;
-            paid[i] = signers[i];
-            total += share;
-        }
-        run.pool = pool - total;
-        emit StepRewarded(runId, step, share, paid);
-        // slither-disable-next-line unused-return,calls-loop -- the total is computed above; the registry is fixed at deployment.
-        _registry.payFromPool(paid, share);
-    }
-
-    /// @dev Adds `amount` (sent with this call) to `run`'s pool as `funder`'s funding.
-    function _fund(Run storage run, uint256 runId, address funder, uint256 amount) private {
-        uint256 pool = run.pool + amount;
-        run.pool = pool;
-        run.funded += amount;
-        run.fundedBy[funder] += amount;
-        emit RunFunded(runId, funder, amount, pool);
-        _registry.depositPool{value: amount}();
-    }
-
     /// @dev Slashes `node` for an offence in `run`, crediting `reporter` its share; the rest
-    /// (already in the registry's pools) joins the run's pool as the creator's funding, so a
-    /// pool nobody funded can still be withdrawn. Returns the wei slashed.
-    // slither-disable-next-line reentrancy-benign,reentrancy-events -- the registry is this ledger's own; the amount is known only from its answer.
+    /// joins the run's pool as its creator's funding (so a pool nobody funded can still be
+    /// withdrawn). Returns the wei slashed.
     function _slash(Run storage run, uint256 runId, address node, address reporter) private returns (uint256 amount) {
-        uint256 reward;
-        // slither-disable-next-line calls-loop -- the registry is this ledger's own, fixed at deployment.
-        (amount, reward) = _registry.slash(node, reporter);
-        uint256 income = amount - reward;
-        if (income == 0) return amount;
-        run.pool += income;
-        run.funded += income;
-        run.fundedBy[run.creator] += income;
-        emit PoolSlashIncome(runId, node, income);
+        // slither-disable-next-line unused-return,calls-loop -- the reward is in the registry's Slashed event; the registry is fixed at deployment.
+        (amount,) = _registry.slash(node, reporter, runId, run.creator);
     }
 
     /// @dev Reverts unless `admission` is the creator's signature over

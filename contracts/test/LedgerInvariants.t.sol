@@ -51,10 +51,10 @@ contract LedgerInvariantTest is Test {
     // The run's pool is all the registry holds for pools: what was funded and slashed into
     // it, less the rewards paid; the ledger itself never holds ETH.
     function invariant_poolEqualsFundedPlusSlashIncomeMinusRewards() public view {
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, registry.totalPools());
         assertEq(address(ledger).balance, 0);
-        assertEq(ledger.fundedBy(runId, address(handler)), pool + handler.ghost_rewardsPaid());
+        assertEq(registry.fundedBy(runId, address(handler)), pool + handler.ghost_rewardsPaid());
     }
 
     // No step is paid twice, no slot gets more than one share, and no step is paid before

@@ -100,12 +100,13 @@ contract LedgerRewardsTest is LedgerFixture {
         vm.expectEmit(address(ledger));
         emit ITrainingLedger.RunTermsSet(1, ITrainingLedger.Admission.Open, REWARD);
         uint256 runId = _createRewardRun(1);
-        (ITrainingLedger.Admission admission, uint128 reward, uint256 pool, uint64 endedAt) = ledger.runTerms(runId);
+        (ITrainingLedger.Admission admission, uint128 reward, uint64 endedAt) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(uint8(admission), 1);
         assertEq(reward, REWARD);
         assertEq(pool, FUND);
         assertEq(endedAt, 0);
-        assertEq(ledger.fundedBy(runId, submitter), FUND);
+        assertEq(registry.fundedBy(runId, submitter), FUND);
         assertEq(registry.totalPools(), FUND);
         _assertConservation();
     }
@@ -127,10 +128,10 @@ contract LedgerRewardsTest is LedgerFixture {
     function test_fundRun_byAnyone_growsThePool() public {
         uint256 runId = _createRewardRun(1);
         vm.deal(address(this), 1 ether);
-        vm.expectEmit(address(ledger));
-        emit ITrainingLedger.RunFunded(runId, address(this), 1 ether, FUND + 1 ether);
+        vm.expectEmit(address(registry));
+        emit INodeRegistry.PoolFunded(runId, address(this), 1 ether, FUND + 1 ether);
         ledger.fundRun{value: 1 ether}(runId);
-        assertEq(ledger.fundedBy(runId, address(this)), 1 ether);
+        assertEq(registry.fundedBy(runId, address(this)), 1 ether);
         _assertConservation();
     }
 
@@ -275,13 +276,13 @@ contract LedgerRewardsTest is LedgerFixture {
         vm.warp(block.timestamp + WINDOW + 1);
 
         address[] memory paid = _signersOf(c);
-        vm.expectEmit(address(ledger));
-        emit ITrainingLedger.StepRewarded(runId, 1, REWARD / 4, paid);
+        vm.expectEmit(address(registry));
+        emit INodeRegistry.StepRewarded(runId, 1, REWARD / 4, paid);
         assertEq(ledger.finalizeSteps(runId, _witnesses(c)), 1);
         for (uint256 i = 0; i < 4; ++i) {
             assertEq(registry.creditOf(nodes[i]), REWARD / 4);
         }
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, FUND - REWARD);
         _assertConservation();
 
@@ -341,7 +342,7 @@ contract LedgerRewardsTest is LedgerFixture {
         vm.warp(block.timestamp + WINDOW + 1);
         ledger.finalizeSteps(runId, _witnesses(c));
         assertEq(registry.creditOf(nodes[0]), REWARD / 8);
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, 0);
         _assertConservation();
     }
@@ -352,9 +353,9 @@ contract LedgerRewardsTest is LedgerFixture {
         uint256 id = _challenge(c, 1, 0);
         ledger.resolveChallenge(id, true, _verdicts(id, true, 2));
         // nodes[2] (replica 1, stage 0) lost its stake: half to the challenger, half to the pool.
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, FUND + MIN_STAKE / 2);
-        assertEq(ledger.fundedBy(runId, submitter), FUND + MIN_STAKE / 2);
+        assertEq(registry.fundedBy(runId, submitter), FUND + MIN_STAKE / 2);
         assertEq(registry.creditOf(verifier), MIN_STAKE + MIN_STAKE / 2);
         vm.warp(block.timestamp + WINDOW + 1);
         ITrainingLedger.StepWitness[] memory w = _witnesses(c);
@@ -377,7 +378,7 @@ contract LedgerRewardsTest is LedgerFixture {
         ledger.finalizeSteps(runId, _witnesses(c));
         assertEq(registry.creditOf(nodes[0]), REWARD / 4);
         assertEq(registry.creditOf(nodes[2]), 0);
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, FUND + MIN_STAKE / 2 - 3 * (REWARD / 4));
         _assertConservation();
     }
@@ -409,7 +410,7 @@ contract LedgerRewardsTest is LedgerFixture {
         vm.prank(submitter);
         ledger.withdrawPool(runId);
         assertEq(registry.creditOf(submitter), FUND - REWARD);
-        vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNothingToWithdraw.selector, runId, submitter));
+        vm.expectRevert(abi.encodeWithSelector(INodeRegistry.RegistryNothingToWithdraw.selector, runId, submitter));
         vm.prank(submitter);
         ledger.withdrawPool(runId);
         _assertConservation();

@@ -67,7 +67,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     function testFuzz_createRun_revertsWith_InvalidIndependence_forAnUnknownMode(uint8 mode) public {
         mode = uint8(bound(mode, 2, type(uint8).max));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidIndependence.selector, mode));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode));
     }
 
     function test_independenceOf_revertsWith_UnknownRun() public {
@@ -374,7 +374,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     }
 
     function test_openAggregateChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0));
         StepCall memory c = _commitNext(runId);
         (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));

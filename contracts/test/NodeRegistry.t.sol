@@ -376,7 +376,9 @@ contract NodeRegistryTest is Test {
         amount = bound(amount, 1, 50 ether);
         wait = uint64(bound(wait, 0, 2 * uint256(DELAY)));
         _unbonding(amount);
-        uint256 start = block.timestamp;
+        // vm.getBlockTimestamp, not block.timestamp: the IR pipeline may read the latter once
+        // per call frame, before the warp.
+        uint256 start = vm.getBlockTimestamp();
         vm.warp(start + wait);
         if (wait < DELAY) {
             vm.expectRevert(
@@ -396,7 +398,7 @@ contract NodeRegistryTest is Test {
         _unbonding(4 ether);
         vm.expectEmit(address(registry));
         emit INodeRegistry.Slashed(node, reporter, 4 ether, 1 ether);
-        (uint256 amount, uint256 reward) = registry.slash(node, reporter);
+        (uint256 amount, uint256 reward) = registry.slash(node, reporter, 1, address(this));
 
         assertEq(amount, 4 ether);
         assertEq(reward, 1 ether);
@@ -412,7 +414,7 @@ contract NodeRegistryTest is Test {
 
     function test_slash_ofANodeWithoutStake_takesNothing() public {
         _registered();
-        (uint256 amount, uint256 reward) = registry.slash(node, reporter);
+        (uint256 amount, uint256 reward) = registry.slash(node, reporter, 1, address(this));
         assertEq(amount, 0);
         assertEq(reward, 0);
         assertEq(registry.totalCredits(), 0);
@@ -422,7 +424,7 @@ contract NodeRegistryTest is Test {
         _staked(1 ether);
         vm.expectRevert(abi.encodeWithSelector(INodeRegistry.RegistryNotLedger.selector, stranger));
         vm.prank(stranger);
-        registry.slash(node, stranger);
+        registry.slash(node, stranger, 1, address(this));
     }
 
     function test_holdBond_revertsWith_NotLedger_whenCalledByAnother() public {
@@ -502,7 +504,7 @@ contract NodeRegistryTest is Test {
 
     function test_claim_paysTheCredit_andEmitsClaimed() public {
         _staked(2 ether);
-        registry.slash(node, reporter);
+        registry.slash(node, reporter, 1, address(this));
         uint256 before = reporter.balance;
         vm.expectEmit(address(registry));
         emit INodeRegistry.Claimed(reporter, 0.5 ether);
@@ -522,7 +524,7 @@ contract NodeRegistryTest is Test {
     function test_claim_cannotBeReentered() public {
         ReentrantOperator attacker = new ReentrantOperator(registry);
         _staked(2 ether);
-        registry.slash(node, address(attacker));
+        registry.slash(node, address(attacker), 1, address(this));
         vm.expectRevert(
             abi.encodeWithSelector(INodeRegistry.RegistryTransferFailed.selector, address(attacker), 0.5 ether)
         );
@@ -540,7 +542,7 @@ contract NodeRegistryTest is Test {
         vm.deal(address(this), amount);
         fuzzed.stake{value: amount}(node);
 
-        (uint256 slashed, uint256 reward) = fuzzed.slash(node, reporter);
+        (uint256 slashed, uint256 reward) = fuzzed.slash(node, reporter, 1, address(this));
         assertEq(slashed, amount);
         assertEq(reward, amount * bps / 10_000);
         assertEq(fuzzed.creditOf(reporter) + fuzzed.totalPools(), amount);

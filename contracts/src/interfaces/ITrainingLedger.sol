@@ -379,34 +379,6 @@ interface ITrainingLedger {
     /// @notice Step `step` of run `runId` (checkpoint `checkpoint`) is final.
     event StepFinalized(uint256 indexed runId, uint64 indexed step, bytes32 indexed checkpoint);
 
-    /// @notice Creates a training run and returns its id (ids start at 1).
-    /// @dev Emits a {RunCreated} event. `challengeWindow`, `arbiters` and `quorum` are stored
-    /// for challenges and finality.
-    ///
-    /// Requirements:
-    ///
-    /// - `replicas` is 1 to 256 and `stages` greater than zero;
-    /// - `minReplicas`, the fewest replicas a step may have, is 1 to `replicas`;
-    /// - `nodes` is not empty and has no duplicates;
-    /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
-    /// - `arbiters` has no duplicates and no zero address;
-    /// - `challengeWindow` is below the registry's unbonding delay;
-    /// - `genesisDigest` is not zero;
-    /// - `independence` is an {Independence} value.
-    function createRun(
-        bytes32 configDigest,
-        bytes32 genesisDigest,
-        address[] calldata nodes,
-        uint32 replicas,
-        uint32 stages,
-        uint32 minReplicas,
-        uint64 challengeWindow,
-        uint256 minStake,
-        address[] memory arbiters,
-        uint32 quorum,
-        uint8 independence
-    ) external returns (uint256 runId);
-
     /// @notice Records outer step `step` of run `runId`. Anyone may submit: the attestations'
     /// signatures are the authority.
     /// @dev Emits a {StepCommitted} event, then one {ContributionAttested} event per
@@ -733,8 +705,6 @@ interface ITrainingLedger {
     /// still owes them.
     error LedgerStepsNotFinal(uint256 runId, uint64 finalized, uint64 head);
 
-    /// @notice `funder` has nothing of run `runId`'s pool to withdraw.
-    error LedgerNothingToWithdraw(uint256 runId, address funder);
 
     /// @notice Run `runId` admits nodes by `admission` and pays `rewardPerStep` a final step.
     event RunTermsSet(uint256 indexed runId, Admission admission, uint128 rewardPerStep);
@@ -745,27 +715,27 @@ interface ITrainingLedger {
     /// @notice `node` left run `runId`; `lastStep` was the head when it left.
     event MemberLeft(uint256 indexed runId, address indexed node, uint64 lastStep);
 
-    /// @notice `funder` added `amount` wei to run `runId`'s pool, now `pool`.
-    event RunFunded(uint256 indexed runId, address indexed funder, uint256 amount, uint256 pool);
-
-    /// @notice `amount` wei of `node`'s slashed stake went to run `runId`'s pool (counted as
-    /// the creator's funding).
-    event PoolSlashIncome(uint256 indexed runId, address indexed node, uint256 amount);
-
-    /// @notice Final step `step` of run `runId` paid `share` wei to each of `paid` (its
-    /// signers in slot order; the zero address where a slot's node forfeited its share).
-    event StepRewarded(uint256 indexed runId, uint64 indexed step, uint256 share, address[] paid);
 
     /// @notice Run `runId`'s creator ended it.
     event RunEnded(uint256 indexed runId, uint64 endedAt);
 
-    /// @notice `funder` withdrew `amount` wei of run `runId`'s pool (as registry credit).
-    event PoolWithdrawn(uint256 indexed runId, address indexed funder, uint256 amount);
 
-    /// @notice Creates a run from `spec` and funds its pool with `msg.value`.
-    /// @dev Emits {RunCreated}, {RunTermsSet} and, with a value, {RunFunded}. Requirements as
-    /// for the positional {createRun} (which makes a `Closed` run without rewards), except
-    /// that `nodes` may be empty unless the run is `Closed`; `admission` is an {Admission}.
+    /// @notice Creates a training run from `spec`, funds its pool with `msg.value`, and
+    /// returns its id (ids start at 1).
+    /// @dev Emits {RunCreated}, {RunTermsSet} and, with a value, the registry's {PoolFunded}.
+    /// `challengeWindow`, `arbiters` and `quorum` are stored for challenges and finality.
+    /// (Before issue 35 createRun took the first eleven fields as parameters.)
+    ///
+    /// Requirements:
+    ///
+    /// - `replicas` is 1 to 256 and `stages` greater than zero;
+    /// - `minReplicas`, the fewest replicas a step may have, is 1 to `replicas`;
+    /// - `nodes` has no duplicates, and is not empty for a `Closed` run;
+    /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
+    /// - `arbiters` has no duplicates and no zero address;
+    /// - `challengeWindow` is below the registry's unbonding delay;
+    /// - `genesisDigest` is not zero;
+    /// - `independence` is an {Independence} value and `admission` an {Admission} value.
     function createRun(RunSpec calldata spec) external payable returns (uint256 runId);
 
     /// @notice Makes the caller (a node key) a member of run `runId` from the next step; the
@@ -788,16 +758,17 @@ interface ITrainingLedger {
     /// @dev Emits a {MemberLeft} event.
     function leaveRun(uint256 runId) external;
 
-    /// @notice Adds `msg.value` to run `runId`'s reward pool. Anyone may fund a run.
-    /// @dev Emits a {RunFunded} event.
+    /// @notice Adds `msg.value` to run `runId`'s reward pool (held by the registry). Anyone
+    /// may fund a run.
+    /// @dev The registry emits a {INodeRegistry-PoolFunded} event.
     function fundRun(uint256 runId) external payable;
 
     /// @notice Makes the next `witnesses.length` steps of run `runId` final, in order, and
     /// pays each one's reward from the pool. Anyone may call it. Returns the final step.
-    /// @dev Emits {StepFinalized} and, when it pays, {StepRewarded} per step. A step's
-    /// reward is min(rewardPerStep, pool), split equally over its attested slots (the
-    /// remainder of the division stays in the pool); a slot's share is forfeited (stays in
-    /// the pool) when its node was slashed at or after the step's commit.
+    /// @dev Emits {StepFinalized} per step, and the registry a {INodeRegistry-StepRewarded}
+    /// when the run pays rewards ({INodeRegistry-payStep}: min(rewardPerStep, pool) split
+    /// equally over the step's attested slots; a node slashed at or after the step's commit
+    /// forfeits its share to the pool).
     ///
     /// Requirements: as {finalize} for each step, and each witness matches its step's record.
     function finalizeSteps(uint256 runId, StepWitness[] calldata witnesses) external returns (uint64 finalized);
@@ -808,18 +779,15 @@ interface ITrainingLedger {
 
     /// @notice Credits the caller (in the registry, for {INodeRegistry-claim}) its share of
     /// run `runId`'s remaining pool: pool x (its funding / all funding not yet withdrawn).
-    /// @dev Emits a {PoolWithdrawn} event. Requirements: the run ended at least the
-    /// unbonding delay ago, every committed step is final, and the caller funded the run.
+    /// @dev The registry emits {INodeRegistry-PoolWithdrawn}. Requirements: the run ended at
+    /// least the unbonding delay ago, every committed step is final, and the caller funded
+    /// the run (or created it and slashes added to the pool).
     function withdrawPool(uint256 runId) external;
 
-    /// @notice Run `runId`'s admission rule, reward per step, pool, and end time (0: running).
-    function runTerms(uint256 runId)
-        external
-        view
-        returns (Admission admission, uint128 rewardPerStep, uint256 pool, uint64 endedAt);
+    /// @notice Run `runId`'s admission rule, reward per step, and end time (0: running); its
+    /// pool is the registry's {INodeRegistry-poolOf}.
+    function runTerms(uint256 runId) external view returns (Admission admission, uint128 rewardPerStep, uint64 endedAt);
 
-    /// @notice Wei of run `runId`'s pool that `funder` put in and has not withdrawn.
-    function fundedBy(uint256 runId, address funder) external view returns (uint256);
 
     /// @notice The EIP-712 digest of `Admission(runId, node, expiry)` in this ledger's domain.
     function admissionDigest(uint256 runId, address node, uint64 expiry) external view returns (bytes32);

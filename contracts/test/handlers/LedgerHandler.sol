@@ -495,7 +495,7 @@ contract LedgerHandler is CommonBase, StdUtils {
         for (uint256 i = 0; i < signers.length; ++i) {
             before[i] = registry.creditOf(signers[i]);
         }
-        (,, uint256 pool,) = ledger.runTerms(runId);
+        (uint256 pool,) = registry.poolOf(runId);
         uint256 creditsBefore = registry.totalCredits();
         ledger.finalizeSteps(runId, w);
         if (block.timestamp <= info.committedAt + WINDOW) ghost_paidEarly += 1;
