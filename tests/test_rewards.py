@@ -170,3 +170,60 @@ def test_an_upheld_challenge_pays_nothing_and_a_slashed_node_forfeits_its_pendin
     assert run_terms(ledger, run_id).pool == 2 * ETHER + ETHER // 2 - 3 * (REWARD // 4)
     with pytest.raises(ChainRevertError, match="RegistryNothingToClaim"):
         ledger.registry.claim(nodes[2])
+
+
+def test_a_rewarding_job_is_created_funded_and_paid_through_the_sink(tmp_path, small_job, accounts):
+    """A real `dlx train` of an open job with a reward per step: the sink creates the run
+    with its terms and pool, and finalizes what is due after each commit; what is left due
+    at the end anyone can finalize. Every final step paid `reward_wei_per_step`."""
+    import shutil
+
+    from conftest import train_small
+
+    from lineage.chain.anvil import Anvil
+    from lineage.chain.runrecord import RunRecord
+
+    extra = ("\n[chain]\nadmission = \"open\"\nchallenge_window_s = 0\n"
+             f"reward_wei_per_step = {REWARD}\nfund_wei = {10 * REWARD}\n")
+    run_dir, _ = train_small(tmp_path, job=small_job("rewards", steps=3, extra=extra))
+    record = RunRecord.load(run_dir)
+    state = tmp_path / "state.json"
+    shutil.copyfile(run_dir / str(record.chain_state), state)
+    with Anvil(state_path=state) as node:
+        chain = Chain(node.url)
+        ledger = Ledger(chain, record.registry, record.ledger)
+        terms = run_terms(ledger, record.run_id)
+        assert (terms.admission, terms.reward_per_step) == ("open", REWARD)
+        _advance(chain, 1)
+        finalize_due(ledger, accounts[0], record.run_id)
+        assert ledger.finalized_step(record.run_id) == 3
+        credited = sum(rewards_of(ledger, n).get(record.run_id, 0) for n in set(record.nodes))
+        assert credited == 3 * REWARD
+        assert run_terms(ledger, record.run_id).pool == 7 * REWARD
+
+
+def test_the_cli_admits_joins_shows_and_claims_rewards(world, anvil, tmp_path):
+    """`dlx node admit` (the creator), `dlx node join --admission`, `dlx node status --json`
+    and `dlx node claim`, which finalizes what is due before claiming."""
+    import json
+
+    from test_node_cli import dlx
+
+    chain, ledger, submitter, nodes, newcomer, _, _, create = world
+    run_id = create("approved")
+    env = {"DLX_RPC": anvil.url, "DLX_LEDGER": ledger.ledger.address, "DLX_NODE_KEY": newcomer.key.hex(),
+           "DLX_SUBMITTER_KEY": submitter.key.hex()}
+    admission = tmp_path / "admission.json"
+    res = dlx(env, "node", "admit", str(run_id), newcomer.address, "--out", str(admission))
+    assert res.returncode == 0, res.stderr
+    res = dlx(env, "node", "join", str(run_id), "--admission", str(admission))
+    assert res.returncode == 0, res.stderr
+    assert f"joined run {run_id}: it may sign from step 1" in res.stdout
+    _commit(ledger, submitter, run_id, 1, h("genesis"), [*nodes[:3], newcomer])
+    _advance(chain, WINDOW + 1)
+    res = dlx(env, "node", "claim")
+    assert res.returncode == 0, res.stderr
+    assert f"run {run_id}: steps 1..1 final" in res.stdout
+    doc = json.loads(dlx(env, "node", "status", "--json").stdout)
+    assert doc["rewards"]["runs"] == {str(run_id): {"credited_wei": str(REWARD // 4)}}
+    assert doc["rewards"]["claimable_wei"] == "0"

@@ -628,8 +628,11 @@ class Ledger:
         """The challenge terms `createRun` was called with (the ledger keeps `minStake`
         private; the creating transaction shows it)."""
         tx = self.chain.w3.eth.get_transaction(self._run_created_log(run_id)["transactionHash"])
-        fn, args = self.ledger.decode_function_input(tx["input"])
-        if fn.fn_name != "createRun":  # created through another contract: fall back to views
+        try:
+            fn, args = self.ledger.decode_function_input(tx["input"])
+        except ValueError:  # another contract's call, or createRun's positional ABI before issue 35
+            fn, args = None, {}
+        if fn is None or fn.fn_name != "createRun":  # created through another contract: fall back to views
             arbiters, quorum = self.arbiters_of(run_id)
             return RunParams(arbiters, quorum, None, int(self.ledger.functions.challengeWindowOf(run_id).call()))
         if "spec" in args:  # createRun(RunSpec), issue 35
