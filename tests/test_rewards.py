@@ -200,6 +200,20 @@ def test_a_rewarding_job_is_created_funded_and_paid_through_the_sink(tmp_path, s
         credited = sum(rewards_of(ledger, n).get(record.run_id, 0) for n in set(record.nodes))
         assert credited == 3 * REWARD
         assert run_terms(ledger, record.run_id).pool == 7 * REWARD
+    # `dlx lineage` shows what each final step paid, and to whom (the run directory's own
+    # chain: the steps the sink finalized during the run).
+    import json
+
+    from test_node_cli import dlx
+
+    res = dlx({}, "lineage", str(run_dir), "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    for step, reward in doc["rewards"].items():
+        assert int(step) <= doc["finalized_step"]
+        assert reward["share_wei"] == str(REWARD // 4) and len(reward["paid"]) == 4
+    text = dlx({}, "lineage", str(run_dir))
+    assert text.returncode == 0, text.stderr
 
 
 def test_the_cli_admits_joins_shows_and_claims_rewards(world, anvil, tmp_path):
