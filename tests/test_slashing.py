@@ -17,6 +17,7 @@ from lineage.chain.anvil import rpc_call
 from lineage.chain.attest import ContributionClaim, sign_verdict
 from lineage.chain.client import Chain
 from lineage.chain.ledger import Attestation, Ledger, RunSpec
+from lineage.chain.rewards import end_run, withdraw_pool
 from lineage.errors import ChainRevertError
 
 ETHER = 10**18
@@ -101,7 +102,9 @@ def test_the_whole_slashing_story(story):
     assert slashed == 2 * ETHER
     assert ledger.registry.stake_of(nodes[3].address) == 0
     assert ledger.registry.credit_of(reporter.address) == ETHER
-    assert ledger.registry.credit_of(treasury.address) == ETHER
+    # The rest of a slash goes to the run's pool (issue 35), not the treasury.
+    assert ledger.registry.credit_of(treasury.address) == 0
+    assert ledger.registry.contract.functions.poolOf(run_id).call()[0] == ETHER
     with pytest.raises(ChainRevertError, match="LedgerAlreadySlashed"):
         ledger.report_equivocation(reporter, run_id=run_id, step=3, parent=ckpt2, a=other, b=honest)
 
@@ -121,7 +124,7 @@ def test_the_whole_slashing_story(story):
     assert ledger.step_info(run_id, 2).rejected and ledger.step_info(run_id, 3).rejected
     assert ledger.registry.stake_of(nodes[1].address) == 0
     assert ledger.registry.credit_of(verifier.address) == 2 * ETHER  # bond back + half of 2 ETH
-    assert ledger.registry.credit_of(treasury.address) == 2 * ETHER
+    assert ledger.registry.contract.functions.poolOf(run_id).call()[0] == 2 * ETHER
     assert [s.step for s in ledger.steps(run_id)] == [1]
 
     # The run goes on from step 1; the two honest nodes each take a whole replica (both of its
@@ -153,11 +156,14 @@ def test_the_whole_slashing_story(story):
     stakes = {n.address: ledger.registry.stake_of(n.address) for n in [*nodes, verifier]}
     assert stakes == {nodes[0].address: 2 * ETHER, nodes[1].address: 0, nodes[2].address: 2 * ETHER,
                       nodes[3].address: 0, verifier.address: ETHER}
-    payees = [reporter, verifier, treasury, nodes[0]]
+    payees = [reporter, verifier, nodes[0]]
     credits = {p.address: ledger.registry.credit_of(p.address) for p in payees}
-    assert credits == {reporter.address: ETHER, verifier.address: 2 * ETHER, treasury.address: 2 * ETHER,
-                       nodes[0].address: ETHER}
-    assert chain.w3.eth.get_balance(registry_address) == sum(stakes.values()) + sum(credits.values())
+    assert credits == {reporter.address: ETHER, verifier.address: 2 * ETHER, nodes[0].address: ETHER}
+    pool = 2 * ETHER
+    assert chain.w3.eth.get_balance(registry_address) == sum(stakes.values()) + sum(credits.values()) + pool
+    # The run ends; after the unbonding delay its creator withdraws the pool (the slashes'
+    # rest counts as the creator's funding) as credit, claimed below with the others.
+    end_run(ledger, deployer, run_id)
 
     staked = [n for n in [*nodes, verifier] if stakes[n.address]]
     for node in staked:
@@ -165,6 +171,9 @@ def test_the_whole_slashing_story(story):
     with pytest.raises(ChainRevertError, match="RegistryUnbondingNotDue"):
         ledger.registry.withdraw(staked[0], staked[0].address)
     _advance(chain, DELAY)
+    withdraw_pool(ledger, deployer, run_id)
+    payees.append(deployer)
+    credits[deployer.address] = pool
     for node in staked:
         before = chain.w3.eth.get_balance(node.address)
         receipt = ledger.registry.withdraw(node, node.address)
@@ -174,7 +183,7 @@ def test_the_whole_slashing_story(story):
         receipt = ledger.registry.claim(payee)
         assert _paid(chain, receipt, payee.address, before) == credits[payee.address]
     assert chain.w3.eth.get_balance(registry_address) == 0
-    for fn in ("totalStaked", "totalBonds", "totalCredits"):
+    for fn in ("totalStaked", "totalBonds", "totalCredits", "totalPools"):
         assert getattr(ledger.registry.contract.functions, fn)().call() == 0
 
 

@@ -164,7 +164,7 @@ def show(
 
     what = f"checkpoint {result.target} of run" if result.target else "run"
     table = Table(title=f"{what} {result.run_id} ({result.name}) on chain {result.chain_id}, ledger {result.ledger}")
-    for col in ("step", "status", "replicas", "checkpoint", "parent", "eval loss", "nodes", "tx"):
+    for col in ("step", "status", "replicas", "checkpoint", "parent", "eval loss", "nodes", "reward", "tx"):
         if col in ("checkpoint", "parent", "nodes", "tx"):
             cid_column(table, col)
         else:
@@ -175,11 +175,21 @@ def show(
         if s.status in colors:
             status = f"[{colors[s.status]}]{status}[/]"
         table.add_row(str(s.step), status, ",".join(map(str, s.replicas)), s.checkpoint, s.parent,
-                      "-" if s.loss is None else f"{s.loss:.4f}", "\n".join(s.nodes), s.tx)
+                      "-" if s.loss is None else f"{s.loss:.4f}", "\n".join(s.nodes),
+                      _reward_cell(result.rewards.get(s.step) if s.status == "finalized" else None), s.tx)
     out = console()
     out.print(table)
     if html is not None:
         out.print(f"report written to {html}")
+
+
+def _reward_cell(reward: dict[str, Any] | None) -> str:
+    """A final step's reward in `dlx lineage`: the share each slot was paid, and who
+    (slot order; "forfeited" for a node slashed after the step), or "-"."""
+    if not reward:
+        return "-"
+    paid = [p or "forfeited" for p in reward["paid"]]
+    return f"{fmt_wei(int(reward['share_wei']))} a slot to\n" + "\n".join(paid)
 
 
 def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int | None,

@@ -4,8 +4,11 @@
     dlx node stake --amount 2eth [--node ADDR]              # the operator adds stake
     dlx node unbond [--node ADDR]                           # all of it; the node stops attesting
     dlx node withdraw [--node ADDR]                         # after the unbonding delay
-    dlx node claim [--operator]                             # rewards, refunded bonds
-    dlx node status [--node ADDR] [--json]                  # stake, unbonding, challenges, credit
+    dlx node claim [--operator]                             # rewards (due steps finalized first), bonds
+    dlx node status [--node ADDR] [--json]                  # stake, unbonding, challenges, credit, rewards
+    dlx node join RUN [--admission FILE]                    # the node key joins an open or approved run
+    dlx node leave RUN                                      # it signs no later step; its stake lock ends
+    dlx node admit RUN NODE [--hours 24] --out FILE         # the run's creator signs an admission
 
 Keys come from the environment, never the command line (their values are never printed):
 the node key from DLX_NODE_KEY or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD (workers/node.py);
@@ -243,6 +246,10 @@ def claim_(
     account = load_key("operator" if as_operator else "node")
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
+        from lineage.chain.rewards import finalize_member_runs
+
+        for run_id, steps in finalize_member_runs(lg, account, account.address).items():
+            _out(f"run {run_id}: steps {steps[0]}..{steps[-1]} final, their rewards credited")
         credit = lg.registry.credit_of(account.address)
         receipt = lg.registry.claim(account)
         _out(f"claimed {fmt_wei(credit)} to {account.address} (tx {tx_of(receipt)})")
@@ -279,6 +286,68 @@ def status_(
     _out(f"challenges  {doc['open_challenges']} open" + (f": {open_ids}" if open_ids else ""))
     _out(f"credit      node {fmt_wei(int(doc['credit_wei']['node']))}, "
          f"operator {fmt_wei(int(doc['credit_wei']['operator']))}")
+    for run_id, r in doc["rewards"]["runs"].items():
+        _out(f"rewards     run {run_id}: {fmt_wei(int(r['credited_wei']))} credited")
+    _out(f"claimable   {fmt_wei(int(doc['rewards']['claimable_wei']))} (dlx node claim)")
+
+
+@node_app.command("join")
+@user_errors
+def join_(
+    run: Annotated[int, typer.Argument(help="The run id to join.")],
+    admission: Annotated[Path | None, typer.Option("--admission", help="An admission file (dlx node admit) for an "
+                                                   "approved run.")] = None,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Join a run as the node key (an open run: staked enough; an approved one: admitted);
+    the node may sign from the run's next step, and its stake is locked until it leaves."""
+    from lineage.chain.rewards import join_run, read_admission
+
+    account = load_key("node")
+    signed = read_admission(admission) if admission else None
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        tx = join_run(lg, account, run, signed)
+        _, head = lg.head(run)
+        _out(f"{account.address} joined run {run}: it may sign from step {head + 1} (tx {tx})")
+
+
+@node_app.command("leave")
+@user_errors
+def leave_(
+    run: Annotated[int, typer.Argument(help="The run id to leave.")],
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Leave a run: the node signs no later step, and the run's lock on its stake ends."""
+    from lineage.chain.rewards import leave_run
+
+    account = load_key("node")
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect(writable=True) as lg:
+        _out(f"{account.address} left run {run} (tx {leave_run(lg, account, run)})")
+
+
+@node_app.command("admit")
+@user_errors
+def admit_(
+    run: Annotated[int, typer.Argument(help="The approved run.")],
+    node: Annotated[str, typer.Argument(help="The node key to admit.")],
+    out: Annotated[Path, typer.Option("--out", help="Where to write the admission file.")],
+    hours: Annotated[float, typer.Option("--hours", min=0.0, help="How long the admission is valid.")] = 24.0,
+    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    run_dir: RunDirOpt = None, stack: StackOpt = None,
+) -> None:
+    """Sign an admission to an approved run, as its creator (DLX_SUBMITTER_KEY, else the node key)."""
+    from lineage.chain.rewards import sign_admission, write_admission
+
+    creator = load_key("submitter")
+    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
+    with ep.connect() as lg:
+        expiry = chain_time(lg) + int(hours * 3600)
+        write_admission(out, sign_admission(lg, creator, run, address(node, "NODE"), expiry))
+    _out(f"admission of {address(node, 'NODE')} to run {run} until {expiry} written to {out}")
 
 
 def register(app: typer.Typer) -> None:
@@ -305,4 +374,15 @@ def node_status(lg: Any, node: str) -> dict[str, Any]:
         "open_challenges": lg.registry.open_challenges_of(node), "challenges": challenges,
         "credit_wei": {"node": str(lg.registry.credit_of(node)),
                        "operator": str(lg.registry.credit_of(operator)) if operator else "0"},
+        "rewards": _rewards(lg, node),
     }
+
+
+def _rewards(lg: Any, node: str) -> dict[str, Any]:
+    """Rewards credited to `node` per run (final steps it attested) and what it can claim
+    now (its whole registry credit: rewards, bonds and slash shares are one balance)."""
+    from lineage.chain.rewards import rewards_of
+
+    runs = {} if lg.ledger.address == lg.registry.address else rewards_of(lg, node)
+    return {"runs": {str(r): {"credited_wei": str(w)} for r, w in sorted(runs.items())},
+            "claimable_wei": str(lg.registry.credit_of(node))}

@@ -75,6 +75,17 @@ class ChainConfig(_Section):
         10_000, ge=1, description="Blocks per eth_getLogs request when the ledger's events are read (endpoints cap it).",
     )
 
+    admission: Literal["closed", "open", "approved"] = Field(
+        "closed",
+        description="Who may join the run after it starts (issue 35): nobody (closed), any registered node with "
+        "min_stake_wei of free stake (open), or a node holding an admission the submitter signed (approved).",
+    )
+    reward_wei_per_step: int = Field(
+        0, ge=0, lt=2**128,
+        description="Wei the run's pool pays each final step, split equally over its attested slots (0: no rewards).",
+    )
+    fund_wei: int = Field(0, ge=0, description="Wei the submitter puts in the run's reward pool when it is created.")
+
     @field_validator("rpc")
     @classmethod
     def _http_url(cls, rpc: str | None) -> str | None:

@@ -28,7 +28,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Required, TypedDict, Unpack
+from typing import Any, Required, TypedDict, Unpack
 
 from eth_account.signers.local import LocalAccount
 from multiformats import CID
@@ -42,6 +42,7 @@ from lineage.chain.attest import (
 )
 from lineage.chain.commits import StepCommit, StepCommits, guard
 from lineage.chain.ledger import Attestation, Ledger, RunSpec
+from lineage.chain.rewards import finalize_due
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import digest_of, parse_cid
@@ -140,6 +141,14 @@ def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> t
     return nodes, signer
 
 
+def _reward_terms(config: dict[str, Any]) -> dict[str, Any]:
+    """The run's admission rule and reward terms (issue 35) from the recorded job file's
+    `[chain]` section; a job file from before them makes a closed run without rewards."""
+    chain = (config.get("job") or {}).get("chain") or {}
+    return {"admission": chain.get("admission", "closed"),
+            "reward_per_step": int(chain.get("reward_wei_per_step", 0)), "fund_wei": int(chain.get("fund_wei", 0))}
+
+
 class LedgerSink:
     """Stores and commits each outer step; one node key per (replica, stage) slot."""
 
@@ -224,6 +233,7 @@ class LedgerSink:
             arbiters=self.arbiters,
             quorum=self.quorum,
             independence=self.independence,
+            **_reward_terms(self.config),
         )))
 
     def _created_block(self, run_id: int, before: int) -> int:
@@ -263,6 +273,9 @@ class LedgerSink:
                 attestations=attestations, replica_set=replica_bitmap(present),
             ))
         self._head = checkpoint
+        if _reward_terms(self.config)["reward_per_step"]:
+            # Nobody has to finalize by hand: each commit pays the steps whose window closed.
+            guard(lambda: finalize_due(self.ledger, self.submitter, self.record.run_id), "finalizeSteps")
         timings = {k: v for k, v in step.metrics.items() if k in TIMING_METRICS}
         with open(self.run_dir / TIMINGS_FILE, "a") as fh:
             fh.write(json.dumps({"step": step.step, "checkpoint": str(checkpoint), **timings}) + "\n")

@@ -9,8 +9,9 @@ import {INodeRegistry} from "./interfaces/INodeRegistry.sol";
 /// @notice Registers node keys for their operators, holds the native ETH they stake, escrows
 /// challenge bonds, and pays everything out as pull payments.
 /// @dev ETH enters only through {stake} and {holdBond} (there is no receive or fallback
-/// function) and leaves only through {withdraw} and {claim}, so
-/// `address(this).balance == totalStaked + totalBonds + totalCredits` at all times (forced
+/// function, and {depositPool} from the ledger) and leaves only through {withdraw} and
+/// {claim}, so `address(this).balance == totalStaked + totalBonds + totalCredits + totalPools`
+/// at all times (forced
 /// ETH from `selfdestruct` aside, which can only make the balance larger).
 ///
 /// Why unbonding cannot outrun a challenge: {unbond} moves the whole active stake out, and
@@ -27,6 +28,16 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         uint32 openChallenges;
         uint256 stake;
         uint256 unbonding;
+        uint192 locked;
+        uint64 slashedAt;
+    }
+
+    /// @dev A run's reward pool: what is in it, the funding not yet withdrawn, and each
+    /// funder's part of that.
+    struct Pool {
+        uint256 balance;
+        uint256 funded;
+        mapping(address funder => uint256) fundedBy;
     }
 
     uint256 private constant _BPS = 10_000;
@@ -41,10 +52,13 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     uint256 private _totalStaked;
     uint256 private _totalBonds;
     uint256 private _totalCredits;
+    uint256 private _totalPools;
     mapping(address node => Node) private _nodes;
     mapping(address account => uint256) private _credits;
+    mapping(uint256 runId => Pool) private _pools;
 
-    /// @param treasury_ Receives the non-reporter share of slashed stake (a burn address works).
+    /// @param treasury_ Kept for the deployment ABI; since issue 35 the non-reporter share of
+    /// a slash goes to the run's pool, and the treasury receives nothing.
     /// @param reporterShareBps_ The reporter's share of a slash, in basis points (at most 10,000).
     /// @param unbondingDelay_ Seconds from {unbond} to {withdraw}; the ledger keeps every
     /// challenge window below it.
@@ -108,6 +122,7 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         if (node.releaseAt != 0) revert RegistryUnbonding(nodeKey, node.releaseAt);
         uint256 amount = node.stake;
         if (amount == 0) revert RegistryNothingToUnbond(nodeKey);
+        if (node.locked != 0) revert RegistryStakeLocked(nodeKey, node.locked);
 
         uint64 releaseAt = uint64(block.timestamp) + _unbondingDelay;
         node.stake = 0;
@@ -146,7 +161,11 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
-    function slash(address nodeKey, address reporter) external onlyLedger returns (uint256 amount, uint256 reward) {
+    function slash(address nodeKey, address reporter, uint256 runId, address poolFunder)
+        external
+        onlyLedger
+        returns (uint256 amount, uint256 reward)
+    {
         Node storage node = _nodes[nodeKey];
         amount = node.stake + node.unbonding;
         reward = amount * _reporterShareBps / _BPS;
@@ -154,11 +173,83 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
         node.stake = 0;
         node.unbonding = 0;
         node.releaseAt = 0;
+        node.slashedAt = uint64(block.timestamp);
         _stakeDecreases += 1;
         _totalStaked -= amount;
         emit Slashed(nodeKey, reporter, amount, reward);
         _credit(reporter, reward);
-        _credit(_treasury, amount - reward);
+        if (amount != reward) _fund(runId, poolFunder, amount - reward);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function lockStake(address nodeKey, uint256 amount) external onlyLedger {
+        Node storage node = _nodes[nodeKey];
+        uint256 locked = node.locked;
+        uint256 free = node.stake > locked ? node.stake - locked : 0;
+        if (free < amount) revert RegistryInsufficientFreeStake(nodeKey, free, amount);
+        locked += amount;
+        // casting to 'uint192' is safe because locked <= stake, and all stake is wei in this contract
+        // forge-lint: disable-next-line(unsafe-typecast)
+        node.locked = uint192(locked);
+        emit StakeLocked(nodeKey, amount, locked);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function unlockStake(address nodeKey, uint256 amount) external onlyLedger {
+        Node storage node = _nodes[nodeKey];
+        uint256 locked = node.locked;
+        locked = locked > amount ? locked - amount : 0;
+        // casting to 'uint192' is safe because it is at most the stored uint192
+        // forge-lint: disable-next-line(unsafe-typecast)
+        node.locked = uint192(locked);
+        emit StakeUnlocked(nodeKey, amount, locked);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function fundPool(uint256 runId, address funder) external payable onlyLedger {
+        if (msg.value == 0) revert RegistryZeroAmount();
+        _fund(runId, funder, msg.value);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function payStep(uint256 runId, uint64 step, address[] calldata signers, uint256 reward, uint256 committedAt)
+        external
+        onlyLedger
+        returns (uint256 total)
+    {
+        Pool storage pool = _pools[runId];
+        uint256 balance = pool.balance;
+        if (reward > balance) reward = balance;
+        uint256 share = reward / signers.length;
+        if (share == 0) return 0;
+        address[] memory paid = new address[](signers.length);
+        for (uint256 i = 0; i < signers.length; ++i) {
+            uint64 slashedAt = _nodes[signers[i]].slashedAt;
+            if (slashedAt != 0 && slashedAt >= committedAt) continue;
+            paid[i] = signers[i];
+            total += share;
+            _credits[signers[i]] += share;
+            emit Credited(signers[i], share);
+        }
+        pool.balance = balance - total;
+        _totalPools -= total;
+        _totalCredits += total;
+        emit StepRewarded(runId, step, share, paid);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function withdrawPool(uint256 runId, address funder) external onlyLedger returns (uint256 amount) {
+        Pool storage pool = _pools[runId];
+        uint256 part = pool.fundedBy[funder];
+        if (part == 0) revert RegistryNothingToWithdraw(runId, funder);
+        // Pro rata of what is left: the last funder out takes the whole remainder.
+        amount = pool.balance * part / pool.funded;
+        pool.fundedBy[funder] = 0;
+        pool.funded -= part;
+        pool.balance -= amount;
+        _totalPools -= amount;
+        emit PoolWithdrawn(runId, funder, amount);
+        _credit(funder, amount);
     }
 
     /// @inheritdoc INodeRegistry
@@ -250,6 +341,34 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     }
 
     /// @inheritdoc INodeRegistry
+    function lockedOf(address node) external view returns (uint256) {
+        return _nodes[node].locked;
+    }
+
+    /// @inheritdoc INodeRegistry
+    function slashedAtOf(address[] calldata nodes) external view returns (uint64[] memory slashedAt) {
+        slashedAt = new uint64[](nodes.length);
+        for (uint256 i = 0; i < nodes.length; ++i) {
+            slashedAt[i] = _nodes[nodes[i]].slashedAt;
+        }
+    }
+
+    /// @inheritdoc INodeRegistry
+    function poolOf(uint256 runId) external view returns (uint256 pool, uint256 funded) {
+        return (_pools[runId].balance, _pools[runId].funded);
+    }
+
+    /// @inheritdoc INodeRegistry
+    function fundedBy(uint256 runId, address funder) external view returns (uint256) {
+        return _pools[runId].fundedBy[funder];
+    }
+
+    /// @inheritdoc INodeRegistry
+    function totalPools() external view returns (uint256) {
+        return _totalPools;
+    }
+
+    /// @inheritdoc INodeRegistry
     function totalBonds() external view returns (uint256) {
         return _totalBonds;
     }
@@ -277,6 +396,17 @@ contract NodeRegistry is INodeRegistry, ReentrancyGuard {
     /// @inheritdoc INodeRegistry
     function unbondingDelay() external view returns (uint64) {
         return _unbondingDelay;
+    }
+
+    /// @dev Adds `amount` wei (already in this contract) to run `runId`'s pool as `funder`'s.
+    function _fund(uint256 runId, address funder, uint256 amount) private {
+        Pool storage pool = _pools[runId];
+        uint256 balance = pool.balance + amount;
+        pool.balance = balance;
+        pool.funded += amount;
+        pool.fundedBy[funder] += amount;
+        _totalPools += amount;
+        emit PoolFunded(runId, funder, amount, balance);
     }
 
     /// @dev Adds `amount` to `account`'s claimable credit (nothing for zero).

@@ -40,6 +40,16 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @inheritdoc ITrainingLedger
     bytes32 public constant VERDICT_TYPEHASH = keccak256("Verdict(uint256 challengeId,bool upheld)");
 
+    /// @dev The EIP-712 type hash of an approved run's admission, signed by the run's creator.
+    bytes32 private constant _ADMISSION_TYPEHASH = keccak256("Admission(uint256 runId,address node,uint64 expiry)");
+
+    /// @dev A node's membership of a run: none; named at creation; joined ({joinRun}, its
+    /// stake locked); left ({leaveRun}: it signs no more, but stays answerable for what it signed).
+    uint8 private constant _NONE = 0;
+    uint8 private constant _FOUNDER = 1;
+    uint8 private constant _JOINED = 2;
+    uint8 private constant _LEFT = 3;
+
     uint8 private constant _EQUIVOCATION = 0;
     uint8 private constant _FAILED_REPLAY = 1;
     uint8 private constant _BAD_AGGREGATE = 2;
@@ -70,11 +80,15 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         uint32 epoch;
         Independence independence;
         uint16 minReplicas;
+        bool ended;
         bytes32 configDigest;
         uint256 minStake;
         address[] arbiters;
         EligibleSigners eligible;
-        mapping(address node => bool) members;
+        Admission admission;
+        uint64 endedAt;
+        uint128 rewardPerStep;
+        mapping(address node => uint8) members;
         mapping(address arbiter => bool) isArbiter;
         mapping(uint64 step => StepInfo) steps;
     }
@@ -101,46 +115,6 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     // ------------------------------------------------------------------------ runs and steps
 
     /// @inheritdoc ITrainingLedger
-    /// @dev `arbiters` is copied to memory: with eleven parameters the ABI decoder has no
-    /// stack slot left for a second calldata array without via-ir.
-    function createRun(
-        bytes32 configDigest,
-        bytes32 genesisDigest,
-        address[] calldata nodes,
-        uint32 replicas,
-        uint32 stages,
-        uint32 minReplicas,
-        uint64 challengeWindow_,
-        uint256 minStake,
-        address[] memory arbiters,
-        uint32 quorum,
-        uint8 independence
-    ) external returns (uint256 runId) {
-        if (replicas == 0 || replicas > _MAX_REPLICAS || stages == 0) revert LedgerInvalidShape(replicas, stages);
-        if (minReplicas == 0 || minReplicas > replicas) revert LedgerInvalidMinReplicas(minReplicas, replicas);
-        if (independence > uint8(type(Independence).max)) revert LedgerInvalidIndependence(independence);
-        if (nodes.length == 0) revert LedgerNoNodes();
-        if (quorum > arbiters.length || (quorum == 0 && arbiters.length != 0)) {
-            revert LedgerInvalidQuorum(quorum, arbiters.length);
-        }
-        if (challengeWindow_ > _maxChallengeWindow) revert LedgerWindowTooLong(challengeWindow_, _maxChallengeWindow);
-        if (genesisDigest == bytes32(0)) revert LedgerZeroDigest();
-
-        runId = _storeRun(configDigest, genesisDigest, challengeWindow_, minStake);
-        Run storage run = _runs[runId];
-        run.replicas = replicas;
-        run.stages = stages;
-        run.quorum = quorum;
-        // casting to 'uint16' is safe because minReplicas <= replicas <= 256
-        // forge-lint: disable-next-line(unsafe-typecast)
-        run.minReplicas = uint16(minReplicas);
-        run.independence = Independence(independence);
-        _addMembers(run, nodes);
-        _addArbiters(run, arbiters);
-        _emitRunCreated(runId, nodes);
-    }
-
-    /// @inheritdoc ITrainingLedger
     function commitStep(
         uint256 runId,
         uint64 step,
@@ -152,6 +126,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         Attestation[] calldata attestations
     ) external {
         Run storage run = _existingRun(runId);
+        if (run.ended) revert LedgerRunEnded(runId);
         {
             uint64 headStep = run.headStep;
             if (step != headStep + 1) revert LedgerWrongStep(headStep + 1, step);
@@ -182,18 +157,109 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// @inheritdoc ITrainingLedger
     function finalize(uint256 runId, uint64 step) external {
         Run storage run = _existingRun(runId);
-        _checkOnChain(run, runId, step);
-        uint64 finalized = run.finalizedStep;
-        if (step <= finalized) revert LedgerStepFinalized(runId, step);
-        if (step != finalized + 1) revert LedgerParentNotFinal(runId, step);
-        StepInfo storage record = run.steps[step];
-        if (record.openChallenges != 0) revert LedgerStepChallenged(runId, step, record.openChallenges);
-        uint64 deadline = record.committedAt + run.challengeWindow;
-        // slither-disable-next-line timestamp -- windows are minutes to days; block times move by seconds.
-        if (block.timestamp <= deadline) revert LedgerWindowOpen(runId, step, deadline);
+        if (run.rewardPerStep != 0) revert LedgerRewardNeedsWitnesses(runId);
+        _finalizeNext(run, runId, step);
+    }
 
-        run.finalizedStep = step;
-        emit StepFinalized(runId, step, record.checkpoint);
+    /// @inheritdoc ITrainingLedger
+    // slither-disable-next-line reentrancy-events -- the registry is this ledger's own, fixed at deployment; a step's events follow its payment.
+    function finalizeSteps(uint256 runId, StepWitness[] calldata witnesses) external returns (uint64 finalized) {
+        Run storage run = _existingRun(runId);
+        finalized = run.finalizedStep;
+        for (uint256 i = 0; i < witnesses.length; ++i) {
+            StepWitness calldata w = witnesses[i];
+            StepInfo storage record = _finalizeNext(run, runId, ++finalized);
+            _checkWitnesses(record, w.signers, w.shardsRoot, w.replicaSet);
+            uint256 reward = run.rewardPerStep;
+            // slither-disable-next-line unused-return,calls-loop -- the registry's StepRewarded event has the amounts; the registry is fixed at deployment.
+            if (reward != 0) _registry.payStep(runId, finalized, w.signers, reward, record.committedAt);
+        }
+    }
+
+    // ------------------------------------------------------------------------ membership and pools
+
+    /// @inheritdoc ITrainingLedger
+    function createRun(RunSpec calldata spec) external payable returns (uint256 runId) {
+        _checkShape(spec.replicas, spec.stages, spec.minReplicas, spec.independence, spec.challengeWindow);
+        if (spec.admission > uint8(type(Admission).max)) revert LedgerInvalidAdmission(spec.admission);
+        if (spec.nodes.length == 0 && spec.admission == uint8(Admission.Closed)) revert LedgerNoNodes();
+        if (spec.quorum > spec.arbiters.length || (spec.quorum == 0 && spec.arbiters.length != 0)) {
+            revert LedgerInvalidQuorum(spec.quorum, spec.arbiters.length);
+        }
+        if (spec.genesisDigest == bytes32(0)) revert LedgerZeroDigest();
+
+        runId = _storeRun(spec.configDigest, spec.genesisDigest, spec.challengeWindow, spec.minStake);
+        Run storage run = _runs[runId];
+        run.replicas = spec.replicas;
+        run.stages = spec.stages;
+        run.quorum = spec.quorum;
+        // casting to 'uint16' is safe because minReplicas <= replicas <= 256
+        // forge-lint: disable-next-line(unsafe-typecast)
+        run.minReplicas = uint16(spec.minReplicas);
+        run.independence = Independence(spec.independence);
+        run.admission = Admission(spec.admission);
+        run.rewardPerStep = spec.rewardPerStep;
+        _addMembers(run, spec.nodes);
+        _addArbiters(run, spec.arbiters);
+        _emitRunCreated(runId, spec.nodes);
+        emit RunTermsSet(runId, run.admission, spec.rewardPerStep);
+        if (msg.value != 0) _registry.fundPool{value: msg.value}(runId, msg.sender);
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function joinRun(uint256 runId, uint64 expiry, bytes calldata admission) external {
+        Run storage run = _existingRun(runId);
+        if (run.ended) revert LedgerRunEnded(runId);
+        Admission rule = run.admission;
+        if (rule == Admission.Closed) revert LedgerRunClosed(runId);
+        uint8 membership = run.members[msg.sender];
+        if (membership == _FOUNDER || membership == _JOINED) revert LedgerAlreadyMember(runId, msg.sender);
+        if (rule == Admission.Approved) _checkAdmission(run, runId, expiry, admission);
+
+        run.members[msg.sender] = _JOINED;
+        emit MemberJoined(runId, msg.sender, run.headStep + 1);
+        _registry.lockStake(msg.sender, _required(run.minStake));
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function leaveRun(uint256 runId) external {
+        Run storage run = _existingRun(runId);
+        uint8 membership = run.members[msg.sender];
+        if (membership != _FOUNDER && membership != _JOINED) revert LedgerNotMember(runId, msg.sender);
+
+        run.members[msg.sender] = _LEFT;
+        // The eligibility cache assumes members never leave: forget it.
+        run.eligible.signers = bytes24(0);
+        emit MemberLeft(runId, msg.sender, run.headStep);
+        if (membership == _JOINED) _registry.unlockStake(msg.sender, _required(run.minStake));
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function fundRun(uint256 runId) external payable {
+        _existingRun(runId);
+        _registry.fundPool{value: msg.value}(runId, msg.sender);
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function endRun(uint256 runId) external {
+        Run storage run = _existingRun(runId);
+        if (msg.sender != run.creator) revert LedgerNotCreator(runId, msg.sender);
+        if (run.ended) revert LedgerRunEnded(runId);
+        run.ended = true;
+        run.endedAt = uint64(block.timestamp);
+        emit RunEnded(runId, uint64(block.timestamp));
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function withdrawPool(uint256 runId) external {
+        Run storage run = _existingRun(runId);
+        if (!run.ended) revert LedgerPoolLocked(runId, type(uint64).max);
+        uint64 until = run.endedAt + _resolutionPeriod;
+        // slither-disable-next-line timestamp -- the delay is days; block times move by seconds.
+        if (block.timestamp < until) revert LedgerPoolLocked(runId, until);
+        if (run.finalizedStep != run.headStep) revert LedgerStepsNotFinal(runId, run.finalizedStep, run.headStep);
+        // slither-disable-next-line unused-return -- the registry's PoolWithdrawn event has the amount.
+        _registry.withdrawPool(runId, msg.sender);
     }
 
     // ------------------------------------------------------------------------ slashing
@@ -215,7 +281,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         address node = _attestationSigner(runId, step, parent, a);
         address other = _attestationSigner(runId, step, parent, b);
         if (node != other) revert LedgerSignerMismatch(node, other);
-        if (!run.members[node]) revert LedgerNotMember(runId, node);
+        if (run.members[node] == _NONE) revert LedgerNotMember(runId, node);
         bytes32 offence = offenceId(_EQUIVOCATION, runId, step, a.replica, a.stage, parent, node);
         if (_slashed[offence]) revert LedgerAlreadySlashed(offence, node);
 
@@ -223,8 +289,7 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         emit EquivocationSlashed(
             runId, step, node, a.replica, a.stage, parent, a.contribution, b.contribution, msg.sender
         );
-        // slither-disable-next-line unused-return -- the reporter's reward is in the registry's Slashed event.
-        (slashed,) = _registry.slash(node, msg.sender);
+        slashed = _slash(run, runId, node, msg.sender);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -242,15 +307,14 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         address node = _attestationSigner(runId, step, parent, a);
         address other = _attestationSigner(runId, step, parent, b);
         if (node != other) revert LedgerSignerMismatch(node, other);
-        if (!run.members[node]) revert LedgerNotMember(runId, node);
+        if (run.members[node] == _NONE) revert LedgerNotMember(runId, node);
         // Any replica: one node co-signing two results for a stage is one offence.
         bytes32 offence = offenceId(_RESULT_EQUIVOCATION, runId, step, type(uint32).max, a.stage, parent, node);
         if (_slashed[offence]) revert LedgerAlreadySlashed(offence, node);
 
         _slashed[offence] = true;
         emit ResultEquivocationSlashed(runId, step, node, a.stage, parent, a.newShard, b.newShard, msg.sender);
-        // slither-disable-next-line unused-return -- the reporter's reward is in the registry's Slashed event.
-        (slashed,) = _registry.slash(node, msg.sender);
+        slashed = _slash(run, runId, node, msg.sender);
     }
 
     /// @inheritdoc ITrainingLedger
@@ -325,8 +389,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
         address payee = upheld ? c.challenger : _registry.operatorOf(c.node);
         for (uint256 i = 0; i < nodes.length; ++i) {
-            // slither-disable-next-line unused-return,calls-loop -- amounts are in the registry's Slashed events; the registry is fixed at deployment.
-            if (slash[i]) _registry.slash(nodes[i], c.challenger);
+            // slither-disable-next-line unused-return -- amounts are in the registry's Slashed events.
+            if (slash[i]) _slash(run, runId, nodes[i], c.challenger);
         }
         _release(c, nodes, payee);
     }
@@ -430,7 +494,23 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
 
     /// @inheritdoc ITrainingLedger
     function isMember(uint256 runId, address node) external view returns (bool) {
-        return _runs[runId].members[node];
+        uint8 membership = _runs[runId].members[node];
+        return membership == _FOUNDER || membership == _JOINED;
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function runTerms(uint256 runId)
+        external
+        view
+        returns (Admission admission, uint128 rewardPerStep, uint64 endedAt)
+    {
+        Run storage run = _existingRun(runId);
+        return (run.admission, run.rewardPerStep, run.endedAt);
+    }
+
+    /// @inheritdoc ITrainingLedger
+    function admissionDigest(uint256 runId, address node, uint64 expiry) public view returns (bytes32) {
+        return _hashTypedDataV4(keccak256(abi.encode(_ADMISSION_TYPEHASH, runId, node, expiry)));
     }
 
     /// @inheritdoc ITrainingLedger
@@ -475,12 +555,57 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         run.steps[0].committedAt = uint40(block.timestamp);
     }
 
+    /// @dev Reverts unless a run's shape, independence mode and challenge window are valid.
+    function _checkShape(uint32 replicas, uint32 stages, uint32 minReplicas, uint8 independence, uint64 window)
+        private
+        view
+    {
+        if (replicas == 0 || replicas > _MAX_REPLICAS || stages == 0) revert LedgerInvalidShape(replicas, stages);
+        if (minReplicas == 0 || minReplicas > replicas) revert LedgerInvalidMinReplicas(minReplicas, replicas);
+        if (independence > uint8(type(Independence).max)) revert LedgerInvalidIndependence(independence);
+        if (window > _maxChallengeWindow) revert LedgerWindowTooLong(window, _maxChallengeWindow);
+    }
+
+    /// @dev Makes `step` of `run` final if it is the next one due; returns its record.
+    function _finalizeNext(Run storage run, uint256 runId, uint64 step) private returns (StepInfo storage record) {
+        _checkOnChain(run, runId, step);
+        uint64 finalized = run.finalizedStep;
+        if (step <= finalized) revert LedgerStepFinalized(runId, step);
+        if (step != finalized + 1) revert LedgerParentNotFinal(runId, step);
+        record = run.steps[step];
+        if (record.openChallenges != 0) revert LedgerStepChallenged(runId, step, record.openChallenges);
+        uint64 deadline = record.committedAt + run.challengeWindow;
+        // slither-disable-next-line timestamp -- windows are minutes to days; block times move by seconds.
+        if (block.timestamp <= deadline) revert LedgerWindowOpen(runId, step, deadline);
+
+        run.finalizedStep = step;
+        emit StepFinalized(runId, step, record.checkpoint);
+    }
+
+    /// @dev Slashes `node` for an offence in `run`, crediting `reporter` its share; the rest
+    /// joins the run's pool as its creator's funding (so a pool nobody funded can still be
+    /// withdrawn). Returns the wei slashed.
+    function _slash(Run storage run, uint256 runId, address node, address reporter) private returns (uint256 amount) {
+        // slither-disable-next-line unused-return,calls-loop -- the reward is in the registry's Slashed event; the registry is fixed at deployment.
+        (amount,) = _registry.slash(node, reporter, runId, run.creator);
+    }
+
+    /// @dev Reverts unless `admission` is the creator's signature over
+    /// `Admission(runId, msg.sender, expiry)` and `expiry` has not passed.
+    function _checkAdmission(Run storage run, uint256 runId, uint64 expiry, bytes calldata admission) private view {
+        if (admission.length == 0) revert LedgerAdmissionRequired(runId);
+        // slither-disable-next-line timestamp -- admissions last hours to days; block times move by seconds.
+        if (block.timestamp > expiry) revert LedgerAdmissionExpired(runId, expiry);
+        address signer = ECDSA.recover(admissionDigest(runId, msg.sender, expiry), admission);
+        if (signer != run.creator) revert LedgerAdmissionNotByCreator(runId, run.creator, signer);
+    }
+
     /// @dev Makes each of `nodes` a member of `run`; reverts with {LedgerDuplicateNode} on a
     /// repeated node (the revert undoes the memberships already written).
     function _addMembers(Run storage run, address[] calldata nodes) private {
         for (uint256 i = 0; i < nodes.length; ++i) {
-            if (run.members[nodes[i]]) revert LedgerDuplicateNode(nodes[i]);
-            run.members[nodes[i]] = true;
+            if (run.members[nodes[i]] != _NONE) revert LedgerDuplicateNode(nodes[i]);
+            run.members[nodes[i]] = _FOUNDER;
         }
     }
 
@@ -696,8 +821,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
     /// at least the run's minimum (and above zero), and the replicas are independent
     /// ({_checkIndependent}).
     ///
-    /// The check is cached per run: a run's membership, minimum and independence mode never
-    /// change, nor does a node's operator, and a node's active stake only ever drops through
+    /// The check is cached per run: a run's minimum and independence mode never change, nor
+    /// does a node's operator, members only join (a leave clears the cache), and a node's active stake only ever drops through
     /// {INodeRegistry-unbond} or a slash, each of which bumps the registry's
     /// {INodeRegistry-stakeDecreases} counter. So when this step's signer list is the one
     /// last checked and the counter has not moved since, every signer is still eligible and
@@ -716,7 +841,8 @@ contract TrainingLedger is ITrainingLedger, EIP712 {
         if (cache.signers == bytes24(signersHash) && cache.atDecreases == decreases) return;
 
         for (uint256 i = 0; i < signers.length; ++i) {
-            if (!run.members[signers[i]]) revert LedgerNotMember(runId, signers[i]);
+            uint8 membership = run.members[signers[i]];
+            if (membership != _FOUNDER && membership != _JOINED) revert LedgerNotMember(runId, signers[i]);
         }
         // One call for all stakes: a call per signer would cost more than the reads.
         uint256 required = _required(run.minStake);

@@ -44,8 +44,24 @@ contract LedgerInvariantTest is Test {
         }
         assertEq(credits, registry.totalCredits());
         assertEq(registry.totalBonds(), handler.ghost_bonds());
-        assertEq(address(registry).balance, stakes + registry.totalBonds() + credits);
+        assertEq(address(registry).balance, stakes + registry.totalBonds() + credits + registry.totalPools());
         assertEq(address(registry).balance, handler.ghost_in() - handler.ghost_out());
+    }
+
+    // The run's pool is all the registry holds for pools: what was funded and slashed into
+    // it, less the rewards paid; the ledger itself never holds ETH.
+    function invariant_poolEqualsFundedPlusSlashIncomeMinusRewards() public view {
+        (uint256 pool,) = registry.poolOf(runId);
+        assertEq(pool, registry.totalPools());
+        assertEq(address(ledger).balance, 0);
+        assertEq(registry.fundedBy(runId, address(handler)), pool + handler.ghost_rewardsPaid());
+    }
+
+    // No step is paid twice, no slot gets more than one share, and no step is paid before
+    // its challenge window closed (finalizeSteps before it reverts).
+    function invariant_rewardsOnlyForFinalSteps_andOncePerSlot() public view {
+        assertEq(handler.ghost_doublePaid(), 0);
+        assertEq(handler.ghost_paidEarly(), 0);
     }
 
     // No node is slashed twice for one offence: a repeated equivocation proof (contribution or

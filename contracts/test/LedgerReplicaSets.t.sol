@@ -51,21 +51,21 @@ contract LedgerReplicaSetsTest is LedgerFixture {
 
     function test_createRun_revertsWith_InvalidMinReplicas_whenZero() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidMinReplicas.selector, 0, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 3, 2, 0, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 3, 2, 0, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     function test_createRun_revertsWith_InvalidMinReplicas_whenAboveReplicas() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidMinReplicas.selector, 4, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 3, 2, 4, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 3, 2, 4, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     function test_createRun_revertsWith_InvalidShape_whenReplicasExceedTheBitmap() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidShape.selector, 257, 1));
-        ledger.createRun(CONFIG, GENESIS, nodes, 257, 1, 1, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 257, 1, 1, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     function test_createRun_accepts256Replicas() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 256, 1, 256, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 256, 1, 256, WINDOW, MIN_STAKE, arbiters, 2, 0));
         assertEq(runId, 1);
     }
 

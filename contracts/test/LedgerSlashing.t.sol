@@ -25,7 +25,7 @@ contract LedgerSlashingTest is LedgerFixture {
     }
 
     function _assertAccounting() internal view {
-        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits());
+        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits() + registry.totalPools());
     }
 
     /// @dev A second, different contribution for slot `slot` of `c`, signed by the same key.
@@ -68,7 +68,7 @@ contract LedgerSlashingTest is LedgerFixture {
 
     function test_createRun_acceptsTheLongestWindow() public {
         uint64 longest = UNBONDING_DELAY - 1;
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, longest, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, longest, MIN_STAKE, arbiters, 2, 0));
         assertEq(ledger.challengeWindowOf(runId), longest);
     }
 
@@ -76,7 +76,7 @@ contract LedgerSlashingTest is LedgerFixture {
         vm.expectRevert(
             abi.encodeWithSelector(ITrainingLedger.LedgerWindowTooLong.selector, UNBONDING_DELAY, UNBONDING_DELAY - 1)
         );
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, UNBONDING_DELAY, MIN_STAKE, arbiters, 2, 0));
     }
 
     function test_createRun_revertsWith_InvalidArbiter_whenAnArbiterRepeats() public {
@@ -143,7 +143,7 @@ contract LedgerSlashingTest is LedgerFixture {
         assertEq(slashed, MIN_STAKE);
         assertEq(_stakeTotal(nodes[2]), 0);
         assertEq(registry.creditOf(reporter), MIN_STAKE / 2);
-        assertEq(registry.creditOf(treasury), MIN_STAKE / 2);
+        assertEq(registry.totalPools(), MIN_STAKE / 2);
         assertTrue(ledger.isSlashed(ledger.offenceId(0, runId, 1, 1, 0, c.parent, nodes[2])));
         _assertAccounting();
     }
@@ -285,7 +285,7 @@ contract LedgerSlashingTest is LedgerFixture {
     }
 
     function test_openChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0));
         address[] memory signers = _signersOf(_commitNext(runId));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));
         vm.prank(verifier);
@@ -425,7 +425,7 @@ contract LedgerSlashingTest is LedgerFixture {
         assertEq(_stakeTotal(nodes[1]), 0);
         // Bond back plus the reporter's half of the slashed stake.
         assertEq(registry.creditOf(verifier), MIN_STAKE + MIN_STAKE / 2);
-        assertEq(registry.creditOf(treasury), MIN_STAKE / 2);
+        assertEq(registry.totalPools(), MIN_STAKE / 2);
         assertEq(registry.openChallengesOf(nodes[1]), 0);
         assertTrue(ledger.challenge(id).resolved);
         _assertAccounting();
@@ -769,7 +769,7 @@ contract LedgerSlashingTest is LedgerFixture {
     function testFuzz_finalize_opensExactlyAfterTheDeadline(uint64 window, uint64 wait) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         wait = uint64(bound(wait, 0, 2 * uint256(UNBONDING_DELAY)));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0));
         _commitNext(runId);
         uint64 deadline = uint64(block.timestamp) + window;
         vm.warp(block.timestamp + wait);
@@ -815,7 +815,7 @@ contract LedgerSlashingTest is LedgerFixture {
     function testFuzz_unbonding_cannotFinishWhileAnAttestedStepIsChallengeable(uint64 window, uint64 gap) public {
         window = uint64(bound(window, 0, UNBONDING_DELAY - 1));
         gap = uint64(bound(gap, 0, UNBONDING_DELAY));
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, window, MIN_STAKE, arbiters, 2, 0));
         address[] memory signers = _signersOf(_commitNext(runId));
         uint64 deadline = uint64(block.timestamp) + window;
         // The node unbonds some time after its last attestation ...
@@ -843,7 +843,7 @@ contract LedgerSlashingTest is LedgerFixture {
         for (uint256 i = nodes.length; i < slots; ++i) {
             _addStakedNode(string.concat("extra", vm.toString(i)), MIN_STAKE);
         }
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, slots, 1, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 1, slots, 1, WINDOW, MIN_STAKE, arbiters, 2, 0));
         _shapes[runId] = [uint32(1), slots];
         if (steady) _commitNext(runId);
         StepCall memory c = _nextStep(runId);

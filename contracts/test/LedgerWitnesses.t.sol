@@ -17,7 +17,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     }
 
     function _assertAccounting() internal view {
-        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits());
+        assertEq(address(registry).balance, registry.totalStaked() + registry.totalBonds() + registry.totalCredits() + registry.totalPools());
     }
 
     /// @dev Slot `slot` of `c` with its new shard replaced by `shard`, signed by `key`.
@@ -67,7 +67,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     function testFuzz_createRun_revertsWith_InvalidIndependence_forAnUnknownMode(uint8 mode) public {
         mode = uint8(bound(mode, 2, type(uint8).max));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidIndependence.selector, mode));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, mode));
     }
 
     function test_independenceOf_revertsWith_UnknownRun() public {
@@ -374,7 +374,7 @@ contract LedgerWitnessesTest is LedgerFixture {
     }
 
     function test_openAggregateChallenge_revertsWith_NoArbiters_whenTheRunHasNone() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, new address[](0), 0, 0));
         StepCall memory c = _commitNext(runId);
         (address[] memory signers, bytes32[] memory shards) = (_signersOf(c), _shardsOf(c));
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerNoArbiters.selector, runId));
@@ -467,12 +467,12 @@ contract LedgerWitnessesTest is LedgerFixture {
         for (uint256 i = 0; i < n; ++i) {
             ids[i] = _challengeAggregate(c, stage);
         }
-        uint256 treasuryBefore = registry.creditOf(treasury);
+        uint256 poolsBefore = registry.totalPools();
         for (uint256 i = 0; i < n; ++i) {
             ledger.resolveChallenge(ids[i], true, _verdicts(ids[i], true, 2));
         }
-        // Two co-signers slashed once each: the treasury got half of each stake, no more.
-        assertEq(registry.creditOf(treasury) - treasuryBefore, MIN_STAKE);
+        // Two co-signers slashed once each: the run's pool got half of each stake, no more.
+        assertEq(registry.totalPools() - poolsBefore, MIN_STAKE);
         assertEq(_stakeTotal(nodes[stage]) + _stakeTotal(nodes[2 + stage]), 0);
         assertEq(_stakeTotal(nodes[1 - stage]), MIN_STAKE);
         _assertAccounting();

@@ -102,7 +102,7 @@ contract TrainingLedgerTest is LedgerFixture {
     }
 
     function test_createRun_acceptsZeroQuorum_whenThereAreNoArbiters() public {
-        uint256 runId = ledger.createRun(CONFIG, GENESIS, nodes, 1, 1, 1, 0, 0, new address[](0), 0, 0);
+        uint256 runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 1, 1, 1, 0, 0, new address[](0), 0, 0));
         assertEq(runId, 1);
     }
 
@@ -118,7 +118,7 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_NoNodes_whenNodeListIsEmpty() public {
         vm.expectRevert(ITrainingLedger.LedgerNoNodes.selector);
-        ledger.createRun(CONFIG, GENESIS, new address[](0), 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, new address[](0), 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     function test_createRun_revertsWith_DuplicateNode_whenANodeIsListedTwice() public {
@@ -129,17 +129,17 @@ contract TrainingLedgerTest is LedgerFixture {
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumExceedsArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 4, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 4, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 4, 0));
     }
 
     function test_createRun_revertsWith_InvalidQuorum_whenQuorumIsZeroWithArbiters() public {
         vm.expectRevert(abi.encodeWithSelector(ITrainingLedger.LedgerInvalidQuorum.selector, 0, 3));
-        ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 0, 0);
+        ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 0, 0));
     }
 
     function test_createRun_revertsWith_ZeroDigest_whenGenesisIsZero() public {
         vm.expectRevert(ITrainingLedger.LedgerZeroDigest.selector);
-        ledger.createRun(CONFIG, bytes32(0), nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        ledger.createRun(_runSpec(CONFIG, bytes32(0), nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     // ---------------------------------------------------------------- views on unknown runs

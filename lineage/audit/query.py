@@ -27,7 +27,7 @@ from multiformats import CID
 
 from lineage.chain.anvil import Anvil
 from lineage.chain.client import Chain
-from lineage.chain.ledger import Commit, Ledger
+from lineage.chain.ledger import DOMAIN_VERSION, Commit, Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import BlockNotFoundError, ChainError, StorageError
 from lineage.store import cbor
@@ -110,13 +110,16 @@ class Lineage:
     head: str = ""
     finalized_step: int = 0
     target: str | None = None  # set: the lineage of this one checkpoint
+    # what each final step paid (issue 35), by step: {"share_wei": str, "paid": [node or "" per slot]}
+    rewards: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         return {"run": self.run_id, "name": self.name, "chain_id": self.chain_id, "ledger": self.ledger,
                 "registry": self.registry, "genesis": self.genesis, "config_cid": self.config_cid,
                 "config": self.config, "head": self.head, "finalized_step": self.finalized_step,
                 "target": self.target, "stakes": {k: str(v) for k, v in self.stakes.items()},
-                "steps": [s.as_json() for s in self.steps]}
+                "steps": [s.as_json() for s in self.steps],
+                "rewards": {str(k): v for k, v in sorted(self.rewards.items())}}
 
 
 def _plain(value: Any) -> Any:
@@ -213,7 +216,17 @@ def _run_base(ledger: Ledger, store: Any, run_id: int, name: str | None) -> tupl
             "genesis": str(cid_from_digest(created.genesis_digest, DAG_CBOR)),
             "config_cid": str(config_cid), "config": config, "stakes": stakes,
             "head": str(cid_from_digest(head, DAG_CBOR)),
-            "finalized_step": ledger.finalized_step(run_id)}, created.replicas
+            "finalized_step": ledger.finalized_step(run_id), "rewards": _rewards(ledger, run_id)}, created.replicas
+
+
+def _rewards(ledger: Ledger, run_id: int) -> dict[int, dict[str, Any]]:
+    """What each final step of `run_id` paid, and to whom (a version 3 ledger's registry
+    `StepRewarded` events; none before issue 35)."""
+    from lineage.chain.rewards import step_rewards
+
+    if ledger.version != DOMAIN_VERSION:
+        return {}
+    return {r.step: {"share_wei": str(r.share), "paid": list(r.paid)} for r in step_rewards(ledger, run_id)}
 
 
 def _step(store: Any, step: int, checkpoint: CID, commit: Commit | None, R: int,

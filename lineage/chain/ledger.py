@@ -83,12 +83,20 @@ class Attestation:
                 self.code_hash, self.loss_micros, self.new_shard, r, vs)
 
 
+#: `createRun`'s admission rules (issue 35), by the name job files and the CLI use.
+ADMISSION = {"closed": 0, "open": 1, "approved": 2}
+_RUN_SPEC_TUPLE = ("(bytes32,bytes32,address[],uint32,uint32,uint32,uint64,uint256,address[],uint32,uint8,"
+                   "uint8,uint128)")
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What `createRun` takes (`Ledger.create_run`): the run's shape, its members and its
     challenge terms. `independence` ("keys" or "operators", `INDEPENDENCE`) is what may not
     sign slots of two replicas of one step; `min_replicas` (None: `replicas`, every step
-    has every replica) the fewest replicas a step may have."""
+    has every replica) the fewest replicas a step may have. `admission` ("closed", "open"
+    or "approved", `ADMISSION`) says who may join later, `reward_per_step` what the pool
+    pays a final step, `fund_wei` what the creator puts in the pool at creation (issue 35)."""
 
     config_digest: bytes
     genesis_digest: bytes
@@ -101,6 +109,9 @@ class RunSpec:
     quorum: int = 0
     independence: str = "keys"
     min_replicas: int | None = None
+    admission: str = "closed"
+    reward_per_step: int = 0
+    fund_wei: int = 0
 
 
 @dataclass(frozen=True)
@@ -350,13 +361,17 @@ class Ledger:
     def create_run(self, sender: LocalAccount, run: RunSpec) -> int:
         """Create `run` (`RunSpec`); returns its id."""
         self._require_current("createRun")
-        fn = self.ledger.functions.createRun(
+        if run.admission not in ADMISSION:
+            raise ChainError(f"admission {run.admission!r} is not one of {', '.join(ADMISSION)}")
+        spec = (
             run.config_digest, run.genesis_digest, [to_checksum_address(n) for n in run.nodes],
             run.replicas, run.stages, run.replicas if run.min_replicas is None else run.min_replicas,
             run.challenge_window, run.min_stake, run.arbiters or [], run.quorum, INDEPENDENCE[run.independence],
+            ADMISSION[run.admission], run.reward_per_step,
         )
-        receipt = self.chain.transact(fn, sender, context="createRun")
-        (event,) = self.ledger.events.RunCreated().process_receipt(receipt)
+        fn = self.ledger.get_function_by_signature(f"createRun({_RUN_SPEC_TUPLE})")(spec)
+        receipt = self.chain.transact(fn, sender, value=run.fund_wei, context="createRun")
+        (event,) = self.ledger.events.RunCreated().process_receipt(receipt, errors=DISCARD)
         return int(event["args"]["runId"])
 
     def commit_step(
@@ -617,10 +632,17 @@ class Ledger:
         """The challenge terms `createRun` was called with (the ledger keeps `minStake`
         private; the creating transaction shows it)."""
         tx = self.chain.w3.eth.get_transaction(self._run_created_log(run_id)["transactionHash"])
-        fn, args = self.ledger.decode_function_input(tx["input"])
-        if fn.fn_name != "createRun":  # created through another contract: fall back to views
+        try:
+            fn, args = self.ledger.decode_function_input(tx["input"])
+        except ValueError:  # another contract's call, or createRun's positional ABI before issue 35
+            fn, args = None, {}
+        if fn is None or fn.fn_name != "createRun":  # created through another contract: fall back to views
             arbiters, quorum = self.arbiters_of(run_id)
             return RunParams(arbiters, quorum, None, int(self.ledger.functions.challengeWindowOf(run_id).call()))
+        if "spec" in args:  # createRun(RunSpec), issue 35
+            spec = args["spec"]
+            return RunParams([str(a) for a in spec["arbiters"]], int(spec["quorum"]), int(spec["minStake"]),
+                             int(spec["challengeWindow"]))
         return RunParams([str(a) for a in args["arbiters"]], int(args["quorum"]), int(args["minStake"]),
                          int(args["challengeWindow_"]))
 
@@ -689,9 +711,21 @@ class Ledger:
         return self.chain.transact(fn, sender, context=f"resolveChallenge({challenge_id})")
 
     def finalize(self, sender: LocalAccount, run_id: int, step: int) -> Any:
-        """Make `step` final (after its window, with no open challenge); returns the receipt."""
+        """Make `step` final (after its window, with no open challenge); returns the receipt.
+        A run that pays rewards (issue 35) is finalized through `finalizeSteps`, with the
+        step's witnesses, which pays its reward."""
+        if self.version == DOMAIN_VERSION and self.ledger.functions.runTerms(run_id).call()[1]:
+            return self.finalize_steps(sender, run_id, [self._record(run_id, step)])
         return self.chain.transact(self.ledger.functions.finalize(run_id, step), sender,
                                    context=f"finalize(run {run_id}, step {step})")
+
+    def finalize_steps(self, sender: LocalAccount, run_id: int, records: list[StepRecord]) -> Any:
+        """Make `records` (the next steps due, in order) final and pay their rewards;
+        returns the receipt."""
+        witnesses = [([a["node"] for a in r.attestations], r.shards_root, r.replica_set) for r in records]
+        steps = f"{records[0].step}..{records[-1].step}" if records else "none"
+        return self.chain.transact(self.ledger.functions.finalizeSteps(run_id, witnesses), sender,
+                                   context=f"finalizeSteps(run {run_id}, steps {steps})")
 
     def finalized_step(self, run_id: int) -> int:
         return int(call_view(self.ledger.functions.finalizedStep(run_id), f"finalizedStep({run_id})"))

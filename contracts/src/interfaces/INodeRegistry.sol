@@ -155,13 +155,17 @@ interface INodeRegistry {
     function claim() external;
 
     /// @notice Takes all of `node`'s stake (active and unbonding): `reporter` is credited
-    /// {reporterShareBps} of it, the treasury the rest. Returns the amounts.
+    /// {reporterShareBps} of it, and the rest goes to run `runId`'s pool as `poolFunder`'s
+    /// funding (the run's creator; since issue 35 the treasury receives nothing). Returns
+    /// the amounts.
     /// @dev Emits a {Slashed} event, and one {Credited} event per non-zero share.
     ///
     /// Requirements:
     ///
     /// - the caller is the bound ledger.
-    function slash(address node, address reporter) external returns (uint256 amount, uint256 reward);
+    function slash(address node, address reporter, uint256 runId, address poolFunder)
+        external
+        returns (uint256 amount, uint256 reward);
 
     /// @notice Holds `msg.value` as a bond of a challenge against `node`, whose withdrawal
     /// then waits for the challenge to be resolved.
@@ -248,4 +252,76 @@ interface INodeRegistry {
 
     /// @notice Seconds between {unbond} and {withdraw}; longer than any run's challenge window.
     function unbondingDelay() external view returns (uint64);
+
+    // ------------------------------------------------------------ stake locks and pools (issue 35)
+
+    /// @notice `node` has `free` wei of stake not locked by runs; `required` is needed.
+    error RegistryInsufficientFreeStake(address node, uint256 free, uint256 required);
+
+    /// @notice `node`'s stake is locked (`locked` wei) by runs it is a member of.
+    error RegistryStakeLocked(address node, uint256 locked);
+
+    /// @notice The ledger locked `amount` of `node`'s stake (now `locked` in all).
+    event StakeLocked(address indexed node, uint256 amount, uint256 locked);
+
+    /// @notice The ledger released `amount` of `node`'s locked stake (now `locked`).
+    event StakeUnlocked(address indexed node, uint256 amount, uint256 locked);
+
+    /// @notice `funder` has nothing of run `runId`'s pool to withdraw.
+    error RegistryNothingToWithdraw(uint256 runId, address funder);
+
+    /// @notice `funder` added `amount` wei to run `runId`'s reward pool, now `pool`; a slash's
+    /// pool share counts as the run creator's funding.
+    event PoolFunded(uint256 indexed runId, address indexed funder, uint256 amount, uint256 pool);
+
+    /// @notice Final step `step` of run `runId` paid `share` wei to each of `paid` (its
+    /// signers in slot order; the zero address where a slot's node forfeited its share).
+    event StepRewarded(uint256 indexed runId, uint64 indexed step, uint256 share, address[] paid);
+
+    /// @notice `funder` withdrew `amount` wei of run `runId`'s pool, as credit to claim.
+    event PoolWithdrawn(uint256 indexed runId, address indexed funder, uint256 amount);
+
+    /// @notice Locks `amount` of `node`'s active stake for a run it joined. Only the ledger.
+    /// @dev Emits a {StakeLocked} event. Reverts with {RegistryInsufficientFreeStake} unless
+    /// the active stake less what is locked already is at least `amount`.
+    function lockStake(address node, uint256 amount) external;
+
+    /// @notice Releases `amount` of `node`'s locked stake (at most what is locked). Only the ledger.
+    /// @dev Emits a {StakeUnlocked} event.
+    function unlockStake(address node, uint256 amount) external;
+
+    /// @notice Adds `msg.value` to run `runId`'s pool as `funder`'s funding. Only the ledger
+    /// (its {ITrainingLedger-fundRun} is open to anyone).
+    /// @dev Emits a {PoolFunded} event.
+    function fundPool(uint256 runId, address funder) external payable;
+
+    /// @notice Pays final step `step` of run `runId`: min(`reward`, pool) split equally over
+    /// its slots (`signers`, in slot order; a node with two slots gets two shares), credited
+    /// for {claim}; the division's remainder stays in the pool, and so does the share of a
+    /// node slashed at or after `committedAt`. Only the ledger. Returns the total paid.
+    /// @dev Emits a {StepRewarded} event and one {Credited} per share paid.
+    function payStep(uint256 runId, uint64 step, address[] calldata signers, uint256 reward, uint256 committedAt)
+        external
+        returns (uint256 total);
+
+    /// @notice Credits `funder` its share of run `runId`'s remaining pool: pool x (its
+    /// funding / all funding not yet withdrawn). Only the ledger, which checks the run ended.
+    /// @dev Emits a {PoolWithdrawn} and a {Credited} event.
+    function withdrawPool(uint256 runId, address funder) external returns (uint256 amount);
+
+    /// @notice Run `runId`'s pool and the funding not yet withdrawn from it.
+    function poolOf(uint256 runId) external view returns (uint256 pool, uint256 funded);
+
+    /// @notice Wei of run `runId`'s pool that `funder` put in (or, for the creator, slashes
+    /// added) and has not withdrawn.
+    function fundedBy(uint256 runId, address funder) external view returns (uint256);
+
+    /// @notice Wei of `node`'s stake locked by runs.
+    function lockedOf(address node) external view returns (uint256);
+
+    /// @notice When each of `nodes` was last slashed (block timestamp; 0: never).
+    function slashedAtOf(address[] calldata nodes) external view returns (uint64[] memory);
+
+    /// @notice Wei held for the ledger's run pools.
+    function totalPools() external view returns (uint256);
 }

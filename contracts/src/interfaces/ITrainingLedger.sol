@@ -379,34 +379,6 @@ interface ITrainingLedger {
     /// @notice Step `step` of run `runId` (checkpoint `checkpoint`) is final.
     event StepFinalized(uint256 indexed runId, uint64 indexed step, bytes32 indexed checkpoint);
 
-    /// @notice Creates a training run and returns its id (ids start at 1).
-    /// @dev Emits a {RunCreated} event. `challengeWindow`, `arbiters` and `quorum` are stored
-    /// for challenges and finality.
-    ///
-    /// Requirements:
-    ///
-    /// - `replicas` is 1 to 256 and `stages` greater than zero;
-    /// - `minReplicas`, the fewest replicas a step may have, is 1 to `replicas`;
-    /// - `nodes` is not empty and has no duplicates;
-    /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
-    /// - `arbiters` has no duplicates and no zero address;
-    /// - `challengeWindow` is below the registry's unbonding delay;
-    /// - `genesisDigest` is not zero;
-    /// - `independence` is an {Independence} value.
-    function createRun(
-        bytes32 configDigest,
-        bytes32 genesisDigest,
-        address[] calldata nodes,
-        uint32 replicas,
-        uint32 stages,
-        uint32 minReplicas,
-        uint64 challengeWindow,
-        uint256 minStake,
-        address[] memory arbiters,
-        uint32 quorum,
-        uint8 independence
-    ) external returns (uint256 runId);
-
     /// @notice Records outer step `step` of run `runId`. Anyone may submit: the attestations'
     /// signatures are the authority.
     /// @dev Emits a {StepCommitted} event, then one {ContributionAttested} event per
@@ -657,4 +629,166 @@ interface ITrainingLedger {
         external
         view
         returns (bytes32);
+
+    // ------------------------------------------------------------ membership and rewards (issue 35)
+
+    /// @notice Who may join a run after its creation: `Closed`, nobody (the members named at
+    /// creation, as before issue 35); `Open`, any registered node with at least the run's
+    /// `minStake` of stake not locked by other runs; `Approved`, a node holding an EIP-712
+    /// `Admission(runId, node, expiry)` signed by the run's creator.
+    enum Admission {
+        Closed,
+        Open,
+        Approved
+    }
+
+    /// @notice Everything {createRun} takes, as one struct (ABI: a tuple).
+    /// @param admission An {Admission} value.
+    /// @param rewardPerStep Wei the pool pays out per final step, split over its attested slots.
+    struct RunSpec {
+        bytes32 configDigest;
+        bytes32 genesisDigest;
+        address[] nodes;
+        uint32 replicas;
+        uint32 stages;
+        uint32 minReplicas;
+        uint64 challengeWindow;
+        uint256 minStake;
+        address[] arbiters;
+        uint32 quorum;
+        uint8 independence;
+        uint8 admission;
+        uint128 rewardPerStep;
+    }
+
+    /// @notice What {finalizeSteps} needs of a step to pay it: its signers in slot order, its
+    /// shards root and replica set (as in {openChallenge}; all three are in the step's logs).
+    struct StepWitness {
+        address[] signers;
+        bytes32 shardsRoot;
+        uint256 replicaSet;
+    }
+
+    /// @notice `admission` is not an {Admission} value.
+    error LedgerInvalidAdmission(uint8 admission);
+
+    /// @notice Run `runId` admits nobody after its creation.
+    error LedgerRunClosed(uint256 runId);
+
+    /// @notice Run `runId` admits only nodes with a signed admission, and none was given.
+    error LedgerAdmissionRequired(uint256 runId);
+
+    /// @notice The admission presented for run `runId` expired at `expiry`.
+    error LedgerAdmissionExpired(uint256 runId, uint64 expiry);
+
+    /// @notice The admission presented for run `runId` was signed by `signer`, not by the
+    /// run's creator `creator` (or it is for another run or node, which recovers another key).
+    error LedgerAdmissionNotByCreator(uint256 runId, address creator, address signer);
+
+    /// @notice `node` is already a member of run `runId`.
+    error LedgerAlreadyMember(uint256 runId, address node);
+
+    /// @notice Run `runId` has ended: no joins and no commits.
+    error LedgerRunEnded(uint256 runId);
+
+    /// @notice Only run `runId`'s creator may do this; `caller` is not.
+    error LedgerNotCreator(uint256 runId, address caller);
+
+    /// @notice Run `runId` pays rewards, so its steps are final only through {finalizeSteps}.
+    error LedgerRewardNeedsWitnesses(uint256 runId);
+
+    /// @notice Run `runId`'s pool cannot be withdrawn before `until` (its end plus the
+    /// unbonding delay).
+    error LedgerPoolLocked(uint256 runId, uint64 until);
+
+    /// @notice Run `runId` has non-final steps (final `finalized`, head `head`): its pool
+    /// still owes them.
+    error LedgerStepsNotFinal(uint256 runId, uint64 finalized, uint64 head);
+
+
+    /// @notice Run `runId` admits nodes by `admission` and pays `rewardPerStep` a final step.
+    event RunTermsSet(uint256 indexed runId, Admission admission, uint128 rewardPerStep);
+
+    /// @notice `node` joined run `runId`; it may sign from step `fromStep`.
+    event MemberJoined(uint256 indexed runId, address indexed node, uint64 fromStep);
+
+    /// @notice `node` left run `runId`; `lastStep` was the head when it left.
+    event MemberLeft(uint256 indexed runId, address indexed node, uint64 lastStep);
+
+
+    /// @notice Run `runId`'s creator ended it.
+    event RunEnded(uint256 indexed runId, uint64 endedAt);
+
+
+    /// @notice Creates a training run from `spec`, funds its pool with `msg.value`, and
+    /// returns its id (ids start at 1).
+    /// @dev Emits {RunCreated}, {RunTermsSet} and, with a value, the registry's {PoolFunded}.
+    /// `challengeWindow`, `arbiters` and `quorum` are stored for challenges and finality.
+    /// (Before issue 35 createRun took the first eleven fields as parameters.)
+    ///
+    /// Requirements:
+    ///
+    /// - `replicas` is 1 to 256 and `stages` greater than zero;
+    /// - `minReplicas`, the fewest replicas a step may have, is 1 to `replicas`;
+    /// - `nodes` has no duplicates, and is not empty for a `Closed` run;
+    /// - `quorum` is at most the number of `arbiters`, and zero only when there are none;
+    /// - `arbiters` has no duplicates and no zero address;
+    /// - `challengeWindow` is below the registry's unbonding delay;
+    /// - `genesisDigest` is not zero;
+    /// - `independence` is an {Independence} value and `admission` an {Admission} value.
+    function createRun(RunSpec calldata spec) external payable returns (uint256 runId);
+
+    /// @notice Makes the caller (a node key) a member of run `runId` from the next step; the
+    /// registry locks the run's minimum stake of it until {leaveRun}.
+    /// @dev Emits a {MemberJoined} event. `expiry` and `admission` (a 65-byte signature) are
+    /// read only for an `Approved` run.
+    ///
+    /// Requirements:
+    ///
+    /// - the run exists, has not ended, and is not `Closed`;
+    /// - the caller is not a member;
+    /// - `Approved`: a non-empty admission signed by the run's creator over
+    ///   `Admission(runId, caller, expiry)`, with `expiry` not past;
+    /// - the caller has at least the run's minimum (and above zero) of free registry stake.
+    function joinRun(uint256 runId, uint64 expiry, bytes calldata admission) external;
+
+    /// @notice Ends the caller's membership of run `runId`: it signs no later step. Its
+    /// committed steps stay challengeable; the lock on its stake is released (an unbond
+    /// then waits the unbonding delay, longer than any challenge window).
+    /// @dev Emits a {MemberLeft} event.
+    function leaveRun(uint256 runId) external;
+
+    /// @notice Adds `msg.value` to run `runId`'s reward pool (held by the registry). Anyone
+    /// may fund a run.
+    /// @dev The registry emits a {INodeRegistry-PoolFunded} event.
+    function fundRun(uint256 runId) external payable;
+
+    /// @notice Makes the next `witnesses.length` steps of run `runId` final, in order, and
+    /// pays each one's reward from the pool. Anyone may call it. Returns the final step.
+    /// @dev Emits {StepFinalized} per step, and the registry a {INodeRegistry-StepRewarded}
+    /// when the run pays rewards ({INodeRegistry-payStep}: min(rewardPerStep, pool) split
+    /// equally over the step's attested slots; a node slashed at or after the step's commit
+    /// forfeits its share to the pool).
+    ///
+    /// Requirements: as {finalize} for each step, and each witness matches its step's record.
+    function finalizeSteps(uint256 runId, StepWitness[] calldata witnesses) external returns (uint64 finalized);
+
+    /// @notice Ends run `runId`: no more joins or commits. Only its creator may.
+    /// @dev Emits a {RunEnded} event.
+    function endRun(uint256 runId) external;
+
+    /// @notice Credits the caller (in the registry, for {INodeRegistry-claim}) its share of
+    /// run `runId`'s remaining pool: pool x (its funding / all funding not yet withdrawn).
+    /// @dev The registry emits {INodeRegistry-PoolWithdrawn}. Requirements: the run ended at
+    /// least the unbonding delay ago, every committed step is final, and the caller funded
+    /// the run (or created it and slashes added to the pool).
+    function withdrawPool(uint256 runId) external;
+
+    /// @notice Run `runId`'s admission rule, reward per step, and end time (0: running); its
+    /// pool is the registry's {INodeRegistry-poolOf}.
+    function runTerms(uint256 runId) external view returns (Admission admission, uint128 rewardPerStep, uint64 endedAt);
+
+
+    /// @notice The EIP-712 digest of `Admission(runId, node, expiry)` in this ledger's domain.
+    function admissionDigest(uint256 runId, address node, uint64 expiry) external view returns (bytes32);
 }

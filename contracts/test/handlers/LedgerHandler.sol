@@ -10,7 +10,8 @@ import {ITrainingLedger} from "../../src/interfaces/ITrainingLedger.sol";
 
 /// @notice Drives a registry and ledger pair through a whole run's life: commits (of both
 /// replicas or of one: the run needs one of its two), equivocation reports, challenges with
-/// arbiter verdicts, finality, unbonding, withdrawals and claims. Every action is valid (or
+/// arbiter verdicts, finality with rewards paid from the run's pool (funded by anyone),
+/// unbonding, withdrawals and claims. Every action is valid (or
 /// caught where the point is that it must fail), and ghost variables track what the
 /// invariants compare against.
 contract LedgerHandler is CommonBase, StdUtils {
@@ -47,6 +48,12 @@ contract LedgerHandler is CommonBase, StdUtils {
     uint256 public ghost_dependentAccepted;
     uint256 public ghost_badSetAccepted;
     uint256 public ghost_partialCommits;
+    uint256 public ghost_doublePaid;
+    uint256 public ghost_paidEarly;
+    uint256 public ghost_rewardsPaid;
+    uint256 public ghost_funded;
+    uint256 public ghost_slashIncome;
+    mapping(uint64 step => uint256) public ghost_paidTimes;
     /// @dev Every step made final, with its checkpoint at that moment.
     uint64[] public ghost_finalSteps;
     mapping(uint64 step => bytes32) public ghost_finalCheckpoint;
@@ -63,6 +70,8 @@ contract LedgerHandler is CommonBase, StdUtils {
             _nodeKeys.push(0xA000 + i);
             _nodes.push(vm.addr(0xA000 + i));
             _payees.push(_operator(i));
+            // Rewards are credited to the node keys.
+            _payees.push(_nodes[i]);
             vm.prank(_nodes[i]);
             registry.register(_operator(i));
             _stakeFor(i, MIN_STAKE);
@@ -84,8 +93,30 @@ contract LedgerHandler is CommonBase, StdUtils {
         // Equivocation reports come from this handler, which is paid the reporter's share.
         _payees.push(address(this));
 
-        runId = ledger.createRun(keccak256("config"), GENESIS, _nodes, 2, 2, 1, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        vm.deal(address(this), 10 ether);
+        runId = ledger.createRun{value: 2 ether}(
+            ITrainingLedger.RunSpec({
+                configDigest: keccak256("config"),
+                genesisDigest: GENESIS,
+                nodes: _nodes,
+                replicas: 2,
+                stages: 2,
+                minReplicas: 1,
+                challengeWindow: WINDOW,
+                minStake: MIN_STAKE,
+                arbiters: arbiters,
+                quorum: 2,
+                independence: 0,
+                admission: uint8(ITrainingLedger.Admission.Open),
+                rewardPerStep: REWARD
+            })
+        );
+        ghost_in += 2 ether;
+        ghost_funded += 2 ether;
     }
+
+    /// @dev A step's reward; a pool of 2 ether pays about 6 steps before funding runs low.
+    uint128 public constant REWARD = 0.3 ether;
 
     /// @dev Claims of the reporter's share land here.
     receive() external payable {}
@@ -429,9 +460,68 @@ contract LedgerHandler is CommonBase, StdUtils {
             if (waitSeed % 2 == 0) return;
             vm.warp(deadline + 1);
         }
-        ledger.finalize(runId, step);
+        _finalizeAndPay(step, info);
         ghost_finalSteps.push(step);
         ghost_finalCheckpoint[step] = info.checkpoint;
+    }
+
+    /// @notice Tries to finalize (and so pay) the next step before its window closes: the
+    /// ledger must refuse.
+    function finalizeEarly() external {
+        (, uint64 headStep) = ledger.runHead(runId);
+        uint64 step = ledger.finalizedStep(runId) + 1;
+        if (step > headStep) return;
+        ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, step);
+        if (block.timestamp > info.committedAt + WINDOW) return;
+        try ledger.finalizeSteps(runId, _witnessOf(step)) {
+            ghost_paidEarly += 1;
+        } catch {}
+    }
+
+    /// @notice Anyone adds to the run's pool.
+    function fund(uint256 amount) external {
+        amount = bound(amount, 1, 1 ether);
+        vm.deal(address(this), address(this).balance + amount);
+        ledger.fundRun{value: amount}(runId);
+        ghost_in += amount;
+        ghost_funded += amount;
+    }
+
+    /// @dev Finalizes `step` through finalizeSteps and checks what each signer was paid.
+    function _finalizeAndPay(uint64 step, ITrainingLedger.StepInfo memory info) internal {
+        ITrainingLedger.StepWitness[] memory w = _witnessOf(step);
+        address[] memory signers = w[0].signers;
+        uint256[] memory before = new uint256[](signers.length);
+        for (uint256 i = 0; i < signers.length; ++i) {
+            before[i] = registry.creditOf(signers[i]);
+        }
+        (uint256 pool,) = registry.poolOf(runId);
+        uint256 creditsBefore = registry.totalCredits();
+        ledger.finalizeSteps(runId, w);
+        if (block.timestamp <= info.committedAt + WINDOW) ghost_paidEarly += 1;
+        if (ghost_paidTimes[step] != 0) ghost_doublePaid += 1;
+        ghost_paidTimes[step] += 1;
+        uint256 share = (pool < REWARD ? pool : REWARD) / signers.length;
+        for (uint256 i = 0; i < signers.length; ++i) {
+            // A node is paid at most one share per slot it signed.
+            uint256 slots;
+            for (uint256 j = 0; j < signers.length; ++j) {
+                if (signers[j] == signers[i]) ++slots;
+            }
+            uint256 got = registry.creditOf(signers[i]) - before[i];
+            if (got > share * slots || (share != 0 && got % share != 0)) ghost_doublePaid += 1;
+        }
+        uint256 paid = registry.totalCredits() - creditsBefore;
+        if (paid > share * signers.length) ghost_doublePaid += 1;
+        ghost_rewardsPaid += paid;
+    }
+
+    /// @dev The witness of `step`'s current record, as finalizeSteps takes it.
+    function _witnessOf(uint64 step) internal view returns (ITrainingLedger.StepWitness[] memory w) {
+        w = new ITrainingLedger.StepWitness[](1);
+        w[0] = ITrainingLedger.StepWitness({
+            signers: _signers[step], shardsRoot: keccak256(abi.encodePacked(_shards[step])), replicaSet: _sets[step]
+        });
     }
 
     function unbond(uint256 nodeSeed) external {

@@ -86,7 +86,7 @@ contract NodeRegistryHandler is CommonBase, StdUtils {
     function slash(uint256 actorSeed, uint256 reporterSeed) external {
         (, address node) = _pick(actorSeed);
         (uint256 j,) = _pick(reporterSeed);
-        _registry.slash(node, _operator(j));
+        _registry.slash(node, _operator(j), 1, address(this));
     }
 
     function holdBond(uint256 actorSeed, uint256 amount) external {

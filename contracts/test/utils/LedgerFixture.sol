@@ -176,24 +176,55 @@ abstract contract LedgerFixture is Test {
             );
     }
 
+    /// @dev A closed run without rewards, from createRun's fields in order.
+    function _runSpec(
+        bytes32 configDigest,
+        bytes32 genesisDigest,
+        address[] memory members,
+        uint32 replicas,
+        uint32 stages,
+        uint32 minReplicas,
+        uint64 challengeWindow,
+        uint256 minStake,
+        address[] memory arbiters_,
+        uint32 quorum,
+        uint8 independence
+    ) internal pure returns (ITrainingLedger.RunSpec memory) {
+        return ITrainingLedger.RunSpec({
+            configDigest: configDigest,
+            genesisDigest: genesisDigest,
+            nodes: members,
+            replicas: replicas,
+            stages: stages,
+            minReplicas: minReplicas,
+            challengeWindow: challengeWindow,
+            minStake: minStake,
+            arbiters: arbiters_,
+            quorum: quorum,
+            independence: independence,
+            admission: 0,
+            rewardPerStep: 0
+        });
+    }
+
     /// @dev A 2 x 2 run over the four setUp nodes, every step with both replicas.
     function _createRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        return ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 0));
     }
 
     function _createRun(uint32 replicas, uint32 stages, uint256 minStake) internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, replicas, WINDOW, minStake, arbiters, 2, 0);
+        return ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, replicas, stages, replicas, WINDOW, minStake, arbiters, 2, 0));
     }
 
     /// @dev A `replicas` x `stages` run whose steps need `minReplicas` of the replicas.
     function _createElasticRun(uint32 replicas, uint32 stages, uint32 minReplicas) internal returns (uint256 runId) {
-        runId = ledger.createRun(CONFIG, GENESIS, nodes, replicas, stages, minReplicas, WINDOW, MIN_STAKE, arbiters, 2, 0);
+        runId = ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, replicas, stages, minReplicas, WINDOW, MIN_STAKE, arbiters, 2, 0));
         _shapes[runId] = [replicas, stages];
     }
 
     /// @dev A 2 x 2 run over the four setUp nodes whose replicas must have distinct operators.
     function _createOperatorRun() internal returns (uint256) {
-        return ledger.createRun(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 1);
+        return ledger.createRun(_runSpec(CONFIG, GENESIS, nodes, 2, 2, 2, WINDOW, MIN_STAKE, arbiters, 2, 1));
     }
 
     function _sign(uint256 key, bytes32 digest) internal pure returns (bytes memory) {
