@@ -1,4 +1,4 @@
-"""The attack catalogue (issue 6; README "Attack catalogue"): each attack on a real anvil
+"""The attack catalogue (issue 6; docs/audit.md, "Attack catalogue"): each attack on a real anvil
 with real training processes, caught by the layer named, ending in a slash where the
 contracts allow it.
 

@@ -1,6 +1,6 @@
 """Cheating nodes, for tests only: make one slot of a run misbehave, so that a test can
 show which layer of the verifier (or the ledger) catches it (tests/test_attacks.py,
-README "Attack catalogue").
+docs/audit.md, "Attack catalogue").
 
 Off unless a job file has a `[cheat]` table (or several `[[cheat]]` tables, `CheatConfig`,
 parsed by the job file's schema, workers/jobfile.py, never by the trainer's); the runners

@@ -732,7 +732,7 @@ def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: 
     """tau = auto: enough inner steps to hide the exchange just started, from the link model
     of its ring all-gather and the latest measured exchange (padded by `TAU_MARGIN`), but
     at most a quarter of the period between two syncs of the same weights
-    (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, README "DiLoCoX benchmark"; past
+    (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, docs/benchmarks.md, "DiLoCoX benchmark"; past
     that the round waits): a quarter of the round, or with F fragments (each synced every
     F rounds) a quarter of F rounds, at most the whole next round."""
     R = transport.R

@@ -35,7 +35,7 @@ MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no s
 # floor of 28 bytes (float32 weights, grads, AdamW's two moments, the outer copy and its
 # momentum, the error-feedback residual) plus the outer step's working memory, over the
 # forked interpreter with torch (~300 MB) and the inner steps' activations. Measured by
-# scripts/bench_scale.py (README "Scale"): llamas of 11M, 43M and 132M parameters, 2 x 1,
+# scripts/bench_scale.py (docs/benchmarks.md, "Scale"): llamas of 11M, 43M and 132M parameters, 2 x 1,
 # peaked at 744, 1749 and 4510 MB: 32.2 bytes per parameter over ~440 MB.
 RANK_OVERHEAD_BYTES = 512 << 20
 BYTES_PER_PARAM = 32
