@@ -16,7 +16,7 @@ epoch's start, ("epoch", {"epoch", "rank", "members"}).
 
 A rank's run is a `RoundLoop` whose methods are its phases (begin, open_round,
 inner_steps, end_round, report). Test-only misbehaviour is injected through
-`RankControl.hooks` (`trainer.hooks.RankHooks`, honest by default; trainer/cheat.py).
+`RankControl.hooks` (`trainer.hooks.RankHooks`, honest by default; tests/dlx_testing/cheat.py).
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
 processes sharing an `init_method` (the Celery workers do, under `trainer.supervisor`).

@@ -179,7 +179,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     `stop` (from `stop_event()`): once set, every rank stops at the next inner-step boundary
     and this returns "stopped". `start`: one `trainer.engine.ResumePoint` per rank, to
     continue a run from a committed checkpoint. `hooks`: a `trainer.hooks.RankHooks` for
-    every rank (a test's cheating ranks, trainer/cheat.py); None: honest ranks.
+    every rank (a test's cheating ranks, tests/dlx_testing/cheat.py); None: honest ranks.
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
     raised by the sink stops the ranks and propagates unchanged. With
     `transport.link = "netns"` (root only) each replica's ranks run in their own network
