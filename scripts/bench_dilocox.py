@@ -2,7 +2,7 @@
 """DiLoCoX against AllReduce-DDP, synchronous DiLoCo and torchft's DiLoCo on the same model,
 data, seeds, token budgets and link; every overlap rule and compression kind as ablations.
 
-    .venv/bin/python scripts/bench_dilocox.py                  # the README tables (long)
+    .venv/bin/python scripts/bench_dilocox.py                  # the docs/benchmarks.md tables (long)
     .venv/bin/python scripts/bench_dilocox.py --quick          # CI smoke test, < 3 minutes
     .venv/bin/python scripts/bench_dilocox.py --json out.json  # the figures as JSON as well
     .venv/bin/python scripts/bench_dilocox.py --plot curve.svg # eval-loss ratio vs bytes/token
@@ -89,7 +89,7 @@ OURS: dict[str, dict] = {
     "dilocox@paper": {"outer": DILOCOX_OUTER},
     "diloco@paper": {},
     # Overlap rules, uncompressed, Nesterov 0.9 unless said. The restart rule diverges
-    # under Nesterov 0.9 (README): it runs damped; the eager rule at a lowered outer lr.
+    # under Nesterov 0.9 (docs/benchmarks.md): it runs damped; the eager rule at a lowered outer lr.
     "restart": {"outer": {"delay": 1, "overlap": "restart", "momentum": 0.0, "nesterov": False}},
     "eager": {"outer": {"delay": 1, "overlap": "eager", "lr": 0.5}},
     "partial-tau1": {"outer": {"delay": 1, "overlap": "partial", "tau": 1}},
@@ -161,7 +161,7 @@ MODELS = {  # name: [model] table
 }
 # The outer loop of every DiLoCo-family method (ours and torchft's) on a model, where it is not
 # DiLoCo's Nesterov 0.9 / lr 0.7; a method's own outer settings override it. On llama-4x a
-# seed-0 sweep at 400 steps (README) put Nesterov 0.9 / lr 0.7 at 1.218x AllReduce and plain
+# seed-0 sweep at 400 steps (docs/benchmarks.md) put Nesterov 0.9 / lr 0.7 at 1.218x AllReduce and plain
 # averaging (SGD lr 1) at 1.041x: the outer steps that work have an effective lr near 1.
 MODEL_OUTER: dict[str, dict] = {"llama-4x": SGD1}
 

@@ -18,7 +18,7 @@ difference relative to its tensor's largest scale, the rest's relative L2, the c
 check's state difference), the flipped codes (of those compared), the largest flip in
 levels, and how many rounds pass when judged flip-aware within the kind's tolerance.
 
-(b) Attacks (trainer/cheat.py): slot (1, 1) poisons its contribution from step 2 with noise
+(b) Attacks (the tests' harness, tests/dlx_testing/cheat.py, named as the extension below): slot (1, 1) poisons its contribution from step 2 with noise
 of std `scale` x its pseudo-gradient's RMS, for decreasing scales; and replica 1 skips its
 inner steps from step 2 (in a synchronous run: under the partial rule the skipping replica
 stalls the run). Each run is replayed under a foreign kernel set (`FOREIGN`) and judged
@@ -51,6 +51,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 DLX = str(Path(sys.executable).parent / "dlx")
 MARGIN = 10.0
+# The poison and skip_work runs are the tests' attacks: every `dlx` this script starts reads
+# job files with the test-only extension (workers.jobfile.EXTENSION_ENV), as the suite does.
+os.environ["DLX_TEST_EXTENSION"] = "dlx_testing.cheat"
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 #: Kernel sets a verifier with another CPU may get, played on this machine (name -> environment).
 KERNEL_SETS: dict[str, dict[str, str]] = {

@@ -1,4 +1,4 @@
-"""The attack catalogue (issue 6; README "Attack catalogue"): each attack on a real anvil
+"""The attack catalogue (issue 6; docs/audit.md, "Attack catalogue"): each attack on a real anvil
 with real training processes, caught by the layer named, ending in a slash where the
 contracts allow it.
 
@@ -9,7 +9,7 @@ cheats (a manifest linking a shard nobody co-signed, then a stale parent), one 2
 replicas collude on a wrong shard (and one of them equivocates on it), and two short 2x1
 runs the ledger stops (one node signing for both replicas; a replica co-signing another
 shard than its peer). The cheats come from the test-only `[cheat]` job section
-(trainer/cheat.py).
+(tests/dlx_testing/cheat.py, the suite's extension: conftest names it in DLX_TEST_EXTENSION).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import dag_cbor
 import pytest
+from dlx_testing.cheat import CheatingJobFile
 from eth_utils import to_checksum_address
 
 from lineage.audit.query import open_ledger
@@ -48,7 +49,6 @@ from lineage.store.cid import DAG_CBOR, digest_of, parse_cid
 from lineage.store.manifest import get_manifest
 from trainer.config import load_job
 from trainer.errors import ConfigError
-from workers.jobfile import JobFile
 from workers.local import refuse_cheat_off_local_chain
 
 DLX = str(Path(sys.executable).parent / "dlx")
@@ -631,8 +631,8 @@ def test_an_equivocating_node_is_slashed_from_its_two_signed_claims(node_cheats,
 # -- the cheat option itself: off by default, local chains only ----------------------------
 
 
-def _job(small_job, extra: str = "", **kw: Any) -> JobFile:
-    return load_job(tomllib.loads(small_job("job", **kw, extra=extra)), JobFile)
+def _job(small_job, extra: str = "", **kw: Any) -> CheatingJobFile:
+    return load_job(tomllib.loads(small_job("job", **kw, extra=extra)), CheatingJobFile)
 
 
 def test_an_honest_job_dumps_as_before_and_cheats_are_validated(small_job):

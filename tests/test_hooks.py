@@ -1,21 +1,28 @@
-"""Test-only misbehaviour stays off the production path: the round loop and the sink
-import no cheat module, honest runs inject nothing, and `[cheat]` tables become one
-injected `trainer.cheat.Cheats` whose hooks act only on their slots and steps."""
+"""Test-only misbehaviour stays off the production path: `dlx train`, `dlx worker` and
+`dlx verify` (and the round loop and the sink) import no cheat module, the production job
+schema has no `[cheat]`, honest runs inject nothing, and, under the tests' extension
+(tests/dlx_testing), `[cheat]` tables become one injected `dlx_testing.cheat.Cheats` whose
+hooks act only on their slots and steps."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
+from dlx_testing import cheat
 
-from trainer import cheat
 from trainer.config import load_job
 from trainer.engine import RankControl, RankHooks, Topology
+from trainer.errors import ConfigError
 from trainer.hooks import unchanged
-from workers.jobfile import JobFile
+from workers.jobfile import EXTENSION_ENV, JobFile, job_file_class
 from workers.sink import HONEST
+
+ROOT = Path(__file__).resolve().parent.parent
 
 JOB = """
 name = "hooks"
@@ -32,20 +39,58 @@ inner_steps = 2
 """
 
 
-def job_file(extra: str = "") -> JobFile:
-    return load_job(tomllib.loads(JOB + extra), JobFile)
+def job_file(extra: str = "") -> cheat.CheatingJobFile:
+    return load_job(tomllib.loads(JOB + extra), cheat.CheatingJobFile)
 
 
-def test_the_round_loop_and_the_sink_import_no_cheat_module() -> None:
-    code = ("import sys, trainer.engine, trainer.launch, trainer.replay, workers.sink; "
-            "print('trainer.cheat' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+def production_env() -> dict[str, str]:
+    """The environment of a production `dlx`: no test extension, tests/ not on the path."""
+    env = {k: v for k, v in os.environ.items() if k != EXTENSION_ENV}
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_dlx_train_worker_and_verify_load_no_cheat_module(tmp_path: Path) -> None:
+    """The modules behind `dlx train` (the CLI, the local runner, the launcher, the round
+    loop and its replay, the sink), `dlx worker` (the Celery app and its rank tasks) and `dlx verify` (the
+    audit CLI, the verifier and its replays), and a job file read as `dlx train` reads it:
+    no module of the attack harness is loaded, and `[cheat]` is an unknown section."""
+    job = tmp_path / "job.toml"
+    job.write_text(JOB + '[cheat]\nmode = "poison"\n')
+    code = (
+        "import sys\n"
+        "import workers.cli, workers.local, workers.tasks, workers.cli_jobs, workers.cli_audit, workers.sink\n"
+        "import trainer.launch, trainer.engine, trainer.replay, lineage.audit.verify, lineage.audit.replay\n"
+        "from workers.jobfile import load_job_file, JobFile\n"
+        "assert 'cheat' not in JobFile.model_fields\n"
+        "try:\n"
+        f"    load_job_file({str(job)!r})\n"
+        "except Exception as exc:\n"
+        "    print('refused:', exc)\n"
+        "print(sorted(m for m in sys.modules if 'cheat' in m or m.startswith('dlx_testing')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=production_env(), cwd=tmp_path)
+    refused, loaded = out.stdout.strip().splitlines()
+    assert "cheat: unknown section" in refused
+    assert loaded == "[]"
+    assert not (ROOT / "trainer" / "cheat.py").exists()
+
+
+def test_the_production_schema_has_no_cheat_and_the_extension_is_test_only(monkeypatch) -> None:
+    assert "cheat" not in JobFile.model_fields
+    assert load_job(tomllib.loads(JOB), JobFile).test_hooks() is None
+    monkeypatch.delenv(EXTENSION_ENV, raising=False)
+    assert job_file_class() is JobFile
+    with pytest.raises(ConfigError, match="cheat: unknown section"):
+        load_job(tomllib.loads(JOB + '[cheat]\nmode = "poison"\n'), job_file_class())
+    monkeypatch.setenv(EXTENSION_ENV, "dlx_testing.cheat")
+    assert job_file_class() is cheat.CheatingJobFile
 
 
 def test_an_honest_job_injects_nothing_and_the_defaults_are_honest() -> None:
     job = job_file()
-    assert cheat.hooks(job.cheat, job) is None
+    assert cheat.hooks(job.cheat, job) is None and job.test_hooks() is None
     assert type(RankControl().hooks) is RankHooks
     topo = Topology(3, 2, 2)
     assert RankHooks().publish(topo) is unchanged

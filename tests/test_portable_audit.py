@@ -74,6 +74,7 @@ def _run(args: list[str], env: dict[str, str], **kw) -> subprocess.CompletedProc
     return subprocess.run(args, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, **kw)
 
 
+@pytest.mark.slow  # one child process per kernel set: not in --quick
 def test_the_outer_step_gives_the_same_bits_under_every_kernel_set():
     seen: dict[str, dict[str, str]] = {}
     for name, env in {"native": {}, **KERNEL_SETS}.items():

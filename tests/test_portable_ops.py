@@ -490,6 +490,7 @@ def matrix() -> dict[str, dict[str, str]]:
     return results
 
 
+@pytest.mark.slow  # one child process per CPU setting: not in --quick
 def test_portable_bits_identical_across_cpu_settings(matrix: dict[str, dict[str, str]]) -> None:
     assert matrix["aten-default"]["capability"] == "DEFAULT"
     for part in ("ops", "gpt", "llama"):
@@ -500,6 +501,7 @@ def test_portable_bits_identical_across_cpu_settings(matrix: dict[str, dict[str,
     assert matrix["default"]["llama"] == PINNED["llama"]
 
 
+@pytest.mark.slow
 def test_matrix_changes_native_bits(matrix: dict[str, dict[str, str]]) -> None:
     """Sanity: the settings above really run other kernels (else the matrix proves little)."""
     for part in ("native_gpt", "native_ops"):

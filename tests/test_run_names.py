@@ -27,6 +27,8 @@ from lineage.store.manifest import get_manifest
 from lineage.store.unixfs import read_bytes
 from trainer.artifacts import bytes_to_tensors
 
+pytestmark = pytest.mark.slow  # trains runs and drives dlx in subprocesses: not in --quick
+
 FORMS = "a run directory (runs/NAME-...), a stack job (JOB, in .dlx or --stack DIR), a run id on a chain"
 
 

@@ -5,7 +5,7 @@ Covers: a job submitted to the stack completes; `dlx runs --stack` lists it (id,
 state, loss) and `dlx logs JOB` shows each rank's output and the workers' lines on the job;
 the stack's anvil killed with SIGKILL (no exit dump) loses nothing: after `dlx down` (every
 process `up` started is stopped) `up` restarts the same chain from the keeper's state file,
-on the same port, with the same ledger (not redeployed), and the README's
+on the same port, with the same ledger (not redeployed), and docs/queue.md's
 `dlx lineage --run-dir` and `dlx verify JOB --stack` audit the first run; after a clean `down`
 with the old port taken, `up` moves the chain to another port and the run's run.json still
 finds it (it names its stack); with the stack down, `dlx verify JOB` names `dlx up`.
@@ -47,7 +47,7 @@ def down(stack: Path) -> None:
 
 
 def audit(stack: Path, job: str) -> list[int]:
-    """The README's commands for a stack run (the job named as a run, and the older
+    """docs/queue.md's commands for a stack run (the job named as a run, and the older
     --run-dir form); returns the steps on chain."""
     lineage = json.loads(dlx("lineage", "--run-dir", str(stack / "runs" / job), "--json").stdout)
     dlx("verify", job, "--stack", str(stack))

@@ -224,7 +224,7 @@ def _job(name: str, extra: str = "") -> str:
 
 
 def _dlx(*args: Any, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DLX_") and k not in FOREIGN}
+    clean = {k: v for k, v in os.environ.items() if (not k.startswith("DLX_") or k == "DLX_TEST_EXTENSION") and k not in FOREIGN}
     return subprocess.run([DLX, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                           env={**clean, **(env or {})})
 

@@ -140,6 +140,7 @@ def _many(count: int, width: int) -> Tree:
     return {f"{i:0{width}d}": str(i).encode() for i in range(count)}
 
 
+@pytest.mark.slow  # thousands of entries through the node importer: not in --quick
 def test_a_directory_past_the_threshold_shards_as_the_js_importer_does(js, tmp_path):
     tree = _many(5300, 15)  # 5300 x (15 + 36) bytes > 256 KiB for CIDv1 and CIDv0
     assert_matches(js, tmp_path / "t", tree)
@@ -153,6 +154,7 @@ def test_a_directory_past_the_threshold_shards_as_the_js_importer_does(js, tmp_p
     assert all(cid == file_cid(tree[p]) and size == len(tree[p]) for p, cid, size in listed)
 
 
+@pytest.mark.slow  # thousands of entries through the node importer: not in --quick
 def test_exactly_at_the_threshold_stays_a_plain_directory(js, tmp_path):
     # 4096 x (28 + 36) == 262144: not above the threshold; one more name byte is.
     at = _many(4096, 28)

@@ -93,7 +93,7 @@ class RankControl:
     # sha-256 the manifest links it by, `lineage.attest.shard_digest`): passed in, since the
     # trainer knows no CIDs. None: contributions carry no shard digest (no ledger).
     shard_digest: Callable[[bytes], bytes] | None = None
-    # Test-only misbehaviour (trainer/cheat.py), injected: the honest defaults otherwise.
+    # Test-only misbehaviour (tests/dlx_testing/cheat.py), injected: the honest defaults otherwise.
     hooks: RankHooks = field(default_factory=RankHooks)
     members: tuple[int, ...] | None = None  # the first world's replica ids (None: all R)
     epoch: int = 0  # the first world's membership epoch (a joiner's is a later one)

@@ -436,7 +436,7 @@ class DiLoCo:
         publish: DeltaHook = unchanged,
     ):
         """`publish`: the pseudo-gradient this rank publishes and sends, from the one it
-        measured (injected: only a test's cheating rank changes it, trainer/cheat.py)."""
+        measured (injected: only a test's cheating rank changes it, tests/dlx_testing/cheat.py)."""
         self.module = module
         self.cfg = cfg
         self.rule = cfg.rule

@@ -16,7 +16,7 @@ epoch's start, ("epoch", {"epoch", "rank", "members"}).
 
 A rank's run is a `RoundLoop` whose methods are its phases (begin, open_round,
 inner_steps, end_round, report). Test-only misbehaviour is injected through
-`RankControl.hooks` (`trainer.hooks.RankHooks`, honest by default; trainer/cheat.py).
+`RankControl.hooks` (`trainer.hooks.RankHooks`, honest by default; tests/dlx_testing/cheat.py).
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
 processes sharing an `init_method` (the Celery workers do, under `trainer.supervisor`).
@@ -732,7 +732,7 @@ def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: 
     """tau = auto: enough inner steps to hide the exchange just started, from the link model
     of its ring all-gather and the latest measured exchange (padded by `TAU_MARGIN`), but
     at most a quarter of the period between two syncs of the same weights
-    (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, README "DiLoCoX benchmark"; past
+    (`TAU_AUTO_MAX_FRACTION`: longer overlaps cost quality, docs/benchmarks.md, "DiLoCoX benchmark"; past
     that the round waits): a quarter of the round, or with F fragments (each synced every
     F rounds) a quarter of F rounds, at most the whole next round."""
     R = transport.R

@@ -4,7 +4,7 @@
 inherits the matching built-in, so callers that catch `ValueError` or `RuntimeError` keep
 working. The `dlx` CLI turns any `DlxError` into one line and exit code 2 (a user error),
 a `TrainingError` into exit code 1 (a run that started and failed), and anything else into
-exit code 3 (a bug); README, "Exit codes".
+exit code 3 (a bug); docs/training.md, "Exit codes".
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ MAX_LOCAL_RANKS = 64  # one process each on this machine; the job queue has no s
 # floor of 28 bytes (float32 weights, grads, AdamW's two moments, the outer copy and its
 # momentum, the error-feedback residual) plus the outer step's working memory, over the
 # forked interpreter with torch (~300 MB) and the inner steps' activations. Measured by
-# scripts/bench_scale.py (README "Scale"): llamas of 11M, 43M and 132M parameters, 2 x 1,
+# scripts/bench_scale.py (docs/benchmarks.md, "Scale"): llamas of 11M, 43M and 132M parameters, 2 x 1,
 # peaked at 744, 1749 and 4510 MB: 32.2 bytes per parameter over ~440 MB.
 RANK_OVERHEAD_BYTES = 512 << 20
 BYTES_PER_PARAM = 32
@@ -179,7 +179,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     `stop` (from `stop_event()`): once set, every rank stops at the next inner-step boundary
     and this returns "stopped". `start`: one `trainer.engine.ResumePoint` per rank, to
     continue a run from a committed checkpoint. `hooks`: a `trainer.hooks.RankHooks` for
-    every rank (a test's cheating ranks, trainer/cheat.py); None: honest ranks.
+    every rank (a test's cheating ranks, tests/dlx_testing/cheat.py); None: honest ranks.
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception
     raised by the sink stops the ranks and propagates unchanged. With
     `transport.link = "netns"` (root only) each replica's ranks run in their own network

@@ -207,7 +207,7 @@ def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int |
         check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
         if (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
             return query.run_lineage(ref.run_dir, rpc)
-    # flags win over run.json (README): read through the endpoint they name
+    # flags win over run.json (docs/audit.md): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                           run_dir=ref.run_dir or run_dir, stack=stack)
     run_id = ep.record.run_id if ref.run_dir is not None else ref.run_id  # type: ignore[union-attr]

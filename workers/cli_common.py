@@ -2,7 +2,7 @@
 chain and the blocks are.
 
 Every user error is one line on stderr and exit code 2 (`user_errors`); a failed check is 1,
-a bug of ours 3 (README, "Exit codes").
+a bug of ours 3 (docs/training.md, "Exit codes").
 
 Where the chain and the blocks are: one precedence for every command, first match wins.
 
@@ -51,7 +51,7 @@ DEFAULT_STACK = Path(".dlx")
 ZERO_ADDRESS = "0x" + "0" * 40
 
 
-#: Exit codes (README, "Exit codes"): every command keeps this table.
+#: Exit codes (docs/training.md, "Exit codes"): every command keeps this table.
 EXIT_OK, EXIT_FAILED, EXIT_USER, EXIT_INTERNAL = 0, 1, 2, 3
 
 

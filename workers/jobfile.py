@@ -10,13 +10,14 @@ started or written.
 
 from __future__ import annotations
 
+import importlib
+import os
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from trainer.cheat import CheatConfig, check_cheats
 from trainer.config import JobConfig, ModelConfig, _Section, load_job, one_line
 from trainer.errors import ConfigError
 
@@ -192,26 +193,32 @@ class JobFile(JobConfig):
     chain: ChainConfig = Field(default_factory=ChainConfig, description="Ledger settings.")
     storage: StorageConfig = Field(default_factory=StorageConfig, description="Block storage.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="Metrics trackers.")
-    cheat: list[CheatConfig] = Field(
-        default_factory=list,
-        exclude=True,  # never dumped, so never hashed or recorded: a cheating node does not announce itself
-        description="Test-only misbehaviour, local chains only: one `[cheat]` table or several "
-        "`[[cheat]]` tables (trainer/cheat.py).",
-    )
 
-    @field_validator("cheat", mode="before")
-    @classmethod
-    def _one_or_many_cheats(cls, value: object) -> object:
-        return [value] if isinstance(value, dict) else value
-
-    @model_validator(mode="after")
-    def _cheats_fit(self) -> JobFile:
-        check_cheats(self.cheat, self)
-        return self
+    def test_hooks(self) -> Any:
+        """What a test extension (`EXTENSION_ENV`) injects in place of the honest defaults,
+        into the ranks (`trainer.hooks.RankHooks`), the sink (`workers.sink.CommitHooks`) and
+        `dlx train`'s signer; None, always, for a production job file."""
+        return None
 
     def training_config(self) -> JobConfig:
         """The trainer's view: the same job without chain and storage settings."""
         return JobConfig.model_validate(self.model_dump(exclude={"chain", "storage", "tracking"}))
+
+
+#: Test-only: names a module (the tests' `dlx_testing.cheat`) whose `JOB_FILE`, a JobFile
+#: subclass, every job file is read with instead; unset (production), nothing is imported.
+EXTENSION_ENV = "DLX_TEST_EXTENSION"
+
+
+def job_file_class() -> type[JobFile]:
+    """The schema job files are read with: JobFile, or a test extension's subclass."""
+    name = os.environ.get(EXTENSION_ENV)
+    if not name:
+        return JobFile
+    cls = importlib.import_module(name).JOB_FILE
+    if not (isinstance(cls, type) and issubclass(cls, JobFile)):
+        raise ConfigError(f"{EXTENSION_ENV}={name}: its JOB_FILE is not a JobFile subclass")
+    return cls
 
 
 def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
@@ -235,7 +242,7 @@ def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
         raise ConfigError(f"invalid TOML in {path}: {exc}") from None
     except RecursionError:
         raise ConfigError(f"invalid TOML in {path}: nested too deeply") from None
-    return load_job(with_init_model(data, base or path.parent), JobFile)
+    return load_job(with_init_model(data, base or path.parent), job_file_class())
 
 
 def with_init_model(data: dict, base: Path) -> dict:

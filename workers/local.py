@@ -33,7 +33,7 @@ from eth_account import Account
 from eth_account.signers.local import LocalAccount
 
 from lineage.chain.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_accounts, tool_path
-from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
+from lineage.chain.attest import Domain
 from lineage.chain.client import Chain, artifact
 from lineage.chain.commits import guard
 from lineage.chain.ledger import Ledger
@@ -44,18 +44,16 @@ from lineage.store.datasets import prepare_dataset
 from lineage.store.manifest import get_manifest
 from lineage.store.retention import Retention
 from lineage.store.runconfig import RunConfig
-from trainer import cheat
 from trainer.artifacts import Progress, StepArtifacts, code_hash
 from trainer.config import JobConfig
 from trainer.errors import ConfigError
 from trainer.launch import check_local, stop_event, train_local
 
 from .jobfile import ETHER, JobFile, load_job_file
-from .sink import HONEST, LedgerSink, Signer, local_signer
+from .sink import HONEST, LedgerSink, local_signer
 from .tracking import mark_resume
 
 CHAIN_STATE = "chain/state.json"
-EQUIVOCATION_DIR = "equivocation"
 
 
 @dataclass
@@ -146,16 +144,15 @@ def _keys_for(job: JobFile, chain_id: int, embedded: bool, warn: Callable[[str],
 
 def refuse_cheat_off_local_chain(job: JobFile, rpc: str | None, chain_id: int | None = None,
                                  *, queue: bool = False) -> None:
-    """A job with a `[cheat]` section (test-only misbehaviour) runs only on a local chain:
-    the embedded anvil (no RPC URL), or chain id 31337 on a loopback host. `chain_id` is
-    asked of the chain when not given. The job queue (`queue`) has no signer modes
-    (equivocate, equivocate_result, shared_key): there each node signs in its own worker,
-    and only `dlx train` holds every slot's key."""
-    if not job.cheat:
+    """A job with test-only misbehaviour (`JobFile.test_hooks`: a `[cheat]` section, read
+    only under a test extension) runs only on a local chain: the embedded anvil (no RPC URL),
+    or chain id 31337 on a loopback host. `chain_id` is asked of the chain when not given.
+    The job queue (`queue`) also refuses what the hooks say only `dlx train` can act out."""
+    hooks = job.test_hooks()
+    if hooks is None:
         return
-    for c in job.cheat:
-        if queue and c.mode in cheat.SIGNER_MODES:
-            raise ConfigError(f"cheat: mode {c.mode!r} runs only under `dlx train`, not the job queue")
+    if queue and (why := hooks.queue_refusal()):
+        raise ConfigError(why)
     if rpc is None:
         return
     refusal = f"cheat: refused on {rpc}: cheating nodes run only on a local chain " \
@@ -169,32 +166,6 @@ def refuse_cheat_off_local_chain(job: JobFile, rpc: str | None, chain_id: int | 
         raise ConfigError(refusal)
     if (chain_id if chain_id is not None else Chain(rpc).chain_id) != ANVIL_CHAIN_ID:
         raise ConfigError(refusal)
-
-
-def equivocating_signer(sign: Signer, keys: list[LocalAccount], domain: Domain, cheats: cheat.Cheats,
-                        run_dir: Path) -> Signer:
-    """Test-only cheat: sign as `sign` does, and for each equivocating slot also sign a
-    second claim that differs only in its contribution digest (equivocate) or its co-signed
-    shard digest (equivocate_result, `Cheats.second_claim`); both signed claims go to
-    <run dir>/equivocation/step-N-a.json (the one committed) and step-N-b.json."""
-    S = cheats.stages
-
-    def signer(step: int, claims: list[ContributionClaim]) -> list[bytes]:
-        signatures = sign(step, claims)
-        at = {(c.replica, c.stage): i for i, c in enumerate(claims)}  # a step's present slots
-        for replica, stage in cheats.equivocating_slots(step):
-            if (replica, stage) not in at:
-                continue
-            slot, i = replica * S + stage, at[(replica, stage)]
-            honest = claims[i]
-            other = cheats.second_claim(step, honest)
-            out = run_dir / EQUIVOCATION_DIR
-            out.mkdir(exist_ok=True)
-            SignedClaim(domain, honest, signatures[i]).save(out / f"step-{step}-a.json")
-            SignedClaim.sign(other, domain, keys[slot].key).save(out / f"step-{step}-b.json")
-        return signatures
-
-    return signer
 
 
 def check_chain(job: JobFile, rpc: str | None) -> None:
@@ -376,10 +347,10 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
     training = job.training_config().with_prepared(prepared)
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(ledger.chain.chain_id, ledger.ledger.address)
-    cheats = cheat.hooks(job.cheat, job)  # test-only misbehaviour, injected; None when honest
+    cheats = job.test_hooks()  # test-only misbehaviour, injected; None when honest
     signer = local_signer(slot_keys, domain, cheats or HONEST, job.parallel.stages)
     if cheats is not None:
-        signer = equivocating_signer(signer, slot_keys, domain, cheats, run_dir)
+        signer = cheats.signer(signer, slot_keys, domain, run_dir)
     return LedgerSink(
         job=training, config=config, store=store, ledger=ledger,
         submitter=submitter, slot_nodes=[k.address for k in slot_keys], signer=signer, record=record,
@@ -394,7 +365,7 @@ def _sink(job: JobFile, record: RunRecord, run_dir: Path, ledger: Ledger, submit
 def _train(sink: LedgerSink, job: JobFile, record: RunRecord, run_dir: Path, stop: Any,
            start: list[Any] | None = None) -> RunRecord:
     """Run the ranks to the end or to a requested stop; record how the run ended."""
-    outcome = train_local(sink.job, sink, stop=stop, start=start, hooks=cheat.hooks(job.cheat, job))
+    outcome = train_local(sink.job, sink, stop=stop, start=start, hooks=job.test_hooks())
     sink.finish()  # the chain's head is still the last step committed (a reorganisation repaired)
     record.status = outcome
     record.save(run_dir)

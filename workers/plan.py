@@ -68,7 +68,7 @@ class Hardware:
 
 #: The one CPU figure measured here: gpt-small (502,848 parameters, T = 64, 3.31 MFLOP a token
 #: by `flops_per_token`) ran an inner step of 8 x 64 tokens in 23.4 ms per replica, one core
-#: each (README, "DiLoCoX benchmark", 2026-12-03): 72.5 GFLOP/s.
+#: each (docs/benchmarks.md, "DiLoCoX benchmark", 2026-12-03): 72.5 GFLOP/s.
 CPU_TFLOPS = 8 * 64 * (6 * 502_848 + 12 * 4 * 96 * 64) / 0.0234 / 1e12
 #: The default for GPUs, below what an H200 measured here (2026-12-04, torch 2.11.0+cu130): a
 #: plain bf16-autocast llama training loop (eager PyTorch, SDPA attention, AdamW; not the
@@ -84,16 +84,16 @@ HARDWARE = {
                      "bf16 dense peak 312 TFLOP/s (datasheet; the A800 computes as the A100)"),
     "cpu": Hardware("cpu", "one CPU core", CPU_TFLOPS, 0.0, 1.0,
                     f"measured: {CPU_TFLOPS * 1e3:.1f} GFLOP/s float32 per core (gpt-small's inner step, "
-                    "README DiLoCoX benchmark); utilisation 1: the figure is already a measured one"),
+                    "docs/benchmarks.md, DiLoCoX benchmark); utilisation 1: the figure is already a measured one"),
 }
 HARDWARE["a800"] = HARDWARE["a100"]
-#: Measured on this project's H200 (README, Models): llama 11.2M, bf16, B = 32 x T = 512 ran
+#: Measured on this project's H200 (docs/models.md): llama 11.2M, bf16, B = 32 x T = 512 ran
 #: 322,457 tokens/s = 27.0 model TFLOP/s, 2.7% of peak: a model this small is launch-bound.
 SMALL_MODEL_NOTE = ("models this small are launch-bound: an H200 ran llama 11.2M at 322,457 tokens/s = "
                     "27.0 TFLOP/s, 2.7% of peak (measured); pass --mfu 0.027 or --tokens-per-s")
 
 #: commitStep's gas per transaction, base and calldata included, steady state (the same signers
-#: as the step before), measured by `forge test --gas-report` (README, "The ledger contracts"):
+#: as the step before), measured by `forge test --gas-report` (docs/ledger.md):
 #: 150,429 with 4 attestations, 13,482 for each further one.
 COMMIT_GAS_AT_4, COMMIT_GAS_PER_ATTESTATION = 150_429, 13_482
 LEDGER_MAX_REPLICAS = 256  # TrainingLedger._MAX_REPLICAS: createRun refuses more

@@ -63,8 +63,8 @@ Signer = Callable[[int, list[ContributionClaim]], list[bytes]]
 
 
 class CommitHooks:
-    """Where a test-only extension changes what the coordinator commits: `trainer.cheat.Cheats`
-    (built from a job file's `[cheat]` tables) is injected in its place. These defaults are
+    """Where a test-only extension changes what the coordinator commits: the tests'
+    `dlx_testing.cheat.Cheats` (built from a job file's `[cheat]` tables) is injected in its place. These defaults are
     what an honest coordinator does, so an honest run's commit path holds no cheat branch."""
 
     def stored_shard(self, step: int, stage: int, data: bytes) -> bytes:

@@ -242,10 +242,10 @@ def _rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
          beat: Heartbeat) -> dict[str, Any]:
     from trainer.config import load_job
-    from workers.jobfile import JobFile, with_init_model
+    from workers.jobfile import job_file_class, with_init_model
     from workers.local import refuse_cheat_off_local_chain
 
-    job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), JobFile)
+    job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), job_file_class())
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
     task = RankTask(store, job_id, attempt, rank, rec, me, beat, job)
@@ -304,7 +304,6 @@ class RankTask:
         return {"job_id": self.job_id, **{k: rec.get(k) for k in keys}}
 
     def control(self, start: Any, members: tuple[int, ...] | None = None, epoch: int = 0) -> Any:
-        from trainer import cheat
         from trainer.engine import RankControl, RankHooks
 
         elastic = {}
@@ -316,7 +315,7 @@ class RankTask:
         return RankControl(stop_requested=StopFlag(redis_url(), self.job_id) if first else None,
                            cancellable=True, start=start, emit_contributions=True, shard_digest=shard_digest,
                            timeout_s=float(self.rec.get("collective_timeout_s", 60)),
-                           hooks=cheat.hooks(self.job.cheat, self.job) or RankHooks(),  # a test's cheats, injected
+                           hooks=self.job.test_hooks() or RankHooks(),  # a test's cheats, injected
                            **elastic)
 
     def join(self) -> dict[str, Any]:
@@ -624,7 +623,6 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     from lineage.store.datasets import DataRecord
     from lineage.store.retention import Retention
     from lineage.store.runconfig import RunConfig
-    from trainer import cheat
     from trainer.artifacts import code_hash
     from workers.sink import HONEST, LedgerSink
 
@@ -651,7 +649,7 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
         min_stake=job.chain.min_stake_wei, arbiters=job.chain.arbiters, quorum=job.chain.quorum,
         independence=job.chain.independence, tracking=job.tracking,
         on_committed=Retention.for_job(job, Blockstore(record.blocks_dir(run_dir)), ledger, record),
-        hooks=cheat.hooks(job.cheat, job) or HONEST,  # a test's coordinator cheats, injected
+        hooks=job.test_hooks() or HONEST,  # a test's coordinator cheats, injected
     )
     if head:
         sink.resume_from(head)

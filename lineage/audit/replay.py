@@ -100,8 +100,8 @@ __all__ = [
 #: The relative tolerance a native run's replay on another kernel set is judged within
 #: (flip-aware), for compressed contributions: scripts/calibrate_tolerance.py replayed
 #: honest runs (4-bit quantised, H = 4 and 20) under seven kernel sets; the largest judged
-#: figure it saw (a scale, 5.6e-5 at H = 20) times 10, rounded up (README "Replay on
-#: another CPU"). Longer rounds diverge further: past the calibrated ones, measure
+#: figure it saw (a scale, 5.6e-5 at H = 20) times 10, rounded up (docs/audit.md, "An audit that
+#: holds on any machine"). Longer rounds diverge further: past the calibrated ones, measure
 #: (`--tolerance`), or train with `parallel.numerics = "portable"`.
 DEFAULT_TOLERANCE = 1e-3
 #: The same for kind "none" (plain relative L2 of the float32 deltas; 2.3e-3 seen at H = 20).

@@ -1,15 +1,20 @@
 """Cheating nodes, for tests only: make one slot of a run misbehave, so that a test can
 show which layer of the verifier (or the ledger) catches it (tests/test_attacks.py,
-README "Attack catalogue").
+docs/audit.md, "Attack catalogue").
 
-Off unless a job file has a `[cheat]` table (or several `[[cheat]]` tables, `CheatConfig`,
-parsed by the job file's schema, workers/jobfile.py, never by the trainer's); the runners
-refuse it on any chain but a local one (`workers.local.refuse_cheat_off_local_chain`). A
-cheat never enters the run's recorded configuration (the field is never dumped): a
-cheating node does not announce itself, so a replay re-runs honest code.
+This module is a test extension, never imported by production code: the tests' conftest
+names it in `DLX_TEST_EXTENSION` (workers.jobfile.EXTENSION_ENV) and puts tests/ on
+PYTHONPATH, so every `dlx` process a test starts (and the ranks it spawns) reads job files
+with `CheatingJobFile`, the production schema plus a `[cheat]` table (or several
+`[[cheat]]` tables, `CheatConfig`). Without that variable a `[cheat]` table is an unknown
+key. The runners refuse cheats on any chain but a local one
+(`workers.local.refuse_cheat_off_local_chain`). A cheat never enters the run's recorded
+configuration (the field is never dumped): a cheating node does not announce itself, so a
+replay re-runs honest code.
 
-Nothing on the production path asks whether a run cheats: `hooks` builds one `Cheats`
-object from the tables, which the runners inject where the honest defaults would be, into
+Nothing on the production path asks whether a run cheats: `JobFile.test_hooks` (None in
+production) returns one `Cheats` object built from the tables, which the runners inject
+where the honest defaults would be, into
 every rank (`trainer.engine.RankControl.hooks`, a `trainer.hooks.RankHooks`) and into the
 coordinator's sink (`workers.sink.CommitHooks`: which shard bytes it stores, which parent
 it commits on, which key signs a slot) and, under `dlx train`, its signer (equivocation).
@@ -24,8 +29,7 @@ Modes, each active at every outer step >= `from_step`:
 - stale_parent: the coordinator builds and commits the step on its head's parent, so the
   ledger reverts with LedgerStaleParent;
 - equivocate: the slot's node also signs a second claim with a different contribution
-  for the same (run, step, replica, stage) (the signing side lives with the signer, in
-  workers/local.py; this module only says when);
+  for the same (run, step, replica, stage) (`Cheats.signer` wraps `dlx train`'s signer);
 - bad_aggregate: the coordinator stores stage `stage`'s new shard slightly off the
   aggregate of the published contributions, while the replicas co-sign the true one: the
   manifest links a shard nobody co-signed (`dlx verify`, chain level);
@@ -45,19 +49,27 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
+from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
 from trainer.config import JobConfig, _Section
 from trainer.hooks import RankHooks, unchanged
+from workers.jobfile import JobFile
 
 if TYPE_CHECKING:
+    from eth_account.signers.local import LocalAccount
+
     from trainer.engine import Round, RoundLoop, Topology
+    from workers.sink import Signer
 
 __all__ = [
+    "JOB_FILE",
     "SIGNER_MODES",
     "CheatConfig",
+    "CheatingJobFile",
     "CheatMode",
     "Cheats",
     "check_cheats",
@@ -65,6 +77,9 @@ __all__ = [
 ]
 
 ClaimT = TypeVar("ClaimT")
+
+#: Where an equivocating `dlx train` run leaves both signed claims of a step.
+EQUIVOCATION_DIR = "equivocation"
 
 #: Modes acted out by the signer holding every slot's key: only `dlx train` has one.
 SIGNER_MODES = ("equivocate", "equivocate_result", "shared_key")
@@ -124,12 +139,49 @@ def hooks(cheats: list[CheatConfig], job: JobConfig) -> Cheats | None:
     return Cheats(cheats, job.seed, job.parallel.stages) if cheats else None
 
 
+class CheatingJobFile(JobFile):
+    """The production job file plus the test-only `[cheat]` tables."""
+
+    cheat: list[CheatConfig] = Field(
+        default_factory=list,
+        exclude=True,  # never dumped, so never hashed or recorded: a cheating node does not announce itself
+        description="Test-only misbehaviour, local chains only: one `[cheat]` table or several "
+        "`[[cheat]]` tables (tests/dlx_testing/cheat.py).",
+    )
+
+    @field_validator("cheat", mode="before")
+    @classmethod
+    def _one_or_many_cheats(cls, value: object) -> object:
+        return [value] if isinstance(value, dict) else value
+
+    @model_validator(mode="after")
+    def _cheats_fit(self) -> CheatingJobFile:
+        check_cheats(self.cheat, self)
+        return self
+
+    def test_hooks(self) -> Cheats | None:
+        return hooks(self.cheat, self)
+
+
+#: What workers.jobfile.job_file_class reads job files with while this extension is named.
+JOB_FILE = CheatingJobFile
+
+
 class Cheats(RankHooks):
     """Every cheat of a run, as the hooks the ranks, the sink and the signer call
     (picklable: it travels to spawned ranks)."""
 
     def __init__(self, cheats: list[CheatConfig], seed: int, stages: int) -> None:
         self.cheats, self.seed, self.stages = list(cheats), seed, stages
+
+    def queue_refusal(self) -> str | None:
+        """Why the job queue cannot act these cheats out (None: it can). The queue has no
+        signer modes (equivocate, equivocate_result, shared_key): there each node signs in its
+        own worker, and only `dlx train` holds every slot's key."""
+        for c in self.cheats:
+            if c.mode in SIGNER_MODES:
+                return f"cheat: mode {c.mode!r} runs only under `dlx train`, not the job queue"
+        return None
 
     def active(self, mode: CheatMode, step: int) -> list[CheatConfig]:
         """The cheats of `mode` that act at outer step `step`."""
@@ -200,6 +252,30 @@ class Cheats(RankHooks):
         if self._slot_active("equivocate_result", step, c.replica, c.stage):
             return dataclasses.replace(c, new_shard=hashlib.sha256(c.new_shard).digest())
         return dataclasses.replace(c, contribution=hashlib.sha256(c.contribution).digest())
+
+    def signer(self, sign: Signer, keys: list[LocalAccount], domain: Domain, run_dir: Path) -> Signer:
+        """`dlx train`'s signer: sign as `sign` does, and for each equivocating slot also sign
+        a second claim that differs only in its contribution digest (equivocate) or its
+        co-signed shard digest (equivocate_result, `second_claim`); both signed claims go to
+        <run dir>/equivocation/step-N-a.json (the one committed) and step-N-b.json."""
+        S = self.stages
+
+        def signer(step: int, claims: list[ContributionClaim]) -> list[bytes]:
+            signatures = sign(step, claims)
+            at = {(c.replica, c.stage): i for i, c in enumerate(claims)}  # a step's present slots
+            for replica, stage in self.equivocating_slots(step):
+                if (replica, stage) not in at:
+                    continue
+                slot, i = replica * S + stage, at[(replica, stage)]
+                honest = claims[i]
+                other = self.second_claim(step, honest)
+                out = run_dir / EQUIVOCATION_DIR
+                out.mkdir(exist_ok=True)
+                SignedClaim(domain, honest, signatures[i]).save(out / f"step-{step}-a.json")
+                SignedClaim.sign(other, domain, keys[slot].key).save(out / f"step-{step}-b.json")
+            return signatures
+
+        return signer
 
 
 class _Poison:
