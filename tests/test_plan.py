@@ -223,7 +223,7 @@ def test_the_107b_example():
     assert abs(sum(plan.shape.payload) / N - 0.5) < 0.005
     assert abs(sum(plan.shape.shard) / N - 8) < 0.08
     assert abs(sum(plan.shape.start_state) / N - 16) < 0.16
-    assert plan.rows[0].gas == commit_gas(2 * 77) == 150_429 + 13_482 * 150
+    assert plan.rows[0].gas == commit_gas(2 * 77) == 148_078 + 12_994 * 150
     assert all(r.binds == "storage" for r in plan.rows)  # 236 MiB/s cannot write 4 TB a round
 
 

@@ -182,6 +182,8 @@ def _flops(n: float) -> str:
 
 
 def _header(p: Any, job: Any) -> list[str]:
+    from workers.plan import COMMIT_GAS_AT_4, COMMIT_GAS_PER_ATTESTATION
+
     a, sh, o, c = p.assumptions, p.shape, job.outer, job.outer.compression
     m = job.model
     size = f"{p.params / 1e9:.3g}B" if p.params >= 1e9 else f"{p.params / 1e6:.3g}M"
@@ -206,7 +208,8 @@ def _header(p: Any, job: Any) -> list[str]:
         f"stored a step: shards {_bytes(sum(sh.shard))} + R x (contributions {_bytes(sum(sh.payload))} + round-start "
         f"states {_bytes(sum(sh.start_state))}) (exact: workers/sink.py's blocks), written at "
         f"{a.store_bytes_per_s / 2**20:.0f} MiB/s",
-        f"chain: commitStep 150,429 gas + 13,482 per attestation past 4 (measured), R x {p.stages} attestations; "
+        f"chain: commitStep {COMMIT_GAS_AT_4:,} gas + {COMMIT_GAS_PER_ATTESTATION:,} per attestation past 4 (measured), "
+        f"R x {p.stages} attestations; "
         f"{a.block_time_s:g} s blocks, {a.block_gas:,} gas a block (assumed); verifier replays "
         f"{a.verify_fraction:g} of the rounds on {(a.verifier or a.hardware).name}",
     ]
