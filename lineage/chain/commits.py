@@ -7,7 +7,8 @@ were confirmed, and those are sent again, in order, with the signatures they had
 valid: a signature covers the step's content, not its block), one line each through `say`.
 A commit the ledger refuses as a duplicate (`LedgerWrongStep`, or any refusal) counts as
 done when the step the chain records is ours: a commit sent twice (once lost in a reorg,
-once again) never fails a run. A chain that fails the run raises `ChainFailure` (exit 1).
+once again) never fails a run. A chain that fails the run raises `ChainFailure` (exit 1); a
+refusal that no reorganisation explains stays the ledger's named error (exit 2).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class StepCommits:
             if again and self._head(c.run_id) < c.step - 1 and self.repair(c.run_id, c.step - 1):
                 self._send(c, again=False)
                 return
+            if isinstance(exc, ChainRevertError):
+                raise  # the ledger refused this commit itself: its error by name, as before (exit 2)
             raise ChainFailure(str(exc)) from None
 
 
