@@ -46,7 +46,7 @@ from lineage.chain.tx import (
     rpc_error_transient,
     transient,
 )
-from lineage.errors import ChainFailure, ChainFeeError, ChainUnavailable
+from lineage.errors import ChainFailure, ChainFeeError, ChainRevertError, ChainUnavailable
 from trainer.errors import TrainingError
 
 # -- unit: what is retried, how long, and what fees ----------------------------------------
@@ -405,7 +405,8 @@ def test_a_duplicate_commit_is_success_when_the_chain_records_our_step(ledger, a
     run_id, commits, sent = _commits(ledger, accounts, 2)
     commits._send(sent[1])  # the ledger refuses it (LedgerWrongStep): ours is recorded, so done
     other = StepCommit(**{**sent[1].__dict__, "checkpoint": h("another")})
-    with pytest.raises(ChainFailure, match=r"reverted with LedgerWrongStep\(expected=3, got=2\)"):
+    # another checkpoint at a recorded step: the ledger's refusal by name (exit 2), not an outage
+    with pytest.raises(ChainRevertError, match=r"reverted with LedgerWrongStep\(expected=3, got=2\)"):
         commits._send(other)
     assert ledger.head(run_id) == (h("ckpt2"), 2)
 
