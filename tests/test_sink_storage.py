@@ -40,6 +40,12 @@ class StubLedger:
     def head(self, run_id):
         return (self.commits[-1]["checkpoint"] if self.commits else b"", len(self.commits))
 
+    def block_number(self):
+        return 0
+
+    def created_block(self, run_id, since):
+        return 0
+
 
 def test_step_blocks_are_unixfs_files_whose_digests_rebuild_their_cids(tmp_path):
     job = JobConfig.model_validate({"name": "sink", "parallel": {"replicas": 2, "stages": 1},

@@ -144,7 +144,8 @@ def _slot_signing(options: SinkOptions, domain: Domain, hooks: CommitHooks) -> t
 def _reward_terms(config: dict[str, Any]) -> dict[str, Any]:
     """The run's admission rule and reward terms (issue 35) from the recorded job file's
     `[chain]` section; a job file from before them makes a closed run without rewards."""
-    chain = (config.get("job") or {}).get("chain") or {}
+    job = config.get("job")
+    chain = (job.get("chain") if isinstance(job, dict) else None) or {}
     return {"admission": chain.get("admission", "closed"),
             "reward_per_step": int(chain.get("reward_wei_per_step", 0)), "fund_wei": int(chain.get("fund_wei", 0))}
 
@@ -207,7 +208,7 @@ class LedgerSink:
             head = put_manifest(staged, manifest)
         self._head_genesis = head
         nodes = list(dict.fromkeys(self.slot_nodes))
-        before = guard(lambda: self.ledger.chain.w3.eth.block_number, "eth_blockNumber")
+        before = guard(self.ledger.block_number, "eth_blockNumber")
         run_id = guard(lambda: self._create_run(nodes), "createRun")
         self._head = head
         r = self.record
@@ -239,12 +240,7 @@ class LedgerSink:
     def _created_block(self, run_id: int, before: int) -> int:
         """The block the run's createRun was mined in (searched from `before`, the head
         when it was sent), where reads of its events start (`RunRecord.created_block`)."""
-        from lineage.chain.logs import ranged_logs
-
-        event = self.ledger.ledger.events.RunCreated()
-        logs = guard(lambda: ranged_logs(event, from_block=max(0, before - 64), argument_filters={"runId": run_id}),
-                      "RunCreated")
-        return int(logs[0]["blockNumber"]) if logs else 0
+        return int(guard(lambda: self.ledger.created_block(run_id, before), "RunCreated"))
 
     def on_step(self, step: StepArtifacts) -> None:
         if self._head is None or self._config_cid is None:

@@ -404,6 +404,19 @@ class Ledger:
         head, step = call_view(self.ledger.functions.runHead(run_id), f"runHead({run_id})")
         return bytes(head), int(step)
 
+    def block_number(self) -> int:
+        """The chain's head block number (where a run about to be created will be found from)."""
+        return int(self.chain.w3.eth.block_number)
+
+    def created_block(self, run_id: int, since: int) -> int:
+        """The block `run_id`'s createRun was mined in, searched from `since` (the head when
+        it was sent, less a margin for reorganisations); 0 if not found."""
+        from .logs import ranged_logs
+
+        logs = ranged_logs(self.ledger.events.RunCreated(), from_block=max(0, since - 64),
+                           argument_filters={"runId": run_id})
+        return int(logs[0]["blockNumber"]) if logs else 0
+
     def _run_created_log(self, run_id: int) -> Any:
         logs = self.logs(self.ledger.events.RunCreated(), {"runId": run_id})
         if not logs:
