@@ -115,8 +115,9 @@ def test_a_job_runs_with_its_ranks_in_separate_network_namespaces(tmp_path, smal
         assert 29500 <= int(rdzv.rsplit(":", 1)[1]) <= 29509, rdzv
 
         # The lineage is on chain: steps 1, 2 attested by the two namespace nodes.
-        out = subprocess.run([DLX, "lineage", "--run-dir", rec["run_dir"], "--json"], capture_output=True,
-                             text=True, timeout=120)
+        # (its chain is on the stack's bridge address, not loopback: this user trusts their own stack)
+        out = subprocess.run([DLX, "lineage", "--run-dir", rec["run_dir"], "--json", "--trust-run-endpoints"],
+                             capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
         steps = json.loads(out.stdout)["steps"]
         assert [s["step"] for s in steps] == [1, 2]
