@@ -21,6 +21,16 @@ __all__ = ["JSON_LIMIT", "read_bounded", "read_json"]
 JSON_LIMIT = 64 << 20
 
 
+def read_fd(fd: int, limit: int) -> bytes | None:
+    """At most `limit` bytes from `fd` to its end; None if it holds more (a file that grew
+    after its size was checked)."""
+    chunks, left = [], limit + 1
+    while left and (piece := os.read(fd, left)):
+        chunks.append(piece)
+        left -= len(piece)
+    return None if not left else b"".join(chunks)
+
+
 def read_bounded(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
     """The bytes of the regular file `path`, at most `limit` of them; ConfigError otherwise
     (FileNotFoundError passes through, for callers that say so their own way)."""
@@ -36,13 +46,10 @@ def read_bounded(path: str | os.PathLike[str], limit: int, what: str) -> bytes:
             raise ConfigError(f"{what} {path} is not a regular file")
         if st.st_size > limit:
             raise ConfigError(f"{what} {path} has {st.st_size} bytes, more than the {limit} read")
-        chunks, left = [], limit + 1
-        while left and (piece := os.read(fd, left)):
-            chunks.append(piece)
-            left -= len(piece)
-        if not left:
+        data = read_fd(fd, limit)
+        if data is None:
             raise ConfigError(f"{what} {path} grew past the {limit} bytes read")
-        return b"".join(chunks)
+        return data
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror}") from None
     finally:

@@ -50,6 +50,7 @@ from typing import Any
 from multiformats import CID
 
 from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
+from trainer.bounded import read_fd
 
 from .cid import RAW, block_name, cid_from_binary, cid_of_block, parse_cid
 from .dag import reachable
@@ -413,13 +414,10 @@ def _read_block_file(path: str) -> bytes:
             raise _NotABlock("the block file is not a regular file")
         if st.st_size > MAX_BLOCK:
             raise _NotABlock(f"the block file has {st.st_size} bytes, above the {MAX_BLOCK}-byte block limit")
-        chunks, left = [], MAX_BLOCK + 1
-        while left and (piece := os.read(fd, left)):
-            chunks.append(piece)
-            left -= len(piece)
-        if not left:
+        data = read_fd(fd, MAX_BLOCK)
+        if data is None:
             raise _NotABlock(f"the block file grew past the {MAX_BLOCK}-byte block limit")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
