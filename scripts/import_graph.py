@@ -2,8 +2,9 @@
 """Print the import graph of trainer/, lineage/ and workers/ and check its two rules.
 
 The graph is read statically (ast), so a lazy import inside a function counts like a
-top-level one: a cycle hidden behind a function-level import is still a cycle. Imports
-under `if TYPE_CHECKING:` are left out (they never run). Prints
+top-level one: a cycle hidden behind a function-level import is still a cycle, and so is
+one behind `if TYPE_CHECKING:` (a type is a dependency too: where a type is all a module
+needs, it declares a `typing.Protocol` of its own instead of importing the class). Prints
 each package's edges to other packages (`lineage.audit -> lineage.chain, lineage.store`),
 then each module's imports of our modules with `--modules`. Exits 1 when
 
@@ -65,34 +66,13 @@ def _targets(node: ast.AST, module: str, is_package: bool, known: set[str]) -> I
             yield sub if sub in known else base
 
 
-def _type_checking(node: ast.AST) -> bool:
-    """Whether `node` is an `if TYPE_CHECKING:` block."""
-    if not isinstance(node, ast.If):
-        return False
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _runtime_nodes(tree: ast.AST) -> Iterable[ast.AST]:
-    """Every node of `tree` outside `if TYPE_CHECKING:` blocks (their else branch kept)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if _type_checking(node):
-            todo.extend(node.orelse)  # type: ignore[attr-defined]
-        else:
-            todo.extend(ast.iter_child_nodes(node))
-
-
 def import_graph(files: dict[str, Path]) -> Graph:
     """Each module's imports of other modules of ours."""
     known = set(files)
     graph: Graph = {name: set() for name in files}
     for name, path in files.items():
         is_package = path.name == "__init__.py"
-        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
             for target in _targets(node, name, is_package, known):
                 while target and target not in known:  # `import lineage.store.cid as x`
                     target = target.rpartition(".")[0]
