@@ -179,7 +179,8 @@ def worker_plain(spec: dict, turns: Turns) -> None:
 
 def _peer_rank(rank: int, world: int, init_method: str, job, out) -> None:
     """A rank other than 0 in lockstep mode (a spawned process)."""
-    from trainer.engine import RankControl, run_rank
+    from trainer.control import RankControl
+    from trainer.engine import run_rank
 
     run_rank(rank, world, init_method, job, lambda kind, payload: None,
              RankControl(cancellable=True, timeout_s=3600, gpu=rank if job.parallel.device == "cuda" else None))
@@ -190,7 +191,8 @@ def worker_engine_lockstep(spec: dict, turns: Turns) -> None:
     import multiprocessing as mp
 
     from trainer import load_job
-    from trainer.engine import RankControl, run_rank
+    from trainer.control import RankControl
+    from trainer.engine import run_rank
     from trainer.launch import free_port
 
     job = load_job(job_dict(spec))

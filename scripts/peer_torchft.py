@@ -336,8 +336,8 @@ def _train_replica(r: int, spec: dict) -> dict:
 
     from trainer import load_job
     from trainer.data import derive_seed, load_corpus
-    from trainer.engine import autocast, build_inner_optimizer, lm_loss, warmup_lr
     from trainer.model import build_model
+    from trainer.pipeline import autocast, build_inner_optimizer, lm_loss, warmup_lr
 
     cfg = load_job(spec["job"])
     R, T, H = cfg.parallel.replicas, cfg.outer.steps, cfg.outer.inner_steps
@@ -500,7 +500,7 @@ def _lone_stage_step(model: Any, cfg: Any, device: torch.device, x: torch.Tensor
 
 def _clip(params: list[torch.Tensor], max_norm: float) -> None:
     """trainer.engine.clip_pipeline_grad_norm at S = 1 (no process group needed)."""
-    from trainer.engine import clip_pipeline_grad_norm
+    from trainer.pipeline import clip_pipeline_grad_norm
 
     clip_pipeline_grad_norm(params, max_norm, None, 1)
 

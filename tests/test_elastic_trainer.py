@@ -24,20 +24,13 @@ import torch.distributed as dist
 
 from trainer import ConfigError, load_job
 from trainer.artifacts import param_tensors, same_tensors
+from trainer.control import Membership, RankControl, ResumePoint
 from trainer.diloco import apply_outer_step
-from trainer.engine import (
-    Cancelled,
-    Membership,
-    RankControl,
-    ResumePoint,
-    Topology,
-    check_members,
-    world_failure,
-)
-from trainer.errors import TrainingDiverged, TrainingError
+from trainer.errors import Cancelled, TrainingDiverged, TrainingError
 from trainer.launch import free_port, train_rank
 from trainer.replay import ReplayItem, fresh_state_core, replay_round, replay_rounds, state_core
 from trainer.supervisor import ChildOptions, Supervisor, peer_loss
+from trainer.world import Topology, check_members, world_failure
 
 BASE = {"name": "elastic", "outer": {"steps": 1, "inner_steps": 1}}
 
@@ -382,7 +375,8 @@ def test_a_replica_joins_at_a_growth_boundary_with_fresh_state(rule: str) -> Non
 def _leave_while_exchanging(emit: Any, rank: int, init: str, again: str) -> None:
     """Rank 0 starts an exchange that rank 1 never joins, then leaves the world and forms
     a new one alone; it emits how long leaving and re-forming took."""
-    from trainer.engine import RoundLoop, agree_device, init_world
+    from trainer.engine import RoundLoop
+    from trainer.world import agree_device, init_world
 
     job = tiny_job(2, 1, 2, min_replicas=1)
     init_world(init, rank, 2, 30)

@@ -16,9 +16,10 @@ import pytest
 from dlx_testing import cheat
 
 from trainer.config import load_job
-from trainer.engine import RankControl, RankHooks, Topology
+from trainer.control import RankControl
 from trainer.errors import ConfigError
-from trainer.hooks import unchanged
+from trainer.hooks import RankHooks, unchanged
+from trainer.world import Topology
 from workers.jobfile import EXTENSION_ENV, JobFile, job_file_class
 from workers.sink import HONEST
 

@@ -142,7 +142,7 @@ def test_the_lone_stage_shortcut_is_the_pipeline_schedule_bit_for_bit(schedule, 
     and every gradient must stay what the schedule computes, or replay of older runs breaks."""
     import torch.distributed as dist
 
-    from trainer import engine
+    from trainer import pipeline, world
 
     model = dict(LLAMA) if family == "llama" else {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}
     job = load_job({"name": "t", "model": model, "parallel": {"replicas": 1, "stages": 1, "microbatches": 4,
@@ -154,9 +154,9 @@ def test_the_lone_stage_shortcut_is_the_pipeline_schedule_bit_for_bit(schedule, 
     try:
         results = []
         for shortcut in (False, True):
-            monkeypatch.setattr(engine, "LONE_STAGE_SHORTCUT", shortcut)
+            monkeypatch.setattr(pipeline, "LONE_STAGE_SHORTCUT", shortcut)
             module = build_stage(job.model, 0, 1, job.seed)
-            pipe = engine.Pipeline(module, engine.Topology(0, 1, 1), dist.group.WORLD, job)
+            pipe = pipeline.Pipeline(module, world.Topology(0, 1, 1), dist.group.WORLD, job)
             assert (pipe.schedule is None) == shortcut
             loss = pipe.train_step(tokens[:, :-1], tokens[:, 1:])
             results.append((loss, {n: p.grad.clone() for n, p in module.named_parameters()}))

@@ -22,13 +22,13 @@ import peer_torchft  # noqa: E402
 
 from trainer import load_job  # noqa: E402
 from trainer.data import derive_seed, load_corpus  # noqa: E402
-from trainer.engine import (  # noqa: E402
+from trainer.model import build_model  # noqa: E402
+from trainer.pipeline import (  # noqa: E402
     build_inner_optimizer,
     clip_pipeline_grad_norm,
     lm_loss,
     warmup_lr,
 )
-from trainer.model import build_model  # noqa: E402
 
 PROBLEM = peer_torchft.torchft_problem()
 pytestmark = [

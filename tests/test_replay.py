@@ -26,9 +26,10 @@ from lineage.store.unixfs import import_bytes, read_bytes
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.compress import Compressor, payload_budget
 from trainer.config import CompressionConfig, load_job
-from trainer.engine import build_inner_optimizer, load_round_state, round_state
 from trainer.model import build_stage
+from trainer.pipeline import build_inner_optimizer
 from trainer.replay import replay_rounds
+from trainer.rounds import load_round_state, round_state
 
 DLX = str(Path(sys.executable).parent / "dlx")
 

@@ -26,7 +26,7 @@ def sleeps(emit) -> None:
 
 
 def cancelled(emit) -> None:
-    from trainer.engine import Cancelled
+    from trainer.errors import Cancelled
 
     raise Cancelled("stopped at outer step 2, inner step 3")
 

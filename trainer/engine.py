@@ -71,21 +71,16 @@ import functools
 import gc
 import math
 import os
-import resource
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.artifacts import (
-    KERNELS_KEY,
-    MERGE_STEP_KEY,
     Blob,
     Contribution,
     GenesisArtifacts,
@@ -94,7 +89,6 @@ from trainer.artifacts import (
     StageShard,
     StepArtifacts,
     StoredTensors,
-    tensor_views,
     tensors_to_bytes,
     to_bytes,
 )
@@ -102,42 +96,22 @@ from trainer.compress import Compressor
 from trainer.config import JobConfig
 from trainer.control import RANK_COUNTERS, Membership, RankControl, ResumePoint
 from trainer.data import derive_seed, load_corpus
-from trainer.diloco import (
-    AppliedStep,
-    DiLoCo,
-    OuterOptimizer,
-    contribution,
-    fragment_groups,
-    fragment_of,
-    merge_weights,
-)
-from trainer.errors import Cancelled, DlxError, TrainingError
-from trainer.hooks import RankHooks
-from trainer.kernels import kernel_fingerprint
+from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
+from trainer.errors import Cancelled, TrainingError
+from trainer.metrics import peak_rss_mb, release_free_memory
 from trainer.model import build_stage
-from trainer.supervisor import Emitter, error_line, peer_loss
+from trainer.pipeline import Pipeline, StageRank, build_inner_optimizer, warmup_lr
+from trainer.rounds import inner_round, load_round_state, rerun_round, round_tensors
+from trainer.supervisor import Emitter, error_line
 from trainer.transport import Transport, all_gather_bytes_sent
+from trainer.world import Topology, agree_device, check_members, init_world, world_failure
 
 __all__ = [
-    "Cancelled",
     "Emit",
-    "Membership",
-    "RankControl",
-    "RankHooks",
-    "ResumePoint",
     "Round",
     "RoundLoop",
-    "StageRank",
-    "Topology",
-    "check_members",
-    "inner_round",
-    "load_round_state",
-    "merge_step_of",
-    "rerun_round",
-    "round_state",
-    "round_tensors",
+    "auto_tau",
     "run_rank",
-    "world_failure",
 ]
 
 Emit = Callable[[str, Any], None]
@@ -145,421 +119,8 @@ Emit = Callable[[str, Any], None]
 
 TAU_MARGIN = 1.25  # tau = auto: the exchange estimate is padded by this factor
 TAU_AUTO_MAX_FRACTION = 0.25  # tau = auto overlaps at most this share of a round
-LONE_STAGE_SHORTCUT = True  # S = 1 runs the model directly (Pipeline._lone_stage_step)
 PROGRESS_EVERY = 5  # S > 1: inner steps whose losses reach rank 0 in one broadcast
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
 KEEP_STATES = 3  # elastic runs: round-start states a rank keeps, for a regroup to restore
-
-
-class Topology:
-    """Who is who in a world of the present replicas `members` (replica ids, ascending; all
-    R by default) x S stages, and the process groups every rank must create. Global rank =
-    position * S + stage, where position = members.index(replica): a replica's id fixes its
-    data, seeds and ledger slot; its position only where it sits in this world."""
-
-    def __init__(self, rank: int, replicas: int, stages: int, members: tuple[int, ...] | None = None):
-        self.rank, self.R, self.S = rank, replicas, stages
-        self.members = tuple(range(replicas)) if members is None else tuple(members)
-        self.n = len(self.members)  # replicas present
-        self.position, self.stage = divmod(rank, stages)
-        self.replica = self.members[self.position]
-        self.is_first = self.stage == 0
-        self.is_last = self.stage == stages - 1
-        self.lead = self.position == 0  # the first member: progress, eval and the shards
-
-    @property
-    def full(self) -> bool:
-        """Whether every one of the R replicas is present."""
-        return self.members == tuple(range(self.R))
-
-    def global_rank(self, position: int, stage: int) -> int:
-        return position * self.S + stage
-
-    def create_groups(self, pipe_backend: str | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-        """(pipeline group of my replica, data-parallel group of my stage). The pipeline
-        group may take another backend (CUDA ranks: NCCL for activations, gloo for CPU
-        scalars); the data-parallel group is always gloo: the Transport's slow link.
-
-        Deadlock hazard: new_group is collective over the whole world, so every rank
-        creates every group, in the same order, even the ones it is not in.
-        """
-        pipe = dp = None
-        for p in range(self.n):
-            g = dist.new_group([self.global_rank(p, s) for s in range(self.S)], backend=pipe_backend)
-            if p == self.position:
-                pipe = g
-        for s in range(self.S):
-            g = dist.new_group([self.global_rank(p, s) for p in range(self.n)])
-            if s == self.stage:
-                dp = g
-        assert pipe is not None and dp is not None
-        return pipe, dp
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), target.flatten())  # (B*T, V) vs (B*T,)
-
-
-def loss_fn(job: JobConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The job's language-model loss: `lm_loss`, or under `parallel.numerics = "portable"`
-    its portable twin (trainer/portable.py: the same mean cross-entropy, exact reductions)."""
-    if job.parallel.numerics == "portable":
-        from trainer import portable
-
-        return portable.lm_loss
-    return lm_loss
-
-
-def mean_loss(losses: list[torch.Tensor], job: JobConfig) -> float:
-    """The mean of a step's microbatch losses: torch's mean, or under portable numerics the
-    correctly rounded mean of their values (math.fsum: the same bits on every machine)."""
-    if job.parallel.numerics == "portable":
-        return math.fsum(loss.item() for loss in losses) / len(losses)
-    return torch.stack([loss.detach() for loss in losses]).mean().item()
-
-
-def warmup_lr(base: float, warmup: int, step: int) -> float:
-    """Linear warmup over `warmup` inner steps (0-based `step`), then constant."""
-    return base * min(1.0, (step + 1) / warmup) if warmup > 0 else base
-
-
-def build_inner_optimizer(module: nn.Module, job: JobConfig) -> torch.optim.Optimizer:
-    """AdamW (or plain SGD) with weight decay on matrices only (not norms, biases)."""
-    params = [p for p in module.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": job.inner.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    if job.parallel.numerics == "portable":  # the same updates in float64, rounded once
-        from trainer import portable
-
-        if job.inner.optimizer == "sgd":
-            return portable.SGD(groups, lr=job.inner.lr)
-        return portable.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
-    if job.inner.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=job.inner.lr, foreach=False)
-    return torch.optim.AdamW(groups, lr=job.inner.lr, betas=job.inner.betas)
-
-
-@torch.no_grad()
-def clip_pipeline_grad_norm(
-    params: list[nn.Parameter], max_norm: float, group: dist.ProcessGroup | None, stages: int,
-    portable: bool = False,
-) -> float:
-    """Clip by the global grad norm over the whole pipeline (all stages' params).
-
-    Each stage knows only its own params, so the squared norms are summed over the
-    pipeline group first: one scalar all-reduce per inner step. `portable`: each stage's
-    sum of squares exact (`trainer.portable.grad_sq_norm`), gathered and summed in stage
-    order, so the norm has the same bits on every machine.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if portable:
-        total = math.sqrt(_stage_sum(_portable_sq(grads), group, stages))
-    else:
-        sq = torch.zeros(1, dtype=torch.float64, device=params[0].device if params else None)
-        for g in grads:
-            sq += g.double().pow(2).sum()
-        if stages > 1:
-            dist.all_reduce(sq, group=group)
-        total = math.sqrt(sq.item())
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        for g in grads:
-            g.mul_(coef)
-    return total
-
-
-def _portable_sq(grads: list[torch.Tensor]) -> float:
-    from trainer import portable
-
-    return float(portable.grad_sq_norm(grads)) if grads else 0.0
-
-
-def _stage_sum(value: float, group: dist.ProcessGroup | None, stages: int) -> float:
-    """The stages' values summed in stage order (math.fsum: correctly rounded)."""
-    if stages == 1:
-        return value
-    out = [torch.zeros(1, dtype=torch.float64) for _ in range(stages)]
-    dist.all_gather(out, torch.tensor([value], dtype=torch.float64), group=group)
-    return math.fsum(float(t.item()) for t in out)
-
-
-def autocast(job: JobConfig, device: torch.device) -> Any:
-    """The inner steps' precision: bfloat16 autocast (matmuls in bf16, reductions, norms and
-    the loss in float32), or a no-op for float32. Parameters stay float32 either way."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=job.model.dtype == "bfloat16")
-
-
-class Pipeline:
-    """This rank's pipeline stage plus a schedule for training and p2p for evaluation."""
-
-    def __init__(self, module: nn.Module, topo: Topology, group: dist.ProcessGroup, job: JobConfig,
-                 device: torch.device | None = None):
-        self.module, self.topo, self.group, self.job = module, topo, group, job
-        self.loss = loss_fn(job)
-        self.device = device or torch.device("cpu")
-        self.schedule: Any = None
-        if topo.S > 1 or not LONE_STAGE_SHORTCUT:  # one stage has nothing to pipeline
-            # Imported here, not with the module: it costs about 1.4 s per rank process (it
-            # imports torch.export and fx), and a one-stage rank never needs it.
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-            stage = PipelineStage(module, topo.stage, topo.S, self.device, group=group)
-            schedule_cls = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[job.parallel.schedule]
-            self.schedule = schedule_cls(
-                stage, n_microbatches=job.parallel.microbatches, loss_fn=self.loss
-            )
-
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> float | None:
-        """One forward/backward over the batch; the mean loss on the last stage, else None."""
-        losses: list[torch.Tensor] = []
-        x, y = x.to(self.device), y.to(self.device)
-        if self.schedule is None:
-            return self._lone_stage_step(x, y)
-        with autocast(self.job, self.device):
-            if self.topo.is_first and self.topo.is_last:
-                self.schedule.step(x, target=y, losses=losses, return_outputs=False)
-            elif self.topo.is_first:
-                self.schedule.step(x, return_outputs=False)
-            elif self.topo.is_last:
-                self.schedule.step(target=y, losses=losses, return_outputs=False)
-            else:
-                self.schedule.step(return_outputs=False)
-        if self.topo.is_last:
-            return mean_loss(losses, self.job)
-        return None
-
-    def _lone_stage_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        """S = 1: what either schedule does for a lone stage, bit for bit, without its
-        machinery (tests/test_llama_train.py holds the two equal): each microbatch's mean
-        loss backward in turn, the gradients accumulating, then divided by M once."""
-        M = self.job.parallel.microbatches
-        losses = []
-        with autocast(self.job, self.device):
-            for xm, ym in zip(x.tensor_split(M), y.tensor_split(M), strict=True):
-                loss = self.loss(self.module(xm), ym)
-                loss.backward()
-                losses.append(loss.detach())
-        if M > 1:  # as PipelineStage.scale_grads
-            for p in self.module.parameters():
-                if p.grad is not None:
-                    p.grad.div_(M)
-        return mean_loss(losses, self.job)
-
-    @torch.no_grad()
-    def eval_loss(self, batches: torch.Tensor) -> float | None:
-        """Forward only over (n, B, T+1) held-out batches with plain send/recv between
-        stages (switching the training schedule to eval mode and back would redo its
-        shape inference every round). Mean loss on the last stage, else None."""
-        topo, cfg = self.topo, self.job.model
-        was_training = self.module.training
-        self.module.eval()
-        total = 0.0
-        for batch in batches:
-            batch = batch.to(self.device)
-            x, y = batch[:, :-1], batch[:, 1:]  # (B, T) each
-            with autocast(self.job, self.device):
-                if topo.is_first:
-                    h = self.module(x)
-                else:
-                    h = torch.empty(x.size(0), x.size(1), cfg.d_model, device=self.device)  # (B, T, C)
-                    dist.recv(h, src=topo.global_rank(topo.position, topo.stage - 1), group=self.group)
-                    h = self.module(h)
-            if topo.is_last:
-                total += self.loss(h.float(), y).item()
-            else:
-                dist.send(
-                    h.contiguous(),
-                    dst=topo.global_rank(topo.position, topo.stage + 1),
-                    group=self.group,
-                )
-        self.module.train(was_training)
-        return total / len(batches) if topo.is_last else None
-
-
-def _broadcast_scalar(value: float | None, src: int, group: dist.ProcessGroup | None) -> float:
-    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64)
-    dist.broadcast(t, src=src, group=group)
-    return t.item()
-
-
-@dataclass
-class StageRank:
-    """One rank's stage and what trains it: the pieces a round runs on, in training, in an
-    exact resume and in a replay (`inner_round`, `rerun_round`)."""
-
-    job: JobConfig
-    pipeline: Pipeline
-    inner: torch.optim.Optimizer
-    compressor: Compressor
-    corpus: Any
-    params: list[nn.Parameter] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-
-    @property
-    def module(self) -> nn.Module:
-        return self.pipeline.module
-
-
-def inner_round(
-    rank: StageRank,
-    replica: int,
-    round_t: int,
-    tokens: torch.Tensor,
-    first_step: int,
-    *,
-    before_step: Callable[[int], None] | None = None,
-    sync_grads: Callable[[list[torch.Tensor]], None] | None = None,
-    after_step: Callable[[int, float | None], None] | None = None,
-) -> float:
-    """Replica `replica`'s inner steps of round `round_t` on this rank's stage, from the
-    module's and the inner optimizer's current state: one step per row of `tokens`
-    (H, B, T + 1), warmup counted from inner step `first_step` of the run. Returns the
-    round's mean loss on every stage of the pipeline (a broadcast from the last stage).
-
-    Training and replay both run exactly this, so the same start state gives the same bits.
-    Hooks: `before_step(h)` (cancellation, merges), `sync_grads(grads)` (the AllReduce
-    baseline), `after_step(h, loss)` (progress; loss is None off the last stage).
-    """
-    pipeline, inner, params, job = rank.pipeline, rank.inner, rank.params, rank.job
-    topo = pipeline.topo
-    torch.manual_seed(derive_seed("round", job.seed, replica, round_t))  # dropout, if any
-    H = tokens.size(0)
-    losses: list[float] = []
-    for h in range(H):
-        inner.zero_grad(set_to_none=True)  # before the hook: a merge runs without the old grads
-        if before_step is not None:
-            before_step(h)
-        lr = warmup_lr(job.inner.lr, job.inner.warmup, first_step + h)
-        for g in inner.param_groups:
-            g["lr"] = lr
-        x, y = tokens[h, :, :-1], tokens[h, :, 1:]  # (B, T) each
-        loss = pipeline.train_step(x, y)
-        if sync_grads is not None:
-            sync_grads([p.grad for p in params if p.grad is not None])
-        clip_pipeline_grad_norm(params, job.inner.clip, pipeline.group, topo.S,
-                                job.parallel.numerics == "portable")
-        inner.step()
-        if loss is not None:
-            losses.append(loss)
-        if after_step is not None:
-            after_step(h, loss)
-    inner.zero_grad(set_to_none=True)  # the round end and the report need no gradients
-    # The round's loss lives on the last stage; every stage's Contribution carries it.
-    round_loss = sum(losses) / H if topo.is_last else None
-    if topo.S > 1:
-        round_loss = _broadcast_scalar(round_loss, topo.global_rank(topo.position, topo.S - 1), pipeline.group)
-    assert round_loss is not None
-    return round_loss
-
-
-def round_state(
-    module: nn.Module,
-    inner: torch.optim.Optimizer,
-    compressor: Compressor,
-    round_t: int,
-    first_step: int,
-    *,
-    weights: bool = True,
-    merge_step: int | None = None,
-) -> bytes:
-    """`round_tensors` as safetensors bytes (`tensors_to_bytes`)."""
-    return tensors_to_bytes(round_tensors(module, inner, compressor, round_t, first_step, weights=weights,
-                                          merge_step=merge_step))
-
-
-def round_tensors(
-    module: nn.Module,
-    inner: torch.optim.Optimizer,
-    compressor: Compressor,
-    round_t: int,
-    first_step: int,
-    *,
-    weights: bool = True,
-    merge_step: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """This rank's state at the start of round `round_t`, as safetensors (sorted keys, so
-    the same state gives the same bytes): ``param/<name>`` the local weights (theta_outer
-    at round start, also the pseudo-gradient's reference), ``inner/<key>/<name>`` the inner
-    optimizer's per-parameter state (absent before its first step), ``compress/...`` the
-    compressor's state, ``round/outer_step`` and ``round/inner_step`` (the warmup counter).
-    `weights=False` leaves the weights out (the state a round leaves for the next one).
-    `merge_step` (the partial overlap rule only): ``round/merge_step``, the inner step
-    before which the round merges the previous round's exchange (-1: none in flight).
-    ``round/kernels``: the kernel fingerprint of the process (`trainer.kernels`), UTF-8
-    bytes, which a verifier prints beside its own. The tensors are the live ones (views, no
-    copies): serialise them before anything trains on."""
-    tensors: dict[str, torch.Tensor] = {
-        "round/outer_step": torch.tensor([round_t], dtype=torch.int64),
-        "round/inner_step": torch.tensor([first_step], dtype=torch.int64),
-        KERNELS_KEY: torch.frombuffer(bytearray(kernel_fingerprint().encode()), dtype=torch.uint8),
-    }
-    if merge_step is not None:
-        tensors[MERGE_STEP_KEY] = torch.tensor([merge_step], dtype=torch.int64)
-    named = dict(module.named_parameters())
-    by_param = {id(p): n for n, p in named.items()}
-    for p, state in inner.state.items():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"inner/{key}/{by_param[id(p)]}"] = value.detach()
-    if weights:
-        tensors.update({f"param/{n}": p.detach() for n, p in named.items()})
-    tensors.update(compressor.state_tensors())
-    return tensors
-
-
-@torch.no_grad()
-def load_round_state(
-    data: bytes, module: nn.Module, inner: torch.optim.Optimizer, compressor: Compressor
-) -> tuple[int, int]:
-    """Load a `round_state` into a module, a fresh inner optimizer and a fresh compressor
-    (each copies what it keeps from views of `data`); returns (outer step, first inner
-    step). ValueError if it does not fit them."""
-    try:
-        tensors = tensor_views(data)
-    except Exception as exc:  # safetensors raises its own error type for bad bytes
-        raise ValueError(f"start state is not safetensors: {exc}") from None
-    named = dict(module.named_parameters())
-    for n, p in named.items():
-        w = tensors.get(f"param/{n}")
-        if w is None or w.shape != p.shape or w.dtype != p.dtype:
-            raise ValueError(f"start state: param/{n} is missing or has the wrong shape or type")
-        p.copy_(w)
-    extra = {k.removeprefix("param/") for k in tensors if k.startswith("param/")} - set(named)
-    if extra:
-        raise ValueError(f"start state: unknown parameter {sorted(extra)[0]}")
-    per_param: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in tensors.items():
-        if k.startswith("inner/"):
-            key, _, name = k.removeprefix("inner/").partition("/")
-            if name not in named:
-                raise ValueError(f"start state: {k} names no parameter of this stage")
-            # AdamW keeps its step counter on the CPU whatever the parameter's device.
-            where = "cpu" if key == "step" else named[name].device
-            per_param.setdefault(name, {})[key] = v.to(where, copy=True)
-    for name, state in per_param.items():
-        inner.state[named[name]] = state
-    compressor.load_state_tensors(tensors)
-    try:
-        return int(tensors["round/outer_step"][0]), int(tensors["round/inner_step"][0])
-    except KeyError as exc:
-        raise ValueError(f"start state: missing {exc.args[0]}") from None
-
-
-def merge_step_of(state: bytes) -> int | None:
-    """The inner step before which a partial-rule round merged (`round/merge_step`), or None
-    (no merge, or another rule). ValueError for bytes that are not a round state."""
-    try:
-        tensors = tensor_views(state)
-    except Exception as exc:  # safetensors raises its own error type for bad bytes
-        raise ValueError(f"start state is not safetensors: {exc}") from None
-    t = tensors.get(MERGE_STEP_KEY)
-    step = None if t is None else int(t.reshape(-1)[0])
-    return None if step is None or step < 0 else step
 
 
 def run_rank(
@@ -591,140 +152,6 @@ def run_rank(
     finally:
         if dist.is_initialized():  # a failed regroup leaves none
             dist.destroy_process_group()
-
-
-def init_world(init_method: str, rank: int, world_size: int, timeout_s: float | None) -> None:
-    """Join a world over gloo (every membership epoch's, too) with the collective timeout:
-    how soon a lost peer fails a collective."""
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT,
-    )
-
-
-def check_members(members: tuple[int, ...], job: JobConfig, epoch: int) -> tuple[int, ...]:
-    """`members` if they are distinct replica ids of the job, ascending, at least
-    `parallel.min_replicas` of them; TrainingError otherwise."""
-    R, least = job.parallel.replicas, job.parallel.min_present
-    if list(members) != sorted(set(members)) or not all(0 <= r < R for r in members):
-        raise TrainingError(f"membership epoch {epoch}: replicas {list(members)} are not distinct ids "
-                            f"in 0..{R - 1}, ascending")
-    if len(members) < least:
-        raise TrainingError(f"membership epoch {epoch}: {len(members)} replica(s) {list(members)} remain, "
-                            f"fewer than parallel.min_replicas ({least}): the job stops (dlx resume "
-                            "continues it from the last committed step)")
-    return members
-
-
-def world_failure(exc: BaseException) -> bool:
-    """Whether `exc` says this rank's world broke (a peer died or stopped answering: a
-    torch.distributed error, or gloo's RuntimeError naming a lost peer or a timeout) rather
-    than a failure of its own (a bug, a divergence, a bad input, a stop)."""
-    if isinstance(exc, Cancelled | DlxError):
-        return False
-    if isinstance(exc, dist.DistError):
-        return True
-    return isinstance(exc, RuntimeError) and peer_loss(str(exc))
-
-
-def gpu_usable(gpu: int | None) -> bool:
-    return gpu is not None and torch.cuda.is_available() and 0 <= gpu < torch.cuda.device_count()
-
-
-def agree_device(job: JobConfig, gpu: int | None, *, strict: bool = True) -> torch.device:
-    """Every rank's device, agreed over the world (a collective: every rank calls it):
-    CUDA when the job allows it and every rank has a GPU of its own, else the CPU (one
-    device kind per world: stages exchange activations of one kind). A job that asks for
-    cuda where some rank has none fails on every rank, naming that rank (unless not
-    `strict`: a replay elsewhere falls back to the CPU and its tolerance)."""
-    seen: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(seen, gpu_usable(gpu))
-    want = job.parallel.device
-    if want == "cuda" and strict and not all(seen):
-        raise TrainingError(f"parallel.device = 'cuda' but rank {seen.index(False)} has no GPU of its own")
-    if want != "cpu" and all(seen):
-        assert gpu is not None
-        torch.cuda.set_device(gpu)
-        return torch.device("cuda", gpu)
-    return torch.device("cpu")
-
-
-_LIBC: Any = None  # glibc, once loaded (False: not there, or it has no malloc_trim)
-
-
-def release_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`, every arena):
-    called between a round's phases, so that what a phase freed (activations, gradients,
-    serialised bytes, decoded tensors) stops counting in the rank's resident memory rather
-    than lingering in the heap, where the next phase's differently sized buffers would not
-    fit and would take fresh pages. A no-op where the C library has no such call."""
-    global _LIBC
-    if _LIBC is None:
-        try:
-            import ctypes
-
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-def _peak_rss_mb() -> float:
-    """This rank's own peak resident memory. Not `ru_maxrss`: Linux carries the launching
-    process's peak into a spawned child's (exec records the old address space's high-water
-    mark), so a rank started by a 2 GB parent reported 2 GB. `VmHWM` is the peak of the
-    rank's own address space."""
-    try:
-        with open("/proc/self/status", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"VmHWM:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def rerun_round(rank: StageRank, replica: int, round_t: int, first_step: int, budget: float | None, *,
-                outer: dict[str, torch.Tensor] | None = None,
-                merge_step: int | None = None) -> tuple[bytes, float, bytes]:
-    """Round `round_t` of `replica` once more, from the start state already loaded into
-    `rank` (`load_round_state`): the same inner steps on the same data shard, then the
-    round's `contribution` under `budget` (the one the published payload recorded, or
-    None). Returns (payload, the round's loss, the data shard's digest); the state it
-    leaves stays in `rank`. Replay verification and an exact resume both run it.
-
-    The partial overlap rule: `outer` = the committed outer weights of step round_t - 1
-    (the round's pseudo-gradient reference) and `merge_step` = the inner step before which
-    the round merged them (`trainer.diloco.merge_weights`, anchored at the start weights;
-    None: no merge, as in a run's first round). Otherwise the reference is the start
-    weights."""
-    job, module = rank.job, rank.module
-    H, B, L = job.outer.inner_steps, job.data.batch_size, job.model.seq_len
-    # The round's start weights, on the CPU as DiLoCo's outer copy is.
-    start = {n: p.detach().to("cpu", copy=True) for n, p in module.named_parameters()}
-    reference = start if outer is None else outer
-    local = dict(module.named_parameters())
-    groups = fragment_groups({n: p.shape for n, p in start.items()}, job.outer.fragments) \
-        if job.outer.fragments > 1 else None
-
-    def merge(h: int) -> None:
-        if h == merge_step:
-            assert outer is not None
-            merge_weights(local, outer, start, job.outer.alpha,
-                          None if groups is None else fragment_of(round_t - 1, groups), job.outer.arithmetic)
-
-    data = rank.corpus.shard(job.seed, replica, round_t, H, B, L)
-    loss = inner_round(rank, replica, round_t, data.tokens, first_step,
-                       before_step=merge if merge_step is not None else None)
-    if merge_step == H:
-        merge(H)
-    return contribution(rank.compressor, reference, local, round_t, loss, budget,
-                        names=None if groups is None else fragment_of(round_t, groups)), loss, data.digest
 
 
 def auto_tau(transport: Transport, payload_len: int, measured_s: float, step_s: float, H: int,
@@ -1295,7 +722,7 @@ class RoundLoop:
             "bytes_sent": float(self.transport.bytes_sent),
             "modelled_comm_s": self.transport.modelled_s,
             "comm_wait_s": self.transport.wait_s,
-            "peak_rss_mb": _peak_rss_mb(),
+            "peak_rss_mb": peak_rss_mb(),
             "extra_memory_bytes": float(0 if self.allreduce else self.diloco.extra_memory_bytes()),
             "param_bytes": float(4 * sum(p.numel() for p in self.rank.params)),
             **{k: v for k, v in compressor.last_stats.items() if k != "compress_s"},

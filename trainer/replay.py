@@ -197,8 +197,10 @@ def _replay_rank(emit: Any, rank: int, S: int, init_method: str, job: JobConfig,
     import torch
     import torch.distributed as dist
 
-    from trainer.engine import Pipeline, Topology, agree_device, gpu_usable, release_free_memory
+    from trainer.metrics import release_free_memory
     from trainer.model import build_stage
+    from trainer.pipeline import Pipeline
+    from trainer.world import Topology, agree_device, gpu_usable
 
     torch.set_num_threads(1)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # as trainer.engine.run_rank
@@ -233,7 +235,8 @@ def _replay_item(job: JobConfig, pipeline: Any, corpus: Any, item: tuple, end_pa
     from trainer import tensorbytes
     from trainer.compress import Compressor
     from trainer.data import derive_seed
-    from trainer.engine import StageRank, build_inner_optimizer, rerun_round, round_tensors
+    from trainer.pipeline import StageRank, build_inner_optimizer
+    from trainer.rounds import rerun_round, round_tensors
 
     step, replica = item[0], item[1]
     began, stage, H = time.perf_counter(), pipeline.topo.stage, job.outer.inner_steps
@@ -278,7 +281,7 @@ def _load_item(job: JobConfig, rank: Any, item: tuple) -> tuple[int, float | Non
 
     from trainer.artifacts import tensor_views
     from trainer.compress import payload_budget
-    from trainer.engine import load_round_state, merge_step_of
+    from trainer.rounds import load_round_state, merge_step_of
 
     step, _, state_file, claimed, shard_file = item
     state = _read(state_file)
@@ -325,8 +328,9 @@ def fresh_state_core(job: JobConfig, replica: int, stage: int, round_t: int) -> 
 
     from trainer.compress import Compressor
     from trainer.data import derive_seed
-    from trainer.engine import build_inner_optimizer, round_state
     from trainer.model import build_stage
+    from trainer.pipeline import build_inner_optimizer
+    from trainer.rounds import round_state
 
     module = build_stage(job.model, stage, job.parallel.stages, job.seed, job.parallel.numerics)
     shapes = {n: p.shape for n, p in module.named_parameters()}

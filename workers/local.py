@@ -314,8 +314,7 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
     from lineage.store.roundstate import read_start_state
     from lineage.store.unixfs import read_bytes
-    from trainer.control import carried
-    from trainer.engine import ResumePoint
+    from trainer.control import ResumePoint, carried
 
     replica, stage = divmod(rank, job.parallel.stages)
     shard = read_bytes(store, manifest.stages[stage])

@@ -383,7 +383,7 @@ def join_epoch(members: Members, rec: dict[str, Any], epoch: int, ticket: int, h
     """Wait for epoch `epoch`'s record; this ticket's `trainer.engine.Membership` in it (rank
     0 publishes its TCPStore address first). JobError when the job cannot go on or this
     ticket was left out."""
-    from trainer.engine import Membership
+    from trainer.control import Membership
 
     deadline = time.monotonic() + EPOCH_WAIT_S
     while (ep := members.record(epoch)) is None:

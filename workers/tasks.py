@@ -304,7 +304,8 @@ class RankTask:
         return {"job_id": self.job_id, **{k: rec.get(k) for k in keys}}
 
     def control(self, start: Any, members: tuple[int, ...] | None = None, epoch: int = 0) -> Any:
-        from trainer.engine import RankControl, RankHooks
+        from trainer.control import RankControl
+        from trainer.hooks import RankHooks
 
         elastic = {}
         if self.elastic:
@@ -320,7 +321,7 @@ class RankTask:
 
     def join(self) -> dict[str, Any]:
         """A joiner ticket: wait for a growth epoch that seats it, then train from its head."""
-        from trainer.engine import ResumePoint
+        from trainer.control import ResumePoint
 
         if not self.elastic or self.ticket in self.members.retired():
             return {"rank": self.ticket, "skipped": True}

@@ -62,7 +62,8 @@ from workers.jobfile import JobFile
 if TYPE_CHECKING:
     from eth_account.signers.local import LocalAccount
 
-    from trainer.engine import Round, RoundLoop, Topology
+    from trainer.engine import Round, RoundLoop
+    from trainer.world import Topology
     from workers.sink import Signer
 
 __all__ = [
