@@ -1,6 +1,6 @@
 """How a launcher steers a rank beyond the job itself: `RankControl`, with where a rank
 resumes (`ResumePoint`) and an elastic world's epoch (`Membership`). trainer.engine runs
-ranks with them and exports them too.
+ranks with them.
 
 Torch-free on purpose: a launcher builds these and pickles them to its ranks, and needs no
 torch of its own for that (importing it costs a process about 2 s).

@@ -76,7 +76,7 @@ def contribution(
     """A round's contribution payload: delta = reference - theta_local (on the CPU, by
     sorted name; over `names`, the round's fragment, or every parameter), passed through
     `publish`, compressed under `budget` bytes. The one function training
-    (`DiLoCo.end_round`), an exact resume and a replay (`trainer.engine.rerun_round`) all
+    (`DiLoCo.end_round`), an exact resume and a replay (`trainer.rounds.rerun_round`) all
     call, so their payloads agree bit for bit. Each tensor of delta is computed when the
     compressor reads it (`PseudoGradient`), never the whole stage's at once."""
     delta = PseudoGradient(reference, local, sorted(reference if names is None else names))

@@ -1,7 +1,7 @@
 """The points where a test-only extension changes what a rank does, injected rather than
 asked for: the tests' attack harness (tests/dlx_testing/cheat.py, never imported by
 production code) builds a `RankHooks` subclass from a job file's `[cheat]` tables and a
-launcher passes it in `trainer.engine.RankControl.hooks`. These defaults are what every
+launcher passes it in `trainer.control.RankControl.hooks`. These defaults are what every
 honest rank does, so an honest run's round loop holds no cheat branch.
 
 Torch-free on purpose: that harness is imported with job-file parsing and builds on this.

@@ -4,7 +4,7 @@
 resume and a replay all run; `round_state` / `round_tensors` serialise a rank's state at a
 round's start (the format every contribution publishes), `load_round_state` and
 `merge_step_of` read it back, and `rerun_round` computes a round once more from it
-(replay verification, exact resumes), so a replay from that state is bit-identical on the
+(replay verification, exact resumes: `catch_up`), so a replay from that state is bit-identical on the
 same machine.
 """
 
@@ -18,12 +18,15 @@ from torch import nn
 
 from trainer.artifacts import KERNELS_KEY, MERGE_STEP_KEY, tensor_views, tensors_to_bytes
 from trainer.compress import Compressor
+from trainer.control import ResumePoint
 from trainer.data import derive_seed
 from trainer.diloco import contribution, fragment_groups, fragment_of, merge_weights
+from trainer.errors import TrainingError
 from trainer.kernels import kernel_fingerprint
 from trainer.pipeline import StageRank, clip_pipeline_grad_norm, warmup_lr
 
 __all__ = [
+    "catch_up",
     "inner_round",
     "load_round_state",
     "merge_step_of",
@@ -232,3 +235,20 @@ def rerun_round(rank: StageRank, replica: int, round_t: int, first_step: int, bu
         merge(H)
     return contribution(rank.compressor, reference, local, round_t, loss, budget,
                         names=None if groups is None else fragment_of(round_t, groups)), loss, data.digest
+
+
+def catch_up(rank: StageRank, replica: int, start: ResumePoint) -> None:
+    """An exact resume: re-run round `start.step` from its published start state (as
+    `trainer.replay` does) so the inner optimizer and compressor hold what that round left;
+    the caller then loads the committed outer state. The round's pseudo-gradient is
+    compressed only for the state compression keeps (error feedback, warm starts, the
+    adaptive rule's history), with the byte budget the published payload recorded."""
+    from trainer.compress import payload_budget
+
+    try:
+        round_t, first_step = load_round_state(start.state, rank.module, rank.inner, rank.compressor)
+    except ValueError as exc:
+        raise TrainingError(f"resume: this rank's start state of round {start.step}: {exc}") from None
+    if round_t != start.step:
+        raise TrainingError(f"resume: the start state is for round {round_t}, not {start.step}")
+    rerun_round(rank, replica, round_t, first_step, payload_budget(start.claimed) if start.claimed else None)
