@@ -101,6 +101,15 @@ def test_reading_a_runs_blocks_refuses_its_far_ipfs_api(tmp_path: Path, command:
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("command", [["lineage", "5"], ["verify", "5"], ["export", "5", "-o", "{out}"]])
+def test_a_run_id_read_through_a_run_directorys_far_chain_is_refused(tmp_path: Path, command: list[str]) -> None:
+    run = _run(tmp_path)  # run 1's directory, naming the chain where run 5 would be read
+    res = _dlx(*(a.format(out=tmp_path / "out") for a in command), "--run-dir", str(run))
+    assert res.returncode == 2, res.stderr
+    line = res.stderr.strip()
+    assert "\n" not in line and FAR_RPC in line and "--trust-run-endpoints" in line, line
+
+
 def test_lineage_compare_refuses_a_far_chain(tmp_path: Path) -> None:
     run = _run(tmp_path)
     res = _dlx("lineage", "compare", str(run), str(run))

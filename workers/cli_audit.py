@@ -207,6 +207,8 @@ def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int |
         check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
         if (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
             return query.run_lineage(ref.run_dir, rpc)
+    elif run_dir is not None:  # --run-dir says where the run id's or CID's chain and blocks are
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
     # flags win over run.json (docs/audit.md): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                           run_dir=ref.run_dir or run_dir, stack=stack)

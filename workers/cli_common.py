@@ -451,9 +451,9 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
     """The run directory of `ref`, whose run.json says where its chain and blocks are (what
     `dlx verify` reads): its own (its endpoints printed and checked: `check_run_endpoints`;
     the chain may be `rpc`, the blocks `store` or `ipfs_api`, which the command then opens
-    itself); for a run id, a temporary one naming
-    the chain and the blocks the options give (as for every command). A CID names a
-    checkpoint, not a run."""
+    itself); for a run id, a temporary one naming the chain and the blocks the options give
+    (as for every command; those of a `run_dir` checked alike). A CID names a checkpoint,
+    not a run."""
     from lineage.chain.runrecord import RUN_FILE, RunRecord
 
     if ref.cid is not None:
@@ -470,6 +470,9 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
         return
     import tempfile
 
+    if run_dir is not None:  # --run-dir says where the run id's chain and blocks are
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), rpc=rpc, ipfs_api=ipfs_api, store=store,
+                            trust=trust_endpoints)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     blocks = _blocks_spec(ep, store, ipfs_api)
     with ep.connect() as lg:
@@ -516,9 +519,10 @@ def run_checkpoint(ref: RunRef, *, rpc: str | None = None, chain_id: int | None 
             raise config_error(f"the run in {ref.run_dir} has no checkpoint yet")
         return head, open_blocks(store, ipfs_api, run_dir=ref.run_dir, record=record), record
     if ref.cid is not None:
-        record = RunRecord.load(run_dir) if run_dir is not None else None
-        if record is not None:  # --run-dir says where the blocks are
-            check_run_endpoints(run_dir, record, ipfs_api=ipfs_api, store=store, trust=trust, chain=False)  # type: ignore[arg-type]
+        record = None
+        if run_dir is not None:  # --run-dir says where the blocks are
+            record = RunRecord.load(run_dir)
+            check_run_endpoints(run_dir, record, ipfs_api=ipfs_api, store=store, trust=trust, chain=False)
         return str(ref.cid), open_blocks(store, ipfs_api, run_dir=run_dir, record=record, stack=stack), record
     from lineage.store.cid import DAG_CBOR, cid_from_digest
 
