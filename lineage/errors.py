@@ -6,6 +6,8 @@ the matching built-in, so callers can catch either.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from trainer.errors import DlxError, TrainingError
 
 
@@ -37,7 +39,15 @@ class ChainError(DlxError, RuntimeError):
 
 
 class ChainRevertError(ChainError):
-    """A transaction or call reverted; `name` and `args` come from the contract's custom error."""
+    """A transaction or call reverted; `name` and `args` come from the contract's custom error.
+
+    Each custom error of the contracts is a subclass of its own name, generated from their
+    ABIs into lineage/chain/reverts.py (`except LedgerStaleParent:`); a subclass carries the
+    error's 4-byte `selector` and its ABI `inputs` as (name, type) pairs.
+    """
+
+    selector: ClassVar[str] = ""
+    inputs: ClassVar[tuple[tuple[str, str], ...]] = ()
 
     def __init__(self, name: str, args: dict[str, object], context: str = "") -> None:
         rendered = ", ".join(f"{k}={_fmt(v)}" for k, v in args.items())

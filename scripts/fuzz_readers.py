@@ -115,7 +115,7 @@ def t_cid(data: bytes, scratch: Path) -> None:
 
 def t_dag_pb(data: bytes, scratch: Path) -> None:
     from lineage.store.dag import links_of
-    from lineage.store.unixfs import PBNode, UnixFSData
+    from lineage.store.dagpb import PBNode, UnixFSData
 
     cid = _with_block(data, "dag-pb")
     links_of(cid, data)
@@ -296,7 +296,7 @@ def _strategies() -> dict[str, Any]:
     """Hypothesis strategies per target: raw bytes, and structured inputs."""
     from hypothesis import strategies as st
 
-    from lineage.store.unixfs import PBLink, PBNode, UnixFSData
+    from lineage.store.dagpb import PBLink, PBNode, UnixFSData
 
     fx = fixture()
     names = st.text(alphabet=st.characters(codec="utf-8"), max_size=12) | st.sampled_from(["", ".", "..", "a/b", "00", "0A1"])
@@ -324,7 +324,7 @@ def _strategies() -> dict[str, Any]:
     raw = st.binary(max_size=512)
 
     def car_of(header: bytes, sections: list[bytes]) -> bytes:
-        from lineage.store.unixfs import write_varint
+        from lineage.store.dagpb import write_varint
 
         return write_varint(len(header)) + header + b"".join(write_varint(len(s)) + s for s in sections)
 

@@ -11,6 +11,7 @@ import pytest
 from eth_utils import keccak
 
 from lineage.audit.verify import ChainFacts, verify_commit
+from lineage.chain import reverts
 from lineage.chain.attest import ContributionClaim, replica_bitmap
 from lineage.chain.client import Chain
 from lineage.chain.ledger import Attestation, Ledger, RunSpec
@@ -117,6 +118,7 @@ def test_a_bad_replica_set_is_refused_with_its_named_error(ledger, accounts, rep
         ledger.commit_step(accounts[0], run_id=run_id, step=1, parent=h("genesis"), checkpoint=h("x"),
                            metrics_digest=h("m"), attestations=atts, replica_set=replica_set)
     assert exc.value.name == error and exc.value.error_args == args
+    assert type(exc.value) is getattr(reverts, error)  # the typed class of its name
 
 
 def test_a_present_replica_missing_a_stage_is_refused_naming_the_slot(ledger, accounts):

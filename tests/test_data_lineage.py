@@ -20,7 +20,7 @@ import pytest
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import parse_cid
-from lineage.store.unixfs import PBNode
+from lineage.store.dagpb import PBNode
 from lineage.store.unixfs_dir import list_tree
 
 DLX = str(Path(sys.executable).parent / "dlx")

@@ -24,7 +24,7 @@ from multiformats import CID, multihash
 from lineage.store.blockstore import Blockstore
 from lineage.store.car import encode_header
 from lineage.store.cid import DAG_CBOR, DAG_PB, RAW, cid_of_block
-from lineage.store.unixfs import (
+from lineage.store.dagpb import (
     T_DIRECTORY,
     T_FILE,
     T_HAMT,

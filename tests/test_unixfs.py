@@ -26,13 +26,10 @@ from hypothesis import strategies as st
 from lineage.errors import CorruptBlockError, StorageError
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import DAG_PB, RAW, parse_cid
+from lineage.store.dagpb import T_FILE, PBLink, PBNode, UnixFSData
 from lineage.store.unixfs import (
     CHUNK_SIZE,
     MAX_LINKS,
-    T_FILE,
-    PBLink,
-    PBNode,
-    UnixFSData,
     cat,
     file_cid,
     import_bytes,

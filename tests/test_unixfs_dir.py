@@ -25,7 +25,8 @@ from hypothesis import strategies as st
 from lineage.errors import CorruptBlockError, StorageError
 from lineage.store.blockstore import Blockstore
 from lineage.store.cid import DAG_PB, RAW
-from lineage.store.unixfs import T_DIRECTORY, T_HAMT, PBLink, PBNode, UnixFSData, file_cid
+from lineage.store.dagpb import T_DIRECTORY, T_HAMT, PBLink, PBNode, UnixFSData
+from lineage.store.unixfs import file_cid
 from lineage.store.unixfs_dir import (
     HAMT_THRESHOLD,
     TreeInputError,

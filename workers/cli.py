@@ -153,7 +153,7 @@ def verify(
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
-    from workers.cli_common import name_run, need_run, run_directory
+    from workers.cli_common import name_run, need_run, open_blocks, run_directory
 
     ref = need_run(name_run(run, run_dir=run_dir, stack=stack_dir), "dlx verify")
     if replay > 0 and not queue:
@@ -164,11 +164,13 @@ def verify(
     with run_directory(ref, "dlx verify", rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                        run_dir=run_dir, stack=stack_dir, store=store, ipfs_api=ipfs_api,
                        trust_endpoints=trust_endpoints) as where:
-        replayer = _queue_replayer(where, stack_dir or DEFAULT_STACK) if queue and replay > 0 else None
+        replayer = _queue_replayer(where, stack_dir or DEFAULT_STACK, store, ipfs_api) if queue and replay > 0 else None
         ticker = Ticker("verify", 0) if replay > 0 else None  # replays are the long part
+        blocks = open_blocks(store, ipfs_api) if store or ipfs_api else None  # the user's, on a run directory too
         with ticker or nullcontext():
             report = verify_run(where, rpc, replay=replay, tolerance=tolerance,
-                                replayer=_ticking(ticker, replayer) if ticker else None, data_full=data_full)
+                                replayer=_ticking(ticker, replayer) if ticker else None, data_full=data_full,
+                                store=blocks)
     if as_json:
         sys.stdout.write(json.dumps(report.as_json(), indent=2) + "\n")
     else:
@@ -232,9 +234,10 @@ def _ticking(ticker: Any, replayer: Any) -> Any:
     return replay
 
 
-def _queue_replayer(run_dir: Path, stack_dir: Path):
+def _queue_replayer(run_dir: Path, stack_dir: Path, store: Path | None = None, ipfs_api: str | None = None):
     """Replays through the workers: they read the run's blocks from its blockstore directory
-    (a path every worker can reach) or from its IPFS daemon."""
+    (a path every worker can reach) or from its IPFS daemon, or the ones the user named
+    (`store`, `ipfs_api`)."""
     from lineage.audit.replay import ReplicaReplay
     from lineage.chain.runrecord import RunRecord
     from workers.verifyq import replay_via_queue
@@ -245,7 +248,10 @@ def _queue_replayer(run_dir: Path, stack_dir: Path):
 
         broker = Stack.load(stack_dir).redis_url
     record = RunRecord.load(run_dir)
-    spec = record.ipfs_api or str(record.blocks_dir(run_dir).resolve())
+    if ipfs_api or store:
+        spec = ipfs_api or str(Path(store).resolve())
+    else:
+        spec = record.ipfs_api or str(record.blocks_dir(run_dir).resolve())
 
     def replayer(store, items, tolerance):  # the workers' results are judged again by verify_run
         return [ReplicaReplay.from_json(d) for d in replay_via_queue(broker, spec, items, tolerance or 0.0)]

@@ -207,6 +207,8 @@ def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int |
         check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
         if (chain_id, registry, ledger, store, ipfs_api) == (None,) * 5:
             return query.run_lineage(ref.run_dir, rpc)
+    elif run_dir is not None:  # --run-dir says where the run id's or CID's chain and blocks are
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
     # flags win over run.json (docs/audit.md): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                           run_dir=ref.run_dir or run_dir, stack=stack)
@@ -227,6 +229,7 @@ def compare(
     as_json: JsonOpt = False,
     html: Annotated[Path | None, typer.Option("--html", help="Also write the comparison as a self-contained HTML page.")] = None,
     stack: StackOpt = None,
+    trust_endpoints: TrustOpt = False,
 ) -> None:
     """Two runs side by side: the configuration keys that differ, and their eval loss,
     train loss and bytes sent per outer step (with --html also inner loss and
@@ -238,7 +241,9 @@ def compare(
 
     dir_a, dir_b = (_run_dir_of(text, stack) for text in (run_a, run_b))
     for d in (dir_a, dir_b):
-        check_chain(RunRecord.load(d), None)
+        record = RunRecord.load(d)
+        check_chain(record, None)
+        check_run_endpoints(d, record, trust=trust_endpoints)
 
     a, b = (query.run_lineage(d, None).as_json() for d in (dir_a, dir_b))
     diffs = config_differences(a, b)
@@ -292,6 +297,7 @@ def diff(
     ipfs_api: Annotated[list[str] | None, typer.Option("--ipfs-api", metavar="ADDR", help="IPFS daemon of a CID or run id: once for both, twice for A's, then B's.")] = None,
     stack: StackOpt = None,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    trust_endpoints: TrustOpt = False,
 ) -> None:
     """What changed from A to B, of one run or of two: a summary first (the parameters'
     relative change ||B - A|| / ||A||, per stage, and the --top tensors that changed most),
@@ -300,7 +306,7 @@ def diff(
     from lineage.audit.diff import diff_checkpoints
 
     sides = [_diff_side(text, i, run_dir or [], store or [], ipfs_api or [], stack,
-                        dict(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger))
+                        dict(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, trust=trust_endpoints))
              for i, text in enumerate((run_a, run_b))]
     (ref_a, cid_a, blocks_a), (ref_b, cid_b, blocks_b) = sides
     result = diff_checkpoints(blocks_a, cid_a, cid_b, store_b=blocks_b)

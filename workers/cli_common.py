@@ -30,7 +30,8 @@ Endpoints of an untrusted run: a run directory is data from whoever made it, so 
 and IPFS endpoints its run.json names (or the stack.json it points at) are printed on
 stderr before they are used, and one that is not on this machine (not loopback) is refused
 unless the user chose the endpoint (`--rpc`, `--ipfs-api`) or passes
-`--trust-run-endpoints` (`check_run_endpoints`; `dlx verify`, `dlx lineage`, `dlx cas`).
+`--trust-run-endpoints` (`check_run_endpoints`; `dlx verify`, `dlx lineage`, `dlx cas`,
+`dlx export`, `dlx generate`).
 """
 
 from __future__ import annotations
@@ -266,9 +267,10 @@ def check_run_endpoints(run_dir: Path, record: Any, *, rpc: str | None = None, i
     """Print on stderr the chain and the blocks a command reads for the run in `run_dir`,
     and refuse (one line, exit 2) an endpoint its run.json names that is not on this machine,
     unless the user chose it (`rpc`, `ipfs_api`) or `trust`s the run. `chain`: the command
-    reads the chain; `blocks_dir_only`: it reads the run's blockstore directory whatever
-    run.json says (`dlx cas`; then, reaching no endpoint, it says so only where run.json names
-    an IPFS API it does not use)."""
+    reads the chain (without it, reading only blocks, it tells only where an IPFS API is
+    named: `dlx export`, `dlx generate`); `blocks_dir_only`: it reads the run's blockstore
+    directory whatever run.json says (`dlx cas`; it says so where run.json names an IPFS API
+    it does not use)."""
     from lineage.chain.runrecord import RUN_FILE
 
     named = Path(run_dir) / RUN_FILE
@@ -289,8 +291,8 @@ def check_run_endpoints(run_dir: Path, record: Any, *, rpc: str | None = None, i
     else:
         said.append(f"blocks from {record.blocks_dir(Path(run_dir))}"
                     + (f", not its IPFS API {record.ipfs_api}" if record.ipfs_api else ""))
-    if blocks_dir_only and not chain and not record.ipfs_api:
-        return  # the run's own directory and nothing else: nothing to tell
+    if not chain and not (record.ipfs_api or ipfs_api):
+        return  # no chain and no IPFS API, only directories on this machine: nothing to tell
     sys.stderr.write(f"dlx: run {run_dir}: {'; '.join(said)}\n")
 
 
@@ -448,9 +450,10 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
                   ipfs_api: str | None = None, trust_endpoints: bool = False) -> Iterator[Path]:
     """The run directory of `ref`, whose run.json says where its chain and blocks are (what
     `dlx verify` reads): its own (its endpoints printed and checked: `check_run_endpoints`;
-    the chain may be `rpc`, the blocks are the run's); for a run id, a temporary one naming
-    the chain and the blocks the options give (as for every command). A CID names a
-    checkpoint, not a run."""
+    the chain may be `rpc`, the blocks `store` or `ipfs_api`, which the command then opens
+    itself); for a run id, a temporary one naming the chain and the blocks the options give
+    (as for every command; those of a `run_dir` checked alike). A CID names a checkpoint,
+    not a run."""
     from lineage.chain.runrecord import RUN_FILE, RunRecord
 
     if ref.cid is not None:
@@ -462,11 +465,14 @@ def run_directory(ref: RunRef, what: str, *, rpc: str | None = None, chain_id: i
         if (ref.run_dir / RUN_FILE).is_file():  # else the command's own checks come first, then "not a run"
             record = RunRecord.load(ref.run_dir)
             check_chain(record, rpc)
-            check_run_endpoints(ref.run_dir, record, rpc=rpc, trust=trust_endpoints)
+            check_run_endpoints(ref.run_dir, record, rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust_endpoints)
         yield ref.run_dir
         return
     import tempfile
 
+    if run_dir is not None:  # --run-dir says where the run id's chain and blocks are
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), rpc=rpc, ipfs_api=ipfs_api, store=store,
+                            trust=trust_endpoints)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     blocks = _blocks_spec(ep, store, ipfs_api)
     with ep.connect() as lg:
@@ -498,23 +504,30 @@ def _blocks_spec(ep: Endpoint, store: Path | None, ipfs_api: str | None) -> tupl
 def run_checkpoint(ref: RunRef, *, rpc: str | None = None, chain_id: int | None = None,
                    registry: str | None = None, ledger: str | None = None, run_dir: Path | None = None,
                    stack: Path | None = None, store: Path | None = None,
-                   ipfs_api: str | None = None) -> tuple[str, Any, Any]:
+                   ipfs_api: str | None = None, trust: bool = False) -> tuple[str, Any, Any]:
     """(checkpoint CID, its block store, the run's RunRecord or None) of `ref`: a run
-    directory's head (its run.json; no chain read) from its own blocks; a run id's head on
-    its chain, or a CID itself, from the blocks the options give (as for every command)."""
+    directory's head (its run.json; no chain read) from its own blocks or the ones the
+    options give (what is read printed and checked: `check_run_endpoints`); a run id's head
+    on its chain, or a CID itself, from the blocks the options give (as for every command)."""
     from lineage.chain.runrecord import RunRecord
 
     if ref.run_dir is not None:
         record = RunRecord.load(ref.run_dir)
+        check_run_endpoints(ref.run_dir, record, ipfs_api=ipfs_api, store=store, trust=trust, chain=False)
         head = record.head or record.genesis
         if not head:
             raise config_error(f"the run in {ref.run_dir} has no checkpoint yet")
         return head, open_blocks(store, ipfs_api, run_dir=ref.run_dir, record=record), record
     if ref.cid is not None:
-        record = RunRecord.load(run_dir) if run_dir is not None else None
+        record = None
+        if run_dir is not None:  # --run-dir says where the blocks are
+            record = RunRecord.load(run_dir)
+            check_run_endpoints(run_dir, record, ipfs_api=ipfs_api, store=store, trust=trust, chain=False)
         return str(ref.cid), open_blocks(store, ipfs_api, run_dir=run_dir, record=record, stack=stack), record
     from lineage.store.cid import DAG_CBOR, cid_from_digest
 
+    if run_dir is not None:  # --run-dir says where the run id's chain and blocks are
+        check_run_endpoints(run_dir, RunRecord.load(run_dir), rpc=rpc, ipfs_api=ipfs_api, store=store, trust=trust)
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     blocks = endpoint_blocks(ep, store, ipfs_api)
     with ep.connect() as lg:

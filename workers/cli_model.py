@@ -36,6 +36,7 @@ from .cli_common import (
     RpcOpt,
     StackOpt,
     StoreOpt,
+    TrustOpt,
     name_run,
     need_run,
     run_checkpoint,
@@ -83,7 +84,8 @@ def load_checkpoint(target: str | None, run_dir: Path | None, step: int | None,
                     store: Path | None = None, ipfs_api: str | None = None, what: str = "dlx export",
                     **chain: Any) -> Checkpoint:
     """The checkpoint RUN `target` names (none: `run_dir`'s head), or its `step`; `chain`:
-    where a run id's chain is (`run_checkpoint`'s rpc, chain_id, registry, ledger, stack)."""
+    where a run id's chain is (`run_checkpoint`'s rpc, chain_id, registry, ledger, stack)
+    and whether a run directory's endpoints are trusted (`trust`)."""
     ref = need_run(name_run(target, run_dir=run_dir, stack=chain.get("stack")), what)
     if step is not None and ref.cid is not None:
         raise _error("--step goes with a run (a CID names one checkpoint already)")
@@ -234,6 +236,7 @@ def export_(
     ipfs_api: ApiOpt = None,
     stack: StackOpt = None,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    trust_endpoints: TrustOpt = False,
 ) -> None:
     """Write a checkpoint as a Hugging Face model directory (config.json,
     model.safetensors, generation_config.json, lineage.json) that
@@ -247,7 +250,7 @@ def export_(
 
     with Ticker(f"export {output}", 0):
         cp = load_checkpoint(target, run_dir, step, store, ipfs_api, "dlx export", stack=stack, rpc=rpc, chain_id=chain_id,
-                             registry=registry, ledger=ledger)
+                             registry=registry, ledger=ledger, trust=trust_endpoints)
         from trainer.hf import write_hf_dir
 
         write_hf_dir(output, cp.job.model, cp.params, cp.lineage(), tokenizer=cp.tokenizer)
@@ -269,6 +272,7 @@ def generate(
     ipfs_api: ApiOpt = None,
     stack: StackOpt = None,
     rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
+    trust_endpoints: TrustOpt = False,
 ) -> None:
     """Continue --prompt with a checkpoint's model, streaming the text to stdout."""
     if not prompt:
@@ -280,7 +284,7 @@ def generate(
     if top_k < 1:
         raise _error(f"--top-k must be at least 1, got {top_k}")
     cp = load_checkpoint(target, run_dir, step, store, ipfs_api, "dlx generate", stack=stack, rpc=rpc, chain_id=chain_id,
-                         registry=registry, ledger=ledger)
+                         registry=registry, ledger=ledger, trust=trust_endpoints)
 
     from trainer.generate import generate as sample
     from trainer.hf import check_params, load_params

@@ -139,17 +139,18 @@ def _check(cond: bool, reason: str | Callable[..., str]) -> None:
 
 def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = LEVELS,
                replay: float = 0.0, tolerance: float | None = None, replayer: Replayer | None = None,
-               data_full: bool = False) -> RunReport:
+               data_full: bool = False, store: Any = None) -> RunReport:
     """Audit a run (levels above); `replay` is the fraction of (step, replica) pairs to
     replay, `tolerance` the relative tolerance a native run's replay is judged within (0:
     bit for bit; None: automatic, lineage/audit/replay.py; a portable run is bit for bit
-    whatever it says); `data_full` also re-tokenizes the dataset (a run-level check)."""
+    whatever it says); `data_full` also re-tokenizes the dataset (a run-level check);
+    `store` the blocks to read (None: the run's own, `RunRecord.open_store`)."""
     if not 0.0 <= replay <= 1.0 or math.isnan(replay):
         raise ConfigError(f"--replay must be a fraction between 0 and 1 (got {replay:g})")
     if tolerance is not None and not 0.0 <= tolerance < math.inf:
         raise ConfigError(f"--tolerance must be a finite number >= 0 (got {tolerance:g})")
     record = RunRecord.load(run_dir)
-    store = record.open_store(run_dir)
+    store = record.open_store(run_dir) if store is None else store
     with open_ledger(run_dir, record, rpc) as ledger:
         created = ledger.run_created(record.run_id)
         steps = ledger.steps(record.run_id)

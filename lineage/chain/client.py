@@ -1,9 +1,9 @@
 """The JSON-RPC side of the chain: a web3 connection that signs and sends transactions,
 the contracts' forge artifacts, and revert data decoded into the contract's custom error.
 
-A revert is decoded against the contracts' ABIs so the error names the contract's custom
-error and its arguments (`LedgerStaleParent(expected=0x.., got=0x..)`) instead of a bare
-selector; a transport failure becomes one line naming the endpoint (`chain_failure`).
+A revert is decoded into the contract's custom error, a typed exception generated from the
+contracts' ABIs (lineage/chain/reverts.py), whose message names it and its arguments
+(`LedgerStaleParent(expected=0x.., got=0x..)`) instead of a bare selector; a transport failure becomes one line naming the endpoint (`chain_failure`).
 Transactions are signed locally by the sending account and waited on.
 """
 
@@ -16,14 +16,16 @@ from pathlib import Path
 from typing import Any
 
 from eth_abi import decode as abi_decode
+from eth_abi.exceptions import DecodingError
 from eth_account.signers.local import LocalAccount
-from eth_utils import keccak, to_checksum_address
+from eth_utils import to_checksum_address
 from web3 import Web3
 from web3.exceptions import ContractLogicError, Web3Exception
 
-from lineage.errors import ChainError, ChainRevertError
+from lineage.errors import ChainError
 
 from .anvil import PROJECT_ROOT
+from .reverts import BY_SELECTOR
 from .tx import PatientProvider, TxPolicy, send, why_failed
 
 
@@ -47,37 +49,23 @@ def artifact(name: str) -> tuple[list[dict[str, Any]], str]:
     return data["abi"], data["bytecode"]["object"]
 
 
-@cache
-def _error_table() -> dict[bytes, dict[str, Any]]:
-    table: dict[bytes, dict[str, Any]] = {}
-    for name in ("TrainingLedger", "NodeRegistry"):
-        abi, _ = artifact(name)
-        for item in abi:
-            if item.get("type") == "error":
-                sig = f"{item['name']}({','.join(_abi_type(i) for i in item['inputs'])})"
-                table[keccak(text=sig)[:4]] = item
-    return table
-
-
-def _abi_type(item: dict[str, Any]) -> str:
-    if item["type"].startswith("tuple"):
-        return "(" + ",".join(_abi_type(c) for c in item["components"]) + ")" + item["type"][5:]
-    return item["type"]
-
-
 def decode_revert(data: str | bytes | dict[str, str] | None, context: str = "") -> ChainError:
-    """Turn revert data into a ChainRevertError naming the custom error (or a ChainError)."""
+    """Turn revert data into the contract's custom error, the `ChainRevertError` subclass of
+    its name (lineage/chain/reverts.py), or a ChainError when it names none."""
     if isinstance(data, dict):
         data = data.get("data")
     if isinstance(data, str):
         data = bytes.fromhex(data.removeprefix("0x")) if data.startswith("0x") else None
     if not data or len(data) < 4:
         return ChainError(f"{context}: reverted without a reason" if context else "reverted without a reason")
-    item = _error_table().get(bytes(data[:4]))
-    if item is None:
+    error = BY_SELECTOR.get(bytes(data[:4]))
+    if error is None:
         return ChainError(f"{context}: reverted with unknown error 0x{bytes(data[:4]).hex()}")
-    values = abi_decode([_abi_type(i) for i in item["inputs"]], bytes(data[4:]))
-    return ChainRevertError(item["name"], {i["name"]: v for i, v in zip(item["inputs"], values, strict=True)}, context)
+    try:
+        values = abi_decode([t for _, t in error.inputs], bytes(data[4:]))
+    except DecodingError:
+        return ChainError(f"{context}: reverted with {error.__name__} and arguments that do not decode")
+    return error(error.__name__, {n: v for (n, _), v in zip(error.inputs, values, strict=True)}, context)
 
 
 def chain_failure(context: str, exc: BaseException, url: str | None) -> ChainError:

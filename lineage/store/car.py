@@ -28,8 +28,8 @@ from . import cbor
 from .cbor import CborError
 from .cid import as_v1, parse_cid
 from .dag import BlockReader, links_of, walk
+from .dagpb import read_varint, write_varint
 from .limits import MAX_BLOCK
-from .unixfs import read_varint, write_varint
 
 MAX_SECTION = MAX_BLOCK + 128  # a block of at most MAX_BLOCK (what a store reads back) and its CID
 

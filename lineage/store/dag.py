@@ -12,7 +12,8 @@ from lineage.errors import BlockNotFoundError, StorageError
 
 from . import cbor
 from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, parse_cid
-from .unixfs import BlockReader, PBNode
+from .dagpb import PBNode
+from .unixfs import BlockReader
 
 
 def links_of(cid: CID, block: bytes) -> list[CID]:

@@ -49,8 +49,9 @@ from lineage.errors import StorageError
 
 from . import cbor
 from .cid import DAG_CBOR, DAG_PB, RAW, as_v1, block_name, parse_cid
+from .dagpb import PBNode, UnixFSData
 from .manifest import Manifest, get_manifest
-from .unixfs import PBNode, UnixFSData, check_file, import_bytes, read_bytes
+from .unixfs import check_file, import_bytes, read_bytes
 
 __all__ = [
     "KIND",

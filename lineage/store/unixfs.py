@@ -12,9 +12,9 @@ at most 174 links each, and the tree is filled left to right, each subtree full 
 next starts. A file of one chunk (or none: the empty file) is its single leaf.
 
 Import streams: it keeps one chunk and at most 174 pending links per tree level, so its
-extra memory does not grow with the file. dag-pb and UnixFS protobufs are encoded here by
-hand, byte for byte as Go's `go-merkledag` and JS's `@ipld/dag-pb` do (links before data,
-an empty `Name` always written), because the CID is the hash of exactly those bytes.
+extra memory does not grow with the file. dag-pb and UnixFS protobufs are encoded by hand
+(lineage/store/dagpb.py), byte for byte as Go's `go-merkledag` and JS's `@ipld/dag-pb` do,
+because the CID is the hash of exactly those bytes.
 A chunk is hashed and written from the buffer it was read into (a memoryview of the caller's
 bytes for `import_bytes`), never copied on the way.
 
@@ -46,20 +46,27 @@ from lineage.errors import BlockNotFoundError, StorageError
 from .cid import (
     DAG_PB,
     RAW,
-    cid_from_binary,
     cid_from_digest,
     cid_of_block,
     digest_of,
     file_cid_candidates,
     parse_cid,
 )
+from .dagpb import (
+    T_DIRECTORY,
+    T_FILE,
+    T_HAMT,
+    T_RAW,
+    T_SYMLINK,
+    PBLink,
+    PBNode,
+    UnixFSData,
+    pb_fields,
+)
 from .limits import max_depth, max_in_memory
 
 CHUNK_SIZE = 262_144  # Kubo's default chunker: size-262144
 MAX_LINKS = 174  # go-unixfs helpers.DefaultLinksPerBlock
-
-# UnixFS Data.DataType
-T_RAW, T_DIRECTORY, T_FILE, T_METADATA, T_SYMLINK, T_HAMT = range(6)
 
 #: Stores a block (`bytes`, or a `memoryview` of immutable bytes) under a codec; returns its CIDv1.
 PutFn = Callable[[bytes | memoryview, str], CID]
@@ -72,153 +79,6 @@ class BlockReader(Protocol):
     def get(self, cid: CID | str | bytes) -> bytes: ...
 
     def has(self, cid: CID | str) -> bool: ...
-
-
-# -- protobuf, the few wire types dag-pb and UnixFS use --------------------------------------
-
-
-def write_varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-def read_varint(buf: bytes | memoryview, pos: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise ValueError("truncated or oversized varint")
-        b = buf[pos]
-        pos += 1
-        n |= (b & 0x7F) << shift
-        if b < 0x80:
-            return n, pos
-        shift += 7
-
-
-def _fields(buf: bytes | memoryview) -> Iterator[tuple[int, int | bytes]]:
-    """(field number, value) pairs of a protobuf message with varint and bytes fields."""
-    pos = 0
-    while pos < len(buf):
-        key, pos = read_varint(buf, pos)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = read_varint(buf, pos)
-            yield num, value
-        elif wire == 2:
-            size, pos = read_varint(buf, pos)
-            if pos + size > len(buf):
-                raise ValueError("truncated length-delimited field")
-            yield num, bytes(buf[pos:pos + size])
-            pos += size
-        else:
-            raise ValueError(f"unsupported protobuf wire type {wire}")
-
-
-def _bytes_field(num: int, value: bytes) -> bytes:
-    return write_varint(num << 3 | 2) + write_varint(len(value)) + value
-
-
-def _uint_field(num: int, value: int) -> bytes:
-    return write_varint(num << 3) + write_varint(value)
-
-
-@dataclass(frozen=True)
-class PBLink:
-    cid: CID
-    tsize: int
-    name: str = ""
-
-
-@dataclass(frozen=True)
-class PBNode:
-    data: bytes | None
-    links: list[PBLink] = field(default_factory=list)
-
-    def encode(self) -> bytes:
-        """Canonical dag-pb: every link (Hash, Name, Tsize), then Data."""
-        out = bytearray()
-        for link in self.links:
-            body = (_bytes_field(1, bytes(link.cid)) + _bytes_field(2, link.name.encode())
-                    + _uint_field(3, link.tsize))
-            out += _bytes_field(2, body)
-        if self.data is not None:
-            out += _bytes_field(1, self.data)
-        return bytes(out)
-
-    @classmethod
-    def decode(cls, block: bytes) -> PBNode:
-        data, links = None, []
-        for num, value in _fields(block):
-            if num == 1 and isinstance(value, bytes):
-                data = value
-            elif num == 2 and isinstance(value, bytes):
-                cid, name, tsize = None, "", 0
-                for lnum, lval in _fields(value):
-                    if lnum == 1 and isinstance(lval, bytes):
-                        cid = cid_from_binary(lval)
-                    elif lnum == 2 and isinstance(lval, bytes):
-                        name = lval.decode("utf-8")
-                    elif lnum == 3 and isinstance(lval, int):
-                        tsize = lval
-                if cid is None:
-                    raise ValueError("dag-pb link without a Hash")
-                links.append(PBLink(cid, tsize, name))
-            else:
-                raise ValueError(f"unexpected dag-pb field {num}")
-        return cls(data, links)
-
-
-@dataclass(frozen=True)
-class UnixFSData:
-    type: int
-    data: bytes | None = None
-    filesize: int | None = None
-    blocksizes: list[int] = field(default_factory=list)
-    hash_type: int | None = None  # HAMTShard only: the multihash code of the name hash
-    fanout: int | None = None  # HAMTShard only: slots per shard node
-
-    def encode(self) -> bytes:
-        out = _uint_field(1, self.type)
-        if self.data:
-            out += _bytes_field(2, self.data)
-        if self.filesize is not None:
-            out += _uint_field(3, self.filesize)
-        for size in self.blocksizes:  # proto2 `repeated uint64`, not packed
-            out += _uint_field(4, size)
-        if self.hash_type is not None:
-            out += _uint_field(5, self.hash_type)
-        if self.fanout is not None:
-            out += _uint_field(6, self.fanout)
-        return out
-
-    @classmethod
-    def decode(cls, buf: bytes) -> UnixFSData:
-        kind, data, filesize, sizes = None, None, None, []
-        hamt: dict[int, int] = {}
-        for num, value in _fields(buf):
-            if num == 1 and isinstance(value, int):
-                kind = value
-            elif num in (5, 6) and isinstance(value, int):
-                hamt[num] = value
-            elif num == 2 and isinstance(value, bytes):
-                data = value
-            elif num == 3 and isinstance(value, int):
-                filesize = value
-            elif num == 4:
-                if isinstance(value, int):
-                    sizes.append(value)
-                else:  # tolerate a packed encoding from other writers
-                    pos = 0
-                    while pos < len(value):
-                        n, pos = read_varint(value, pos)
-                        sizes.append(n)
-        if kind is None:
-            raise ValueError("UnixFS data without a Type")
-        return cls(kind, data, filesize, sizes, hamt.get(5), hamt.get(6))
 
 
 # -- import ----------------------------------------------------------------------------------
@@ -477,12 +337,12 @@ def _node_links(block: bytes) -> tuple[bytes | None, list[bytes]]:
     """A dag-pb node's Data and its links' binary CIDs, in order (the read path: names and
     sizes are not needed, and building a CID object per link cost more than the hashing)."""
     data, links = None, []
-    for num, value in _fields(block):
+    for num, value in pb_fields(block):
         if num == 1 and isinstance(value, bytes):
             data = value
         elif num == 2 and isinstance(value, bytes):
             cid = None
-            for lnum, lval in _fields(value):
+            for lnum, lval in pb_fields(value):
                 if lnum == 1 and isinstance(lval, bytes):
                     cid = lval
             if cid is None:

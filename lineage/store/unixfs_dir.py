@@ -52,22 +52,9 @@ from lineage.errors import StorageError
 from trainer.errors import DlxError
 
 from .cid import DAG_PB, RAW, cid_from_digest, cid_of_block, parse_cid
+from .dagpb import T_DIRECTORY, T_FILE, T_HAMT, T_RAW, PBLink, PBNode, UnixFSData
 from .limits import max_depth, max_entries
-from .unixfs import (
-    CHUNK_SIZE,
-    T_DIRECTORY,
-    T_FILE,
-    T_HAMT,
-    T_RAW,
-    BlockReader,
-    PBLink,
-    PBNode,
-    PutFn,
-    UnixFSData,
-    import_bytes,
-    import_file,
-    read_file,
-)
+from .unixfs import CHUNK_SIZE, BlockReader, PutFn, import_bytes, import_file, read_file
 
 __all__ = ["HAMT_FANOUT", "HAMT_THRESHOLD", "TreeInputError", "import_directory", "import_tree",
            "is_directory", "list_tree", "murmur3_x64_64", "read_tree"]
