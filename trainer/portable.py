@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from trainer import portable_core, portable_mm
 from trainer.portable_core import (
     F32,
     F64,
@@ -63,7 +64,6 @@ from trainer.portable_core import (
     _pow2,
     _scoped,
     _tmp,
-    clear_scratch,
 )
 from trainer.portable_fn import (
     _EXP_TAYLOR,
@@ -123,6 +123,14 @@ __all__ = [
     "sum",
     "tanh",
 ]
+
+
+
+def clear_scratch() -> None:
+    """Free this thread's pooled scratch buffers (at most 512 MB are kept) and cached weight
+    slices (at most 256 MB)."""
+    portable_core.clear_scratch()
+    portable_mm.clear_weight_slices()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -96,8 +97,52 @@ def _product(a: _Operand, b: _Operand, sa: int, sb: int, out: Tensor, scale: flo
         out.masked_fill_(bads[0] if len(bads) == 1 else bads[0] | bads[1], math.nan)
 
 
+# A weight's slices, kept between the microbatches of a step (and forward and backward):
+# its float64 integers depend on its values alone, so an entry serves while the weight
+# holds the values it was made from (compared in full, one pass, where slicing is six).
+_WEIGHTS_MAX_BYTES = 256 << 20
+
+
+class _WeightSlices(threading.local):
+    def __init__(self) -> None:
+        self.entries: dict[tuple[Any, ...], tuple[Tensor, _Operand]] = {}
+        self.bytes = 0
+
+
+_WEIGHTS = _WeightSlices()
+
+
+def _weight_operand(b: Tensor, slices: int, bits: int) -> _Operand:
+    """`_Operand.of(b, -2, slices, bits)` of a weight (or a view of one), from the cache
+    when b holds the values its entry was made from (torch.equal: -0.0 and +0.0 count as
+    equal, and a matmul's output does not depend on the sign of a zero; NaN never hits)."""
+    cache = _WEIGHTS
+    key = (b.data_ptr(), tuple(b.shape), b.stride(), slices, bits)
+    hit = cache.entries.get(key)
+    if hit is not None and torch.equal(hit[0], b):
+        return hit[1]
+    op = _Operand.of(b, -2, slices, bits)
+    kept = _Operand(op.hi.clone(), None if op.lo is None else op.lo.clone(), op.shift.clone(),
+                    None if op.bad is None else op.bad.clone())  # out of the scratch pool
+    size = b.nbytes * (3 + 2 * slices)  # the copy and the float64 slices
+    if hit is not None:
+        cache.bytes -= hit[0].nbytes * (3 + 2 * slices)
+        del cache.entries[key]
+    if cache.bytes + size <= _WEIGHTS_MAX_BYTES:
+        cache.entries[key] = (b.detach().clone(), kept)
+        cache.bytes += size
+    return kept
+
+
+def clear_weight_slices() -> None:
+    """Forget this thread's cached weight slices."""
+    _WEIGHTS.entries.clear()
+    _WEIGHTS.bytes = 0
+
+
 @_scoped
-def _mm(a: Tensor, b: Tensor, bias: Tensor | None = None, scale: float = 1.0) -> Tensor:
+def _mm(a: Tensor, b: Tensor, bias: Tensor | None = None, scale: float = 1.0,
+        weight: bool = False) -> Tensor:
     """a @ b * scale (+ bias) in float32; a (m, k) or (N, m, k), b (k, n) or (N, k, n).
     Rows go in chunks that bound the float64 memory (rows are independent: same bits)."""
     k, n = a.shape[-1], b.shape[-1]
@@ -105,7 +150,7 @@ def _mm(a: Tensor, b: Tensor, bias: Tensor | None = None, scale: float = 1.0) ->
     batched = b.dim() == 3
     per_row = (k * (na + 1) + n * (na * nb + 1)) * (a.shape[-2] if batched else 1)
     step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
-    bq = None if batched else _Operand.of(b, -2, nb, sb)
+    bq = None if batched else _weight_operand(b, nb, sb) if weight else _Operand.of(b, -2, nb, sb)
     out = torch.empty(*a.shape[:-1], n, dtype=F32, device=a.device)
     for i in range(0, a.shape[0], step):
         j = i + step
@@ -151,13 +196,13 @@ class _Linear(torch.autograd.Function):
     @_scoped
     def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w)
-        return _mm(x, w.t(), bias=b)
+        return _mm(x, w.t(), bias=b, weight=True)
 
     @staticmethod
     @_scoped
     def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         x, w = ctx.saved_tensors
-        gx = _mm(g, w) if ctx.needs_input_grad[0] else None
+        gx = _mm(g, w, weight=True) if ctx.needs_input_grad[0] else None
         gw = _mm(g.t(), x) if ctx.needs_input_grad[1] else None
         gb = _sum64(g, 0).to(F32) if ctx.needs_input_grad[2] else None
         return gx, gw, gb
