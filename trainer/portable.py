@@ -37,6 +37,12 @@ Non-finite values: a matmul row of A (column of B) holding an inf or nan makes t
 row (column) NaN; exact sums propagate inf/nan as IEEE does (any order gives the same);
 elementwise functions follow IEEE (exp(-inf) = 0, log(0) = -inf, ...).
 
+Modules: trainer/portable_core.py (scratch pool, fixed point, exact sums),
+trainer/portable_mm.py (matmul, linear, broadcasts; each weight's slices kept between
+microbatches while its values hold), trainer/portable_fn.py (elementwise functions, softmax,
+cross-entropy, norms), and this one (embedding, attention, initialisation, optimizers),
+which re-exports the whole API:
+
 API: matmul, linear, sum, mean, exp, log, tanh, erf, sigmoid, silu, gelu, sin, cos, rsqrt,
 softmax, cross_entropy, lm_loss, layer_norm, rms_norm, embedding, add, expand, repeat_kv,
 dropout, scaled_dot_product_attention, rope_tables, normal_, skip_normal, grad_sq_norm,
