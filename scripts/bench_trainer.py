@@ -378,10 +378,10 @@ def rows_for(args: argparse.Namespace) -> list[dict]:
             for m in args.s1_microbatches:
                 rows.append({**base, "kind": "engine", "stages": 1, "microbatches": m,
                              "layout": f"R1xS1 M{m}{suffix}", "root": str(Path(root).resolve())})
-            if not suffix and not args.no_portable:
+            if not args.no_portable:
                 m = args.s1_microbatches[-1]
                 rows.append({**base, "kind": "engine", "stages": 1, "microbatches": m, "numerics": "portable",
-                             "layout": f"R1xS1 M{m} portable", "native": f"R1xS1 M{m}",
+                             "layout": f"R1xS1 M{m} portable{suffix}", "native": f"R1xS1 M{m}{suffix}",
                              "root": str(Path(root).resolve())})
             if not args.no_s2:
                 m = args.s2_microbatches
