@@ -12,8 +12,6 @@ import json
 from typing import Any, Literal, Self, TypeVar, overload
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
@@ -24,10 +22,14 @@ from pydantic import (
 )
 from pydantic.json_schema import SkipJsonSchema
 
+from trainer.config_errors import one_line
+from trainer.config_model import MAX_PARAMS, ModelConfig
+from trainer.config_model import Section as _Section
 from trainer.dataset import BPE_MIN_VOCAB, BYTE_VOCAB, PreparedData
 from trainer.errors import ConfigError
 
 __all__ = [
+    "MAX_PARAMS",
     "CompressionConfig",
     "DataConfig",
     "InnerConfig",
@@ -37,148 +39,11 @@ __all__ = [
     "ParallelConfig",
     "TransportConfig",
     "load_job",
+    "one_line",
     "stage_layers",
 ]
 
 SEED_MAX = 2**63 - 1
-#: The largest model a job may describe: past 2^40 (1.1 T) parameters one copy of the outer
-#: state (float32 weights and momentum) passes 8 TiB, beyond what any job here could hold.
-MAX_PARAMS = 2**40
-
-
-class _Section(BaseModel):
-    """A job-file section: unknown keys refused, and strict types: a string is never read as
-    a number or a boolean, nor a number as a boolean (`d_model = "128"`, `nesterov = "yes"`
-    and `nesterov = 1` are errors). An integer is still a valid float (`lr = 1`); inf and nan
-    are not."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-_GPT_ONLY = ("mlp_ratio", "dropout")
-_LLAMA_ONLY = ("n_kv_heads", "intermediate_size", "rope_theta", "rms_norm_eps", "qkv_bias",
-               "tie_embeddings")
-_NEWER = ("family", "dtype", "activation_checkpointing", "init")  # absent from older job files
-
-
-class ModelConfig(_Section):
-    """The model: a family and its shape.
-
-    `gpt`: a small pre-LN GPT (nanoGPT-style, learned positions, GELU MLP). `llama`: a
-    Llama-architecture decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention; Qwen2 is
-    `qkv_bias = true`), convertible to and from Hugging Face checkpoints by renaming.
-    Fields of the other family are refused, not ignored.
-    """
-
-    family: Literal["gpt", "llama"] = Field("gpt", description="Model family (trainer/model.py).")
-    vocab_size: int = Field(256, ge=2, le=1 << 24, description="Vocabulary size (256 = raw bytes).")
-    d_model: int = Field(128, ge=1, le=1 << 16, description="Width of the residual stream (C).")
-    n_layers: int = Field(4, ge=1, le=1024, description="Number of transformer blocks.")
-    n_heads: int = Field(4, ge=1, description="Attention heads per block; must divide d_model.")
-    seq_len: int = Field(
-        128, ge=1, le=1 << 20, description="Context length T (gpt: also the positional table size)."
-    )
-    mlp_ratio: int = Field(4, ge=1, description="gpt: MLP hidden width as a multiple of d_model.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="gpt: dropout probability (0 = off).")
-    n_kv_heads: int | None = Field(
-        None, ge=1, description="llama: key/value heads (grouped-query attention; divides "
-        "n_heads). Unset: n_heads."
-    )
-    intermediate_size: int | None = Field(
-        None, ge=1, description="llama: SwiGLU hidden width. Unset: 8/3 x d_model, rounded up "
-        "to a multiple of 64."
-    )
-    rope_theta: float = Field(10000.0, gt=0.0, description="llama: rotary embedding base.")
-    rms_norm_eps: float = Field(1e-5, gt=0.0, lt=1.0, description="llama: RMSNorm epsilon.")
-    qkv_bias: bool = Field(False, description="llama: bias on the q, k, v projections (Qwen2).")
-    tie_embeddings: bool = Field(
-        False, description="llama: the head reuses the token embedding matrix (one stage only)."
-    )
-    dtype: Literal["float32", "bfloat16"] = Field(
-        "float32", description="Inner-step compute precision: bfloat16 autocasts forward and "
-        "backward; weights, optimizer states, the outer copy and everything hashed stay float32."
-    )
-    activation_checkpointing: bool = Field(
-        False, description="Recompute each block's activations in backward instead of keeping them."
-    )
-    init: str | None = Field(
-        None, description="A local Hugging Face model directory (config.json + safetensors) to "
-        "start from: its weights are the genesis checkpoint. Fields left out of [model] are "
-        "taken from its config.json; fields given must agree with it."
-    )
-
-    @model_validator(mode="after")
-    def _family_fields(self) -> ModelConfig:
-        foreign = _LLAMA_ONLY if self.family == "gpt" else _GPT_ONLY
-        for name in foreign:
-            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
-                raise ValueError(f"{name} is not a field of the {self.family} family")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"d_model ({self.d_model}) is not divisible by n_heads ({self.n_heads})"
-            )
-        if self.family == "gpt" and self.init is not None:
-            raise ValueError("init (a Hugging Face directory) needs family = 'llama'")
-        if self.n_params() > MAX_PARAMS:
-            raise ValueError(
-                f"{self.n_params() / 1e9:,.0f}B parameters exceed the {MAX_PARAMS / 1e9:,.0f}B a job may "
-                f"have (the outer state alone would take {8 * self.n_params() / 2**40:.1f} TiB)"
-            )
-        if self.family == "llama":
-            if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads != 0:
-                raise ValueError(
-                    f"n_heads ({self.n_heads}) is not divisible by n_kv_heads ({self.n_kv_heads})"
-                )
-            if (self.d_model // self.n_heads) % 2:
-                raise ValueError(
-                    f"head size d_model / n_heads ({self.d_model // self.n_heads}) must be even "
-                    "for rotary embeddings"
-                )
-        return self
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
-    @property
-    def ffn_size(self) -> int:
-        if self.intermediate_size is not None:
-            return self.intermediate_size
-        m = -(-8 * self.d_model // 3)  # ceil(8/3 d): SwiGLU's three matrices cost what GELU's two did
-        return -(-m // 64) * 64
-
-    @property
-    def smallest_side(self) -> int:
-        """The smallest dimension of any of the model's matrices (a low-rank factor's bound)."""
-        if self.family == "gpt":
-            return min(self.d_model, self.vocab_size, self.seq_len)
-        kv = self.kv_heads * (self.d_model // self.n_heads)
-        return min(self.d_model, self.vocab_size, kv, self.ffn_size)
-
-    def n_params(self) -> int:
-        """Parameters of the full model (tied embeddings counted once)."""
-        d, V, L = self.d_model, self.vocab_size, self.n_layers
-        if self.family == "gpt":
-            f = self.mlp_ratio * d
-            block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-            return V * d + self.seq_len * d + L * block + 2 * d + d * V
-        hs, kv, f = d // self.n_heads, self.kv_heads, self.ffn_size
-        attn = d * d + 2 * d * kv * hs + d * d + ((d + 2 * kv * hs) if self.qkv_bias else 0)
-        block = 2 * d + attn + 3 * d * f
-        return V * d + L * block + d + (0 if self.tie_embeddings else d * V)
-
-    @model_serializer(mode="wrap")
-    def _only_this_family(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """Dump only the fields of this family; a gpt model without the newer fields dumps
-        (and hashes) exactly as before they existed."""
-        data = handler(self)
-        if not isinstance(data, dict):
-            return data
-        defaults = type(self).model_fields
-        drop: tuple[str, ...] = _LLAMA_ONLY if self.family == "gpt" else _GPT_ONLY
-        if self.family == "gpt":
-            drop += tuple(k for k in _NEWER if getattr(self, k) == defaults[k].default)
-        return {k: v for k, v in data.items() if k not in drop}
 
 
 class ParallelConfig(_Section):
@@ -724,69 +589,6 @@ def stage_layers(n_layers: int, stage: int, stages: int) -> range:
 
 
 J = TypeVar("J", bound=JobConfig)
-
-
-def one_line(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
-    """Every problem of a validation error on one line, joined by "; ": unknown keys first
-    (the typo that explains a "Field required" beside it), each naming the field's path
-    (under `prefix`, if given). With `model`, the class validated, an unknown key that is a
-    near miss of a known one says which (`outer.inner_step: unknown key (did you mean
-    inner_steps?)`)."""
-    errors = err.errors(include_url=False)
-    ordered = [e for e in errors if e["type"] == "extra_forbidden"] + \
-              [e for e in errors if e["type"] != "extra_forbidden"]
-    problems = [_problem(e, prefix, model) for e in ordered]
-    return "; ".join(dict.fromkeys(problems))  # each once, in order
-
-
-def _problem(error: Any, prefix: str, model: type[BaseModel] | None) -> str:
-    """One validation error as `path: what is wrong`."""
-    path = list(error["loc"])
-    loc = ".".join(str(part) for part in ([prefix] if prefix else []) + path)
-    if error["type"] == "extra_forbidden":
-        what = "unknown section" if isinstance(error.get("input"), dict) else "unknown key"
-        near = _near_miss(model, path) if model is not None and path else None
-        msg = f"{what} (did you mean {near}?)" if near else what
-    else:
-        msg = error["msg"].removeprefix("Value error, ")
-        given = error.get("input")
-        if error["type"] != "value_error" and isinstance(given, str | int | float | bool):
-            shown = json.dumps(given)  # TOML's spelling: "128" is a string, 128 a number
-            msg += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
-    return f"{loc}: {msg}" if loc else msg
-
-
-def _near_miss(model: type[BaseModel], path: list[Any]) -> str | None:
-    """The known key of the section at `path[:-1]` that `path[-1]` most resembles, if any."""
-    import difflib
-
-    section: Any = model
-    for part in path[:-1]:
-        if isinstance(part, int):  # an entry of a list of sections (`[[cheat]]`)
-            continue
-        field = section.model_fields.get(part) if _is_model(section) else None
-        section = _model_in(field.annotation) if field is not None else None
-    if not _is_model(section):
-        return None
-    close = difflib.get_close_matches(str(path[-1]), list(section.model_fields), n=1)
-    return close[0] if close else None
-
-
-def _is_model(obj: Any) -> bool:
-    return isinstance(obj, type) and issubclass(obj, BaseModel)
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    """The section class an annotation holds (`X`, `X | None`, `list[X]`), if any."""
-    from typing import get_args
-
-    if _is_model(annotation):
-        return annotation
-    for arg in get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
 
 
 @overload

@@ -46,19 +46,18 @@ import sysconfig
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from trainer.errors import ConfigError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-    from trainer.config import DataConfig
-
 __all__ = [
     "BPE_MIN_VOCAB",
     "BYTE_VOCAB",
     "EOT",
+    "DataSource",
     "SPLIT_RULE",
     "TOKENIZER_FILE",
     "TOKEN_FILE",
@@ -72,6 +71,27 @@ __all__ = [
     "token_dtype",
     "train_bpe",
 ]
+
+
+class DataSource(Protocol):
+    """What this module reads of a job's ``[data]`` section (`trainer.config.DataConfig`
+    satisfies it): a protocol, so that neither module imports the other."""
+
+    @property
+    def source(self) -> str: ...
+    @property
+    def paths(self) -> list[str]: ...
+    @property
+    def dir(self) -> str | None: ...
+    @property
+    def tokenizer(self) -> str: ...
+    @property
+    def text_field(self) -> str: ...
+    @property
+    def max_bytes(self) -> int: ...
+    @property
+    def eval_fraction(self) -> float: ...
+
 
 #: How documents are held out for eval, recorded in the run config.
 SPLIT_RULE = (
@@ -120,7 +140,7 @@ def token_dtype(vocab_size: int) -> str:
 # --- files -----------------------------------------------------------------------------
 
 
-def dataset_files(cfg: DataConfig) -> list[tuple[str, Path]]:
+def dataset_files(cfg: DataSource) -> list[tuple[str, Path]]:
     """(relative posix path in the dataset, file), sorted by that path, whole files until
     `cfg.max_bytes`. ConfigError when nothing matches or not one file fits."""
     if cfg.source == "stdlib":
@@ -414,7 +434,7 @@ def is_eval(key: str, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-def _forced_eval(files: list[tuple[str, Path]], cfg: DataConfig) -> str | None:
+def _forced_eval(files: list[tuple[str, Path]], cfg: DataSource) -> str | None:
     """The key `SPLIT_RULE` holds out when the hash holds out nothing (a tiny corpus), else
     None; stops reading at the first document the hash holds out."""
     best: tuple[bytes, str] | None = None
@@ -429,11 +449,11 @@ def _forced_eval(files: list[tuple[str, Path]], cfg: DataConfig) -> str | None:
     return best[1]
 
 
-def _held_out(cfg: DataConfig, forced: str | None) -> Callable[[str], bool]:
+def _held_out(cfg: DataSource, forced: str | None) -> Callable[[str], bool]:
     return lambda key: key == forced or is_eval(key, cfg.eval_fraction)
 
 
-def split_files(cfg: DataConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def split_files(cfg: DataSource) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The dataset's files that hold training documents, and those that hold held-out ones
     (a JSON Lines or Parquet file may be in both)."""
     files = dataset_files(cfg)
@@ -496,7 +516,7 @@ def _user_tokenizer(path: Path, vocab_size: int) -> tuple[Tokenizer, bytes]:
     return tok, blob
 
 
-def _tokenizer(cfg: DataConfig, vocab_size: int, files: list[tuple[str, Path]],
+def _tokenizer(cfg: DataSource, vocab_size: int, files: list[tuple[str, Path]],
                held: Callable[[str], bool], report: _Report) -> tuple[Tokenizer, bytes]:
     """The text tokenizer `cfg` names and its tokenizer.json bytes ("bpe": trained here on
     the training split, reading every file once)."""
@@ -607,7 +627,7 @@ def _write_tokens(pieces: Iterator[Piece], held: Callable[[str], bool], tok: Tok
     flush()
 
 
-def prepare_data(cfg: DataConfig, vocab_size: int, out_dir: Path,
+def prepare_data(cfg: DataSource, vocab_size: int, out_dir: Path,
                  progress: Progress | None = None) -> PreparedData:
     """Tokenize the dataset `cfg` names into out_dir/tokens.bin (and out_dir/tokenizer.json
     unless the tokenizer is "bytes"). Deterministic: the same inputs give the same bytes.
@@ -629,7 +649,7 @@ def _temp(out_dir: Path, name: str) -> Path:
     return out_dir / f".{name}.{os.getpid()}.tmp"
 
 
-def _prepare(cfg: DataConfig, vocab_size: int, out_dir: Path, progress: Progress) -> PreparedData:
+def _prepare(cfg: DataSource, vocab_size: int, out_dir: Path, progress: Progress) -> PreparedData:
     files = dataset_files(cfg)
     held = _held_out(cfg, _forced_eval(files, cfg))
     size = sum(path.stat().st_size for _, path in files)
