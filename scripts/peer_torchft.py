@@ -483,7 +483,7 @@ def _train_replica(r: int, spec: dict) -> dict:
 
 def _lone_stage_step(model: Any, cfg: Any, device: torch.device, x: torch.Tensor,
                      y: torch.Tensor, M: int, lm_loss: Any, autocast: Any) -> float:
-    """trainer.engine.Pipeline._lone_stage_step: M microbatches' mean losses backward in
+    """trainer.pipeline.Pipeline._lone_stage_step: M microbatches' mean losses backward in
     turn, the gradients accumulating, then divided by M once."""
     losses = []
     with autocast(cfg, device):

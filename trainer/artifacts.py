@@ -83,7 +83,7 @@ class Contribution:
     budget capped it also holds ``adaptive/budget`` (float64 (1,)), which replay re-uses.
 
     `start_state` is what replay verification starts from: this rank's state at the start
-    of the round that produced `data` (`trainer.engine.round_state`: local weights, inner
+    of the round that produced `data` (`trainer.rounds.round_state`: local weights, inner
     optimizer state, compressor state; safetensors, sorted keys; under the partial rule
     also ``round/merge_step``, int64 (1,), the inner step the round merged before, -1 for
     none). Empty for the baseline.
@@ -126,13 +126,13 @@ class StepArtifacts:
     # The replica ids whose contributions this step averages, ascending: () when all R took
     # part (a full run's steps, as before elastic training), else the membership epoch's.
     replicas: tuple[int, ...] = ()
-    epoch: int = 0  # the membership epoch (trainer.engine.Membership) that computed the step
+    epoch: int = 0  # the membership epoch (trainer.control.Membership) that computed the step
 
 
 @dataclass(frozen=True)
 class Progress:
     """One inner step of replica 0, reported by global rank 0 (every inner step; with
-    pipeline stages in batches of `trainer.engine.PROGRESS_EVERY`). Only what the step
+    pipeline stages in batches of `trainer.metrics.PROGRESS_EVERY`). Only what the step
     already computed: reporting adds no synchronisation beyond that batch's broadcast."""
 
     outer_step: int  # 1-based outer step being trained

@@ -177,7 +177,7 @@ def train_local(job: JobConfig, sink: StepSink, *, timeout_s: float | None = Non
     """Train `job` in R*S local processes (gloo over 127.0.0.1), reporting to `sink`.
 
     `stop` (from `stop_event()`): once set, every rank stops at the next inner-step boundary
-    and this returns "stopped". `start`: one `trainer.engine.ResumePoint` per rank, to
+    and this returns "stopped". `start`: one `trainer.control.ResumePoint` per rank, to
     continue a run from a committed checkpoint. `hooks`: a `trainer.hooks.RankHooks` for
     every rank (a test's cheating ranks, tests/dlx_testing/cheat.py); None: honest ranks.
     Raises TrainingError if a rank fails or the run exceeds `timeout_s`; an exception

@@ -379,7 +379,7 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
 
 
 def lm_loss(logits: Tensor, target: Tensor) -> Tensor:
-    """The portable trainer.engine.lm_loss: cross-entropy over (B, T, V) logits and (B, T)
+    """The portable trainer.pipeline.lm_loss: cross-entropy over (B, T, V) logits and (B, T)
     targets, the mean over all B*T tokens."""
     return cross_entropy(logits.flatten(0, 1), target.flatten())
 

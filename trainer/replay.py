@@ -6,7 +6,7 @@ Replicas are named by id everywhere (their data shards and seeds follow the id),
 round of any replica replays alike whether or not every replica took part in its step
 (elastic training, trainer/engine.py).
 
-A round's start state (`trainer.engine.round_state`, stored with every contribution) holds
+A round's start state (`trainer.rounds.round_state`, stored with every contribution) holds
 a rank's local weights, inner optimizer state and compressor state at the start of the
 round. Replaying starts S local processes (spawn, gloo; stage s = rank s), loads those
 states and runs the same `inner_round` training runs, on the same data shard

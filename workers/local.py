@@ -311,7 +311,7 @@ def resume_point(store: Any, manifest: Any, job: JobConfig, rank: int) -> Any:
     """Where `rank` restarts from a committed checkpoint (its `lineage.store.manifest.Manifest`):
     its stage's outer shard and, where the round can be re-run (synchronous rules with
     round-start states), its own start state and claimed contribution
-    (`trainer.engine.ResumePoint`). The job queue's rank tasks resume from the same."""
+    (`trainer.control.ResumePoint`). The job queue's rank tasks resume from the same."""
     from lineage.store.roundstate import read_start_state
     from lineage.store.unixfs import read_bytes
     from trainer.control import ResumePoint, carried

@@ -5,7 +5,7 @@ A job with `[parallel] min_replicas` below `replicas` (R) is elastic. Its rank t
 is one torch.distributed world of the replicas whose S seats are all held by live tickets.
 Epoch 0 is the world the rendezvous formed. A world breaks when a rank dies (its gloo
 peers see the connection drop, or a collective times out); every surviving rank process
-then calls `Regroup` (trainer.engine.RankControl.regroup), which
+then calls `Regroup` (trainer.control.RankControl.regroup), which
 
 1. checks the ticket in for epoch n + 1 and raises the job's `wanted` epoch, so rank 0's
    sink stops waiting for attestations of a step the lost ranks will never sign;
@@ -380,7 +380,7 @@ def requeue(members: Members, url: str, world: int, count: int) -> None:
 
 
 def join_epoch(members: Members, rec: dict[str, Any], epoch: int, ticket: int, host: str) -> Any:
-    """Wait for epoch `epoch`'s record; this ticket's `trainer.engine.Membership` in it (rank
+    """Wait for epoch `epoch`'s record; this ticket's `trainer.control.Membership` in it (rank
     0 publishes its TCPStore address first). JobError when the job cannot go on or this
     ticket was left out."""
     from trainer.control import Membership

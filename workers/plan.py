@@ -250,7 +250,7 @@ def safetensors_bytes(entries: list[Entry]) -> int:
 
 
 def _matrix(shape: tuple[int, ...]) -> tuple[int, int]:
-    """trainer.compress._as_matrix_shape: (shape[0], rest) for >= 2-D, (1, n) for 1-D."""
+    """trainer.compress_bits.as_matrix_shape: (shape[0], rest) for >= 2-D, (1, n) for 1-D."""
     return (shape[0], math.prod(shape[1:])) if len(shape) >= 2 else (1, math.prod(shape))
 
 
@@ -304,7 +304,7 @@ def payload_bytes(shapes: dict[str, tuple[int, ...]], c: CompressionConfig,
 
 
 def start_state_bytes(shapes: dict[str, tuple[int, ...]], job: JobConfig, kernels_len: int = 45) -> int:
-    """One rank's round-start state (`trainer.engine.round_state`) once its inner optimizer
+    """One rank's round-start state (`trainer.rounds.round_state`) once its inner optimizer
     has state (every round but a run's first): weights, AdamW's two moments and step,
     the compressor's residual, bits and warm starts, its generator, the round counters and
     the kernel fingerprint (`kernels_len` bytes: 45 on this machine)."""

@@ -513,7 +513,7 @@ def _report(store: JobStore, job_id: str, sink: Any, kind: str, payload: Any) ->
 
 class GpuPool:
     """This worker's GPUs, one per concurrent rank task (a rank with none runs on the CPU,
-    or fails a `device = "cuda"` job naming itself: trainer.engine.agree_device)."""
+    or fails a `device = "cuda"` job naming itself: trainer.world.agree_device)."""
 
     def __init__(self) -> None:
         self._free: list[int] | None = None

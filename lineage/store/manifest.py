@@ -15,7 +15,7 @@ manifests and CIDs are what they were before elastic training). `row(r)` maps re
 to its row. `contributions[row][s]` links that replica's stage-s contribution; `data[row]`
 is the sha-256 of the tokens it trained on in this round. `replay[row][s]` (present when the
 ranks published them; absent for the AllReduce baseline and older runs) links the start
-state of the round that produced `contributions[row][s]` (`trainer.engine.round_state`),
+state of the round that produced `contributions[row][s]` (`trainer.rounds.round_state`),
 the input of replay verification (lineage/audit/replay.py).
 """
 

@@ -1,6 +1,6 @@
 """Round-start states stored by reference to the committed shard whose weights they hold.
 
-A round-start state (`trainer.engine.round_state`: safetensors with `param/<name>` the
+A round-start state (`trainer.rounds.round_state`: safetensors with `param/<name>` the
 rank's weights at round start, `inner/...`, `compress/...`, `round/...`) usually starts
 from a committed stage shard (`param/<name>`, `momentum/<name>`): under the synchronous
 rule always the parent checkpoint's, under `restart` that or the one of step t-2. Storing

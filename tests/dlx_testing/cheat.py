@@ -15,7 +15,7 @@ replay re-runs honest code.
 Nothing on the production path asks whether a run cheats: `JobFile.test_hooks` (None in
 production) returns one `Cheats` object built from the tables, which the runners inject
 where the honest defaults would be, into
-every rank (`trainer.engine.RankControl.hooks`, a `trainer.hooks.RankHooks`) and into the
+every rank (`trainer.control.RankControl.hooks`, a `trainer.hooks.RankHooks`) and into the
 coordinator's sink (`workers.sink.CommitHooks`: which shard bytes it stores, which parent
 it commits on, which key signs a slot) and, under `dlx train`, its signer (equivocation).
 Torch is imported only by a poisoning rank, so job-file parsing stays light.
