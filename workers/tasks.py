@@ -324,6 +324,10 @@ class RankTask:
 
         if not self.elastic or self.ticket in self.members.retired():
             return {"rank": self.ticket, "skipped": True}
+        from .membership import join_run_as_joiner
+
+        if refused := join_run_as_joiner(self.members, self.brief(), self.me.account, self.ticket):
+            return {"rank": self.ticket, "skipped": True, "error": refused}
         self.members.wait_as_joiner(self.ticket, self.me.address)
         while True:
             if self.store.state(self.job_id) in TERMINAL:
