@@ -147,6 +147,17 @@ class Members:
         raw = self.r.get(self.key("wanted"))
         return int(raw) if raw else 0
 
+    def moves_on(self, epoch: int, within_s: float) -> bool:
+        """Whether the world re-forms past `epoch` (or the job ends) within `within_s`: an
+        elastic rank whose process failed (a joiner that could not reach its new world, a
+        lost connection) is then a lost rank, not the job's failure."""
+        deadline = time.monotonic() + within_s
+        while self.wanted() <= epoch and self.store.state(self.job_id) not in TERMINAL:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
     def check_in(self, epoch: int, ticket: int, seat: tuple[int, int]) -> None:
         key = self.key(f"e{epoch}", "in")
         self.r.hset(key, str(ticket), f"{seat[0]},{seat[1]}")
