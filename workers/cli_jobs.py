@@ -123,7 +123,8 @@ def status(
         keys = ("state", "run_id", "outer_step", "inner_step", "step", "loss", "eval_loss", "head",
                 "bytes_sent", "lr", "tokens_per_s", "eta_s", "error", "attempt", "nodes", "run_dir",
                 "epoch", "members", "member_nodes", "min_replicas", "replicas")
-        sys.stdout.write(json.dumps({"job": job_id, **{k: rec.get(k) for k in keys}}, indent=2) + "\n")
+        doc = {"job": job_id, **{k: rec.get(k) for k in keys}, "rewards": reward_pool(rec)}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
     from workers.console import Ticker, console, is_tty
 
@@ -150,6 +151,8 @@ def status(
               + (f", head {rec['head']}" if rec.get("head") else ""), markup=False)
     if rec.get("members") is not None:
         out.print(members_line(rec), markup=False)
+    if pool := reward_pool(rec):
+        out.print(pool_line(pool), markup=False)
     if rec.get("error"):
         out.print(f"error: {rec['error']}", markup=False)
 
@@ -499,6 +502,37 @@ def members_line(rec: dict[str, Any]) -> str:
     each = [f"replica {r} ({', '.join(nodes.get(str(r), []))})" for r in rec["members"]]
     return (f"members: {len(rec['members'])} of {rec.get('replicas')} replicas (min {rec.get('min_replicas')}, "
             f"epoch {rec.get('epoch', 0)}): " + "; ".join(each))
+
+
+def reward_pool(rec: dict[str, Any]) -> dict[str, Any] | None:
+    """The reward terms of the job's run, read from the chain (issue 35): its admission
+    rule, wei a final step pays and wei left in its pool (as strings: JSON numbers lose
+    precision above 2**53). None before the run exists, for a closed run without rewards,
+    or while the chain does not answer (`dlx status` reads Redis first)."""
+    if not rec.get("run_id") or not rec.get("rpc"):
+        return None
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
+    from lineage.chain.rewards import run_terms
+    from lineage.errors import ChainError
+
+    try:
+        terms = run_terms(Ledger(Chain(rec["rpc"], int(rec["chain_id"])), rec["registry"], rec["ledger"]),
+                          int(rec["run_id"]))
+    except (ChainError, OSError, ValueError):
+        return None
+    if terms.admission == "closed" and not terms.reward_per_step and not terms.pool:
+        return None
+    return {"admission": terms.admission, "reward_per_step_wei": str(terms.reward_per_step),
+            "pool_wei": str(terms.pool), "ended": bool(terms.ended_at)}
+
+
+def pool_line(pool: dict[str, Any]) -> str:
+    """`dlx status`'s line for `reward_pool`'s terms."""
+    from workers.cli_node import fmt_wei
+
+    return (f"rewards: {fmt_wei(int(pool['reward_per_step_wei']))} a final step, pool "
+            f"{fmt_wei(int(pool['pool_wei']))} left (admission {pool['admission']})")
 
 
 def step_line(job_id: str, rec: dict[str, Any], T: int) -> str:

@@ -41,6 +41,7 @@ number), `sink` (the step the sink is committing and the ticket hosting it).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -57,7 +58,9 @@ from .jobs import (
     connect,
 )
 
-__all__ = ["EpochRecord", "GrowFlag", "Members", "Regroup", "join_epoch", "run_blocks", "seat_of", "store_port"]
+__all__ = ["EpochRecord", "GrowFlag", "Members", "Regroup", "join_epoch", "join_run_as_joiner", "run_blocks", "seat_of", "store_port"]
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.1
 #: How long the decider waits past the heartbeat bound for a ticket to check in.
@@ -143,6 +146,17 @@ class Members:
     def wanted(self) -> int:
         raw = self.r.get(self.key("wanted"))
         return int(raw) if raw else 0
+
+    def moves_on(self, epoch: int, within_s: float) -> bool:
+        """Whether the world re-forms past `epoch` (or the job ends) within `within_s`: an
+        elastic rank whose process failed (a joiner that could not reach its new world, a
+        lost connection) is then a lost rank, not the job's failure."""
+        deadline = time.monotonic() + within_s
+        while self.wanted() <= epoch and self.store.state(self.job_id) not in TERMINAL:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def check_in(self, epoch: int, ticket: int, seat: tuple[int, int]) -> None:
         key = self.key(f"e{epoch}", "in")
@@ -268,10 +282,10 @@ class GrowFlag:
             waiting = m.waiting()
             live = m.alive(list(waiting))
             unknown = {waiting[t] for t in live} - set(self._member)
-            if unknown:  # asked once per node: a run's members never change
+            if unknown:  # a member stays one (a leaver's tickets are not joiners); others may join
                 allowed = _run_members(m, self.rec, unknown)
-                self._member.update({n: n in allowed for n in unknown})
-            return sum(self._member[waiting[t]] for t in live) >= int(self.rec["stages"])
+                self._member.update({n: True for n in allowed})
+            return sum(self._member.get(waiting[t], False) for t in live) >= int(self.rec["stages"])
         except Exception:  # growth is best effort: a Redis or RPC hiccup must not break training
             return False
 
@@ -338,13 +352,52 @@ def seat_joiners(members: Members, rec: dict[str, Any], taken: set[int]) -> dict
 
 
 def _run_members(members: Members, rec: dict[str, Any], nodes: set[str]) -> set[str]:
-    """Which of `nodes` are members of the job's run on chain (others wait in vain: a run's
-    members are the nodes it was created with)."""
+    """Which of `nodes` are members of the job's run on chain (others wait in vain, unless
+    they join the run: `join_run_as_joiner`)."""
     run_id = members.store.get(members.job_id).get("run_id")
     if not nodes or not run_id:
         return set()
     ledger = _ledger(rec)
     return {n for n in nodes if ledger.ledger.functions.isMember(int(run_id), n).call()}
+
+
+def join_run_as_joiner(members: Members, rec: dict[str, Any], account: Any, ticket: int) -> str | None:
+    """A joiner ticket whose node key is not a member of the job's run joins it on chain
+    (issue 35) before it waits to be seated, so that the growth boundary can seat it and the
+    ledger takes its signatures from the step after: an `open` run takes any node with the
+    run's minimum stake free, an `approved` one the admission file named by DLX_ADMISSION
+    (`dlx node admit`); a closed run leaves it waiting in vain, as before. A refusal (too
+    little free stake, an expired admission) leaves the ticket unused and the job as it is:
+    returns the refusal's message, else None."""
+    from lineage.errors import ChainError
+
+    try:
+        tx = _join_run(members, rec, account)
+    except ChainError as exc:
+        log.warning("job %s ticket %s: %s joins no run: %s", members.job_id, ticket, account.address, exc)
+        return str(exc)
+    if tx:
+        log.info("job %s ticket %s: node %s joined run (tx %s)", members.job_id, ticket, account.address, tx)
+    return None
+
+
+def _join_run(members: Members, rec: dict[str, Any], account: Any) -> str | None:
+    """joinRun for `account` where the run admits it and it is not a member; the tx hash."""
+    from lineage.chain.rewards import join_run, read_admission, run_terms
+
+    run_id = members.store.get(members.job_id).get("run_id")
+    if not run_id:
+        return None
+    ledger = _ledger(rec)
+    if ledger.ledger.functions.isMember(int(run_id), account.address).call():
+        return None
+    rule = run_terms(ledger, int(run_id)).admission
+    if rule == "open":
+        return join_run(ledger, account, int(run_id))
+    admission = os.environ.get("DLX_ADMISSION", "").strip()
+    if rule == "approved" and admission:
+        return join_run(ledger, account, int(run_id), read_admission(Path(admission)))
+    return None
 
 
 def _ledger(rec: dict[str, Any]) -> Any:

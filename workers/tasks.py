@@ -325,6 +325,10 @@ class RankTask:
 
         if not self.elastic or self.ticket in self.members.retired():
             return {"rank": self.ticket, "skipped": True}
+        from .membership import join_run_as_joiner
+
+        if refused := join_run_as_joiner(self.members, self.brief(), self.me.account, self.ticket):
+            return {"rank": self.ticket, "skipped": True, "error": refused}
         self.members.wait_as_joiner(self.ticket, self.me.address)
         while True:
             if self.store.state(self.job_id) in TERMINAL:
@@ -425,6 +429,10 @@ class RankTask:
             if self.elastic and self.store.state(self.job_id) in TERMINAL:  # the decider failed the job
                 return {"rank": self.ticket, "state": self.store.state(self.job_id)}
             if self.elastic and "is not in epoch" in str(payload):  # my replica lost a stage
+                return {"rank": self.ticket, "state": "left"}
+            if self.elastic and self.members.moves_on(self.epoch, float(self.rec.get("collective_timeout_s") or 60)
+                                                      + HEARTBEAT_TTL_S):  # the others re-form without me
+                log.warning("job %s ticket %s left its world: %s", self.job_id, self.ticket, payload)
                 return {"rank": self.ticket, "state": "left"}
             raise JobError(self._blame(world, by_ticket, str(payload)))
         elif kind in ("cancelled", "done"):

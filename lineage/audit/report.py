@@ -200,6 +200,18 @@ def _training_plots(steps: list[dict[str, Any]], inner: list[dict[str, Any]] | N
     ])
 
 
+def _reward_html(lineage: dict[str, Any], step: dict[str, Any]) -> str:
+    """A final step's reward cell (issue 35): the share a slot and who earned it, slot order
+    ("forfeited": a node slashed after the step); empty for a step not final or unpaid."""
+    reward = (lineage.get("rewards") or {}).get(str(step["step"]))
+    if not reward or step.get("status") != "finalized":
+        return ""
+    share = int(reward["share_wei"])
+    paid = "<br>".join(f"<code title='{_e(p)}'>{_e(p[:10])}…</code>" if p else "<span class=muted>forfeited</span>"
+                       for p in reward["paid"])
+    return f"<span class=reward>{share / ETHER:g} ETH a slot</span> ({share} wei) to<br>{paid}"
+
+
 def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = None) -> str:
     """The report for `Lineage.as_json()`; `inner`: the run's metrics.jsonl records, if known."""
     steps = lineage["steps"]
@@ -249,7 +261,7 @@ def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = No
                    f"<td>{_e(', '.join(f'({r}, {s})' for r, s in sorted(n['slots'])))}</td><td>{n['count']}</td>"
                    f"<td>{'' if mean is None else f'{mean:.4f}'}</td></tr>")
     out.append("</table><h2>Steps</h2><table><tr><th>step</th><th>status</th><th>replicas</th><th>checkpoint / parent</th><th>eval loss</th>"
-               "<th>contributions (replica, stage): node, CID, attested loss</th><th>transaction</th></tr>")
+               "<th>contributions (replica, stage): node, CID, attested loss</th><th>reward</th><th>transaction</th></tr>")
     for s in steps:
         contribs = "<br>".join(
             f"({c['replica']}, {c['stage']}) <code>{_e((c['node'] or 'unattested')[:10])}…</code> "
@@ -263,7 +275,7 @@ def render_html(lineage: dict[str, Any], inner: list[dict[str, Any]] | None = No
         out.append(f"<tr class='{_e(status)}'><td>{s['step']}</td><td class='st {_e(status)}'>{_e(status)}{_e(why)}</td>"
                    f"<td class=replicas>{_e(_replicas(s))}</td><td><code>{_e(s['checkpoint'])}</code><br>"
                    f"<span class=muted>parent <code>{_e(s['parent'])}</code></span></td><td>{loss}</td>"
-                   f"<td class=c>{contribs}</td><td><code title='{_e(s['tx'])}'>{_e(_short(s['tx'], 12))}</code><br><span class=muted>block {s['block']}</span></td></tr>")
+                   f"<td class=c>{contribs}</td><td class=c>{_reward_html(lineage, s)}</td><td><code title='{_e(s['tx'])}'>{_e(_short(s['tx'], 12))}</code><br><span class=muted>block {s['block']}</span></td></tr>")
     out.append("</table><h2>Configuration</h2><table class=kv>")
     out += [f"<tr><td>{_e(k)}</td><td><code>{_e(v)}</code></td></tr>" for k, v in kv]
     out.append("</table></body></html>\n")
