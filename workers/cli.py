@@ -22,7 +22,7 @@ import typer
 
 from trainer.supervisor import warm_up
 
-from . import cli_audit, cli_cas, cli_data, cli_jobs, cli_model, cli_node, cli_plan
+from . import cli_audit, cli_cas, cli_data, cli_deploy, cli_jobs, cli_model, cli_node, cli_plan
 from .cli_common import (
     DEFAULT_STACK,
     EXIT_FAILED,
@@ -265,6 +265,7 @@ cli_jobs.register(app)  # worker, submit, status, ...
 cli_node.register(app)  # node register|stake|...
 cli_audit.register(app)  # lineage, challenge, arbiter, ...
 cli_model.register(app)  # export, generate
+cli_deploy.register(app)  # deploy
 app.command(name="plan")(cli_plan.plan)  # dlx plan JOB: cost at scale (workers/plan.py)
 
 

@@ -75,6 +75,10 @@ class ChainConfig(_Section):
     log_range: int = Field(
         10_000, ge=1, description="Blocks per eth_getLogs request when the ledger's events are read (endpoints cap it).",
     )
+    deployment: str | None = Field(
+        None, min_length=1, description="A deployment file (`dlx deploy`, relative to the job file): `dlx train` uses its "
+        "registry and ledger instead of deploying its own; needs rpc (or --rpc) on the file's chain.",
+    )
 
     admission: Literal["closed", "open", "approved"] = Field(
         "closed",
@@ -242,7 +246,16 @@ def load_job_file(path: str | Path, base: Path | None = None) -> JobFile:
         raise ConfigError(f"invalid TOML in {path}: {exc}") from None
     except RecursionError:
         raise ConfigError(f"invalid TOML in {path}: nested too deeply") from None
-    return load_job(with_init_model(data, base or path.parent), job_file_class())
+    return load_job(with_deployment_path(with_init_model(data, base or path.parent), base or path.parent),
+                    job_file_class())
+
+
+def with_deployment_path(data: dict, base: Path) -> dict:
+    """`[chain] deployment` resolved against `base` (the job file's directory), as `[data]` paths are."""
+    chain = data.get("chain") if isinstance(data, dict) else None
+    if not isinstance(chain, dict) or not isinstance(chain.get("deployment"), str) or not chain["deployment"]:
+        return data
+    return {**data, "chain": {**chain, "deployment": str(base / Path(chain["deployment"]).expanduser())}}
 
 
 def with_init_model(data: dict, base: Path) -> dict:

@@ -4,7 +4,9 @@ With no RPC URL the chain is an anvil started here, with its state file inside t
 directory so the chain outlives the run; node keys are then anvil's public development
 keys (local chain only). With an RPC URL, keys come from the environment:
 `DLX_SUBMITTER_KEY` (pays for run creation and commits) and `DLX_NODE_KEYS` (one
-comma-separated private key per rank, in rank order), never from the command line.
+comma-separated private key per rank, in rank order), never from the command line. A run
+deploys its own registry and ledger, or uses those of a deployment file the job names
+(`[chain] deployment`, written by `dlx deploy`: lineage/chain/deploy.py).
 
 The embedded anvil's state file is rewritten after every transaction (`PersistedChain`),
 before run.json names the step, so a killed chain keeps every committed step. SIGINT and
@@ -36,6 +38,7 @@ from lineage.chain.anvil import ANVIL_BALANCE_WEI, ANVIL_CHAIN_ID, Anvil, dev_ac
 from lineage.chain.attest import Domain
 from lineage.chain.client import Chain, artifact
 from lineage.chain.commits import guard
+from lineage.chain.deploy import check_deployment, open_deployment
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.chain.tx import TxPolicy
@@ -176,6 +179,9 @@ def check_chain(job: JobFile, rpc: str | None) -> None:
     embedded anvil gives each of its accounts ANVIL_BALANCE_WEI."""
     url = rpc or job.chain.rpc
     stake = job.chain.stake_wei
+    if url is None and job.chain.deployment:
+        raise ConfigError(f"chain.deployment names {job.chain.deployment}, but with no chain.rpc (or --rpc) the chain "
+                          "is an embedded anvil that starts empty: give the deployment's endpoint")
     if url is None:
         if job.chain.chain_id not in (None, ANVIL_CHAIN_ID):
             raise ConfigError(f"chain.chain_id is {job.chain.chain_id}, but with no chain.rpc the chain is an "
@@ -185,6 +191,8 @@ def check_chain(job: JobFile, rpc: str | None) -> None:
                               f"({ANVIL_BALANCE_WEI // ETHER} ETH, gas included)")
         return
     chain = Chain(url, job.chain.chain_id)
+    if job.chain.deployment:
+        check_deployment(chain, Path(job.chain.deployment))
     _, nodes = _keys_for(job, chain.chain_id, embedded=False, warn=lambda message: None)
     for address in dict.fromkeys(k.address for k in nodes):
         chain.require_funds(address, stake, "chain.stake_wei: a stake")
@@ -228,8 +236,8 @@ def run_job(job: JobFile, job_path: Path, run_dir: Path, rpc: str | None, cb: Ca
                                 job.chain.chain_id, job.world_size, job.chain.policy(embedded))
             submitter, slot_keys = _keys_for(job, chain.chain_id, embedded, cb.warn)
             shutil.copyfile(job_path, run_dir / "job.toml")
-            ledger = guard(lambda: _deploy_and_stake(chain, submitter, slot_keys, job.chain.stake_wei),
-                           "deploying the ledger")
+            ledger = guard(lambda: _deploy_and_stake(chain, submitter, slot_keys, job.chain.stake_wei,
+                                                     job.chain.deployment), "deploying the ledger")
             blocks = Path(job.storage.path) if job.storage.path else Path("blocks")
             record = RunRecord(
                 name=job.name, chain_id=chain.chain_id, rpc=None if embedded else rpc,
@@ -287,9 +295,11 @@ def resume_job(run_dir: Path, rpc: str | None, cb: Callbacks) -> RunRecord:
             raise
 
 
-def _deploy_and_stake(chain: Chain, submitter: LocalAccount, slot_keys: list[LocalAccount], stake: int) -> Ledger:
-    """A registry and ledger of the run's own, each slot's node staked on it."""
-    ledger = Ledger.deploy(chain, submitter)
+def _deploy_and_stake(chain: Chain, submitter: LocalAccount, slot_keys: list[LocalAccount], stake: int,
+                      deployment: str | None = None) -> Ledger:
+    """A registry and ledger of the run's own, or the deployment file's (`[chain] deployment`,
+    `dlx deploy`), each slot's node staked on it."""
+    ledger = open_deployment(chain, Path(deployment)) if deployment else Ledger.deploy(chain, submitter)
     for node in {k.address: k for k in slot_keys}.values():
         ledger.registry.ensure_staked(node, stake)
     return ledger
