@@ -19,7 +19,7 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import ChainIdOpt, config_error, user_errors
+from .cli_common import config_error, user_errors
 
 #: Environment variables any of which gives `dlx deploy` a key (workers/cli_node.load_key).
 KEY_ENV = ("DLX_SUBMITTER_KEY", "DLX_SUBMITTER_KEYSTORE", "DLX_NODE_KEY", "DLX_KEYSTORE")
@@ -30,8 +30,8 @@ def deploy(
     rpc: Annotated[str, typer.Option("--rpc", help="JSON-RPC URL of the chain to deploy on.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the deployment file.")] = Path("deployment.json"),
     confirmations: Annotated[int, typer.Option("--confirmations", min=0, max=64, help="Blocks on top of each transaction before it counts.")] = 2,
-    chain_id: ChainIdOpt = None,
-    max_fee_gwei: Annotated[float | None, typer.Option("--max-fee-gwei", min=0.0, help="The most a transaction pays per gas, in gwei (default: no cap).")] = None,
+    chain_id: Annotated[int | None, typer.Option("--chain-id", min=1, help="Refuse a chain with another id.")] = None,
+    max_fee_gwei: Annotated[float | None, typer.Option("--max-fee-gwei", help="The most a transaction pays per gas, in gwei (default: no cap).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing deployment file.")] = False,
 ) -> None:
     """Deploy a NodeRegistry and a TrainingLedger with the submitter's key (from the
@@ -45,6 +45,8 @@ def deploy(
 
     if not rpc.startswith(("http://", "https://")):
         raise config_error(f"--rpc must be an http:// or https:// JSON-RPC URL (got {rpc!r})")
+    if max_fee_gwei is not None and not max_fee_gwei > 0:
+        raise config_error(f"--max-fee-gwei must be above 0 (got {max_fee_gwei:g})")
     refuse_overwrite(out, force)
     if not any(os.environ.get(name) for name in KEY_ENV):
         raise config_error("no deployer key: set DLX_SUBMITTER_KEY, or DLX_SUBMITTER_KEYSTORE and "
