@@ -164,3 +164,13 @@ def test_train_uses_the_deployment_and_the_run_verifies(mining, deployed, tmp_pa
     verify = subprocess.run([DLX, "verify", str(run_dir), "--rpc", mining], capture_output=True, text=True,
                             timeout=300, env=_env())
     assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
+
+
+def test_deploy_to_an_endpoint_that_does_not_answer_is_exit_2_at_once(deployer, tmp_path):
+    from lineage.chain.anvil import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    res = _deploy(url, tmp_path / "d.json", deployer[1])
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == f"dlx: error: cannot reach the chain at {url}: connection refused"
+    assert not (tmp_path / "d.json").exists()

@@ -52,9 +52,11 @@ def deploy(
         raise config_error("no deployer key: set DLX_SUBMITTER_KEY, or DLX_SUBMITTER_KEYSTORE and "
                            "DLX_SUBMITTER_KEYSTORE_PASSWORD")
     deployer = load_key("submitter")
-    chain = Chain(rpc, chain_id, TxPolicy(confirmations=confirmations, outage_s=120.0, max_fee_gwei=max_fee_gwei))
-    if not chain.w3.eth.get_balance(deployer.address):
-        raise config_error(f"the deployer {deployer.address} holds no ETH on chain {chain.chain_id} to pay for gas")
+    checked = Chain(rpc, chain_id)  # checks before anything is sent do not wait out an outage: exit 2 at once
+    if not checked.w3.eth.get_balance(deployer.address):
+        raise config_error(f"the deployer {deployer.address} holds no ETH on chain {checked.chain_id} to pay for gas")
+    chain = Chain(rpc, checked.chain_id, TxPolicy(confirmations=confirmations, outage_s=120.0,
+                                                  max_fee_gwei=max_fee_gwei))
     sys.stderr.write(f"deploying the registry and ledger on chain {chain.chain_id} from {deployer.address}, "
                      f"{confirmations} confirmations each\n")
     dep = deploy_contracts(chain, deployer)
