@@ -411,6 +411,9 @@ def refuse_what_the_stack_cannot_honour(job: Any, stack: Any) -> None:
     if chain.chain_id is not None and chain.chain_id != stack.chain_id:
         raise ConfigError(f"chain.chain_id is {chain.chain_id}, but the stack's chain at {stack.rpc} has id "
                           f"{stack.chain_id}")
+    if chain.deployment is not None:
+        raise ConfigError(f"chain.deployment: the stack records every job on its own ledger ({stack.ledger}), "
+                          "not a deployment file's: leave chain.deployment out, or run the job with `dlx train`")
     if storage.backend != "local" or storage.path is not None:
         given = storage.api if storage.backend == "ipfs" else storage.path
         raise ConfigError(f"storage: the stack stores every job's blocks in its own blockstore ({stack.blocks}), "
