@@ -128,6 +128,7 @@ def test_lowrank_recovers_a_low_rank_matrix_and_reconstructs_like_matmul() -> No
     assert torch.allclose(lowrank_reconstruct(u, v), u.T @ v, atol=1e-5)
 
 
+@pytest.mark.slow  # not in --quick: many rounds per compressor
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -526,6 +527,7 @@ def _netns_available() -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("netns")  # it lists the machine's namespaces: never beside test_queue_netns
 @pytest.mark.skipif(not _netns_available(), reason="netns links need root, ip and tc")
 def test_netns_links_shape_real_traffic_and_change_no_bits() -> None:
     """Replicas in their own network namespaces behind 5 Mbit/s tc-shaped veths: the exchange
