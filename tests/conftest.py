@@ -25,18 +25,6 @@ os.environ[EXTENSION_ENV] = "dlx_testing.cheat"
 os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (scripts/test runs `-n 2 --dist loadgroup`) a module runs whole on
-    one worker, so its module-scoped fixtures (an anvil, a stack, a training) are built once:
-    every test without an `xdist_group` mark of its own is grouped by its module. Tests that
-    share something machine-wide across modules share a group instead (`netns`: the tests
-    that list the machine's network namespaces)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__ if item.module else item.nodeid))
-
-
 @pytest.fixture(scope="session", autouse=True)
 def data_cache(tmp_path_factory):
     """Tests (and the processes they start) tokenize into a data cache of their own, never

@@ -26,7 +26,6 @@ LATENCY_MS = 2  # netem delay on each veth, where the kernel has sch_netem
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.xdist_group("netns"),  # beside test_dilocox's netns test, which lists the namespaces
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root"),
     pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None, reason="needs iproute2 (ip, tc)"),
 ]
