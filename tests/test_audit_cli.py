@@ -109,6 +109,7 @@ def _lineage(run_dir: Path) -> dict[str, Any]:
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_a_replay_that_matches_or_failed_opens_no_challenge(arbitrated):
     """The decision itself, fed a replay that reproduced both of replica 0's stages, and
     one that could not run at all."""

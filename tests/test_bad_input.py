@@ -167,6 +167,7 @@ def test_a_good_job_still_passes_the_stack_checks(tmp_path, stack):
     assert len(queued(stack)[0]) >= 1
 
 
+@pytest.mark.slow  # not in --quick: `dlx verify` runs
 def test_verify_of_what_is_not_a_run_is_a_user_error_naming_the_path(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a run\n")
@@ -210,6 +211,7 @@ def test_a_failed_run_with_no_committed_steps_does_not_verify(tmp_path):
     assert doc["run_failures"] == ["no committed steps (run.json status: failed)"]
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs
 def test_a_run_directory_that_cannot_be_one_is_refused_naming_the_path(tmp_path):
     job = job_file(tmp_path, {})
     a_file = tmp_path / "taken"

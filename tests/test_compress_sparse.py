@@ -124,6 +124,7 @@ def test_one_d_tensors_are_quantised_whole_at_eight_bits() -> None:
 # --- error feedback --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # not in --quick: Hypothesis over error feedback
 @settings(max_examples=20, deadline=None, derandomize=True)
 @given(
     seed=st.integers(0, 2**16),

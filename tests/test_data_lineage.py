@@ -191,12 +191,14 @@ def _refused(tmp_path: Path, job_text: str, *needles: str) -> None:
             list(cached.iterdir())
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs
 def test_an_empty_dataset_is_refused(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "empty.jsonl").write_text("")
     _refused(tmp_path, _job("e", tmp_path / "d"), "data")
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs
 def test_a_bad_json_lines_line_is_refused_naming_file_and_line(tmp_path):
     d = tmp_path / "d"
     d.mkdir()
@@ -204,6 +206,7 @@ def test_a_bad_json_lines_line_is_refused_naming_file_and_line(tmp_path):
     _refused(tmp_path, _job("j", d), "a.jsonl", "3")
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs
 def test_a_parquet_file_without_the_column_is_refused(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -214,6 +217,7 @@ def test_a_parquet_file_without_the_column_is_refused(tmp_path):
     _refused(tmp_path, _job("p", d), "a.parquet", "text")
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs
 def test_a_tokenizer_path_that_is_not_a_tokenizer_is_refused(tmp_path):
     d = _jsonl_dataset(tmp_path / "d")
     bogus = tmp_path / "tokenizer.json"
@@ -222,6 +226,7 @@ def test_a_tokenizer_path_that_is_not_a_tokenizer_is_refused(tmp_path):
              "data.tokenizer", str(bogus))
 
 
+@pytest.mark.slow  # not in --quick: trains a tokenizer, `dlx` runs
 def test_a_vocab_smaller_than_the_tokenizers_is_refused(tmp_path, bpe_run_tokenizer):
     d = _jsonl_dataset(tmp_path / "d")
     job = _job("v", d, vocab=1024).replace('tokenizer = "bpe"', f'tokenizer = "{bpe_run_tokenizer}"')

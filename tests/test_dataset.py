@@ -337,6 +337,7 @@ def _peak_bytes(cfg: DataConfig, out: Path) -> int:
         tracemalloc.stop()
 
 
+@pytest.mark.slow  # not in --quick: tokenizes megabytes
 def test_preparing_streams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dataset, "BATCH_CHARS", 1 << 15)  # small batches: a small corpus shows it
     rng = random.Random(2)

@@ -128,6 +128,7 @@ def test_lowrank_recovers_a_low_rank_matrix_and_reconstructs_like_matmul() -> No
     assert torch.allclose(lowrank_reconstruct(u, v), u.T @ v, atol=1e-5)
 
 
+@pytest.mark.slow  # not in --quick: many rounds per compressor
 @pytest.mark.parametrize(
     "cfg",
     [
@@ -530,6 +531,13 @@ def _netns_available() -> bool:
 def test_netns_links_shape_real_traffic_and_change_no_bits() -> None:
     """Replicas in their own network namespaces behind 5 Mbit/s tc-shaped veths: the exchange
     really takes at least the link model's time, and the run's bytes and math are unchanged."""
+    import subprocess
+
+    def namespaces() -> set[str]:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return {line.split()[0] for line in listed.splitlines() if line.startswith("dlx")}
+
+    before = namespaces()  # another test (test_queue_netns, on another xdist worker) may hold some
     sink = run(job_with(parallel={"replicas": 2, "stages": 1, "microbatches": 2},
                         outer={"steps": 2, "inner_steps": 2, "delay": 0,
                                "compression": {"kind": "none"}},
@@ -543,7 +551,4 @@ def test_netns_links_shape_real_traffic_and_change_no_bits() -> None:
         contributions = [c.data for c in step.contributions]
         assert apply_outer_step(parent, contributions, job.outer) == step.stages[0].data
         parent = step.stages[0].data
-    import subprocess
-
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "dlx" not in listed  # torn down
+    assert not namespaces() - before  # torn down: none of this run's namespaces is left

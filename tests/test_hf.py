@@ -186,6 +186,7 @@ def test_incremental_decoding_with_the_cache_equals_the_full_forward():
     assert _max_diff(torch.cat(steps, dim=1), full) <= TOL
 
 
+@pytest.mark.slow  # not in --quick: hundreds of full forwards
 @pytest.mark.parametrize("variant", ["qwen2-gqa", "gpt"])
 def test_generation_is_greedy_at_temperature_0_and_seeded_otherwise(variant):
     cfg, model = _ours(variant)

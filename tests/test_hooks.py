@@ -51,6 +51,7 @@ def production_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow  # not in --quick: three `dlx` processes importing torch
 def test_dlx_train_worker_and_verify_load_no_cheat_module(tmp_path: Path) -> None:
     """The modules behind `dlx train` (the CLI, the local runner, the launcher, the round
     loop and its replay, the sink), `dlx worker` (the Celery app and its rank tasks) and `dlx verify` (the

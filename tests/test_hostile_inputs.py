@@ -258,6 +258,7 @@ inner_steps = 1
 """
 
 
+@pytest.mark.slow  # not in --quick: a `dlx` run per input
 def test_hostile_job_inputs_are_one_line_errors(tmp_path) -> None:
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.txt").write_text("text " * 400)
@@ -275,6 +276,7 @@ def test_hostile_job_inputs_are_one_line_errors(tmp_path) -> None:
     refused(dlx("data", "prepare", str(tmp_path / "deep.toml"), mem=4 * GIB), "deep.toml")
 
 
+@pytest.mark.slow  # not in --quick: `dlx` runs under a memory cap
 def test_a_run_json_with_a_huge_integer_is_a_one_line_error(tmp_path) -> None:
     run = tmp_path / "run"
     run.mkdir()

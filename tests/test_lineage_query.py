@@ -23,6 +23,7 @@ def lineage(env: dict[str, str], *args: str) -> dict[str, Any]:
     return json.loads(res.stdout)
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_run_id_and_checkpoint_cid_give_the_steps_of_the_run_dir(served):
     run_dir, record, url = served
     by_dir = lineage({}, "--run-dir", str(run_dir))
@@ -57,6 +58,7 @@ def test_run_id_and_checkpoint_cid_give_the_steps_of_the_run_dir(served):
     assert page.count('class="ckpt pending"') == 3 and "The ancestors of checkpoint" in page
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_lineage_errors_are_one_line(served, tmp_path):
     run_dir, record, url = served
     env = {"DLX_RPC": url, "DLX_LEDGER": record.ledger, "DLX_STORE": str(record.blocks_dir(run_dir))}
@@ -70,6 +72,7 @@ def test_lineage_errors_are_one_line(served, tmp_path):
         run_dlx({**env, "DLX_RPC": "http://127.0.0.1:9"}, "lineage", "1"))
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_diff_between_step_1_and_step_3(served):
     run_dir, record, _ = served
     steps = lineage({}, "--run-dir", str(run_dir))["steps"]

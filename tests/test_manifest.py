@@ -73,6 +73,7 @@ _values = st.recursive(_leaf, lambda inner: st.one_of(
     st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=8), inner, max_size=5)), max_leaves=25)
 
 
+@pytest.mark.slow  # not in --quick: 300 Hypothesis examples
 @settings(max_examples=300, deadline=None)
 @given(_values)
 def test_fast_cbor_decodes_what_dag_cbor_encodes_to_the_same_value(value) -> None:

@@ -80,6 +80,7 @@ def test_amounts_carry_their_unit():
     assert fmt_wei(7) == "7 wei"
 
 
+@pytest.mark.slow  # not in --quick: a dozen transactions and `dlx` runs
 def test_register_stake_status_unbond_withdraw_round_trip(anvil, accounts, ledger, chain_env):
     node, operator = accounts[5], accounts[6]
     env = {**chain_env, "DLX_NODE_KEY": node.key.hex(), "DLX_OPERATOR_KEY": operator.key.hex()}
@@ -164,6 +165,7 @@ def test_a_wrong_chain_id_or_a_missing_key_is_refused_before_any_transaction(acc
         "DLX_NODE_KEY": node.key.hex()}}, "node", "status"))
 
 
+@pytest.mark.slow  # not in --quick: many transactions on anvil
 def test_several_transactions_from_one_key_at_once_all_land(accounts, ledger, chain_env):
     """Four CLI processes and four threads stake from one payer at the same moment: every
     one lands (the client serialises a key's sends in-process and retries a nonce another
@@ -195,6 +197,7 @@ def test_several_transactions_from_one_key_at_once_all_land(accounts, ledger, ch
     assert ledger.registry.stake_of(node.address) == ETHER + (1 + 2 + 3 + 4) + (100 + 200 + 300 + 400)
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_run_dir_of_an_embedded_chain_is_written_back(trained_run, tmp_path):
     """`--run-dir` of a `dlx train` run: the node commands start its anvil on the state file
     itself, so a stake added there is still there the next time the chain starts."""

@@ -227,6 +227,7 @@ def test_the_107b_example():
     assert all(r.binds == "storage" for r in plan.rows)  # 236 MiB/s cannot write 4 TB a round
 
 
+@pytest.mark.slow  # not in --quick: two `dlx plan` runs, each building the model
 def test_dlx_plan_prints_the_tables():
     res = subprocess.run([DLX, "plan", str(ROOT / "examples" / "tiny.toml")], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -365,6 +365,7 @@ def test_portable_model_matches_native_with_same_weights(family: str, kw: dict[s
         assert rel(b.grad, a.grad) < 1e-4, name
 
 
+@pytest.mark.slow  # not in --quick: portable kernels over a whole model
 def test_portable_checkpointing_and_stages_same_bits() -> None:
     data = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(1))
     for family in ("gpt", "llama"):
@@ -510,6 +511,7 @@ def test_matrix_changes_native_bits(matrix: dict[str, dict[str, str]]) -> None:
     pytest.skip("no setting of the matrix changed native torch's bits on this CPU")
 
 
+@pytest.mark.slow  # not in --quick: portable kernels over a whole model
 def test_pinned_in_process() -> None:
     """The pins hold in this process too (whatever its thread count and kernels)."""
     for family in ("gpt", "llama"):

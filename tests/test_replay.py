@@ -111,6 +111,7 @@ def test_the_allreduce_baseline_has_nothing_to_replay() -> None:
         replay_rounds(job, [])
 
 
+@pytest.mark.slow  # not in --quick: `dlx verify` runs
 @pytest.mark.parametrize(("args", "message"), [
     (["--replay", "1.5"], "--replay must be a fraction between 0 and 1 (got 1.5)"),
     (["--tolerance", "-1"], "--tolerance must be a finite number >= 0 (got -1)"),

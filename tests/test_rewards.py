@@ -172,6 +172,7 @@ def test_an_upheld_challenge_pays_nothing_and_a_slashed_node_forfeits_its_pendin
         ledger.registry.claim(nodes[2])
 
 
+@pytest.mark.slow  # not in --quick: a training through the sink
 def test_a_rewarding_job_is_created_funded_and_paid_through_the_sink(tmp_path, small_job, accounts):
     """A real `dlx train` of an open job with a reward per step: the sink creates the run
     with its terms and pool, and finalizes what is due after each commit; what is left due

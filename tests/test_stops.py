@@ -205,6 +205,7 @@ def test_a_killed_anvil_keeps_its_steps_and_a_killed_parent_leaves_nothing_behin
     assert [s["step"] for s in verified(run_dir)["steps"]] == list(range(1, STEPS + 1))
 
 
+@pytest.mark.slow  # not in --quick: reads the session's trained run
 def test_resume_refuses_what_cannot_resume_in_one_line(trained_run, tmp_path: Path) -> None:
     run_dir, _ = trained_run
     before = (run_dir / "run.json").read_bytes()

@@ -170,6 +170,7 @@ def test_exactly_at_the_threshold_stays_a_plain_directory(js, tmp_path):
         assert UnixFSData.decode(PBNode.decode(store.get(root)).data or b"").type == kind
 
 
+@pytest.mark.slow  # not in --quick: the JS importer per case
 def test_subdirectories_count_in_their_parents_shard_estimate(js, tmp_path):
     # 3000 files and 3000 one-file subdirectories: past the threshold only if the
     # subdirectories count, as they do in Kubo's MFS (the importer's own tree builder

@@ -98,13 +98,20 @@ class Stack:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie does not: `up`'s processes outlive it, so their parent is
+    init, which may take a second or two to reap one that exited (waiting on `kill -0`
+    alone made every `dlx down` wait out those seconds per stage)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):  # no /proc (not Linux), or it exited meanwhile
+        return True
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
