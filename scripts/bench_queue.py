@@ -2,6 +2,7 @@
 """The job queue's scheduling overhead: one job run by `dlx train` and through the queue.
 
     .venv/bin/python scripts/bench_queue.py [--job examples/tiny.toml] [--steps 3] [--repeat 1] [--json]
+    .venv/bin/python scripts/bench_queue.py --concurrent 8 [--workers 2 --slots 2] [--job J] [--steps 2]
 
 In one invocation it starts its own queue stack (redis-server, anvil, one staked worker
 node per replica with one slot per stage; stopped by PID at the end), then runs the same
@@ -15,6 +16,12 @@ job (the job file with `[outer] steps` overridden) `--repeat` times each way, al
 For each it reports the time from submit (the call) to the first inner step that a rank
 reports, and the total wall time to the last committed step; then the queue/train ratio of
 the medians. Target: queue total <= 1.1x train total.
+
+`--concurrent N` measures a loaded stack instead: N copies of the job submitted at once to
+one stack of `--workers` x `--slots` (one submitter key), then jobs per minute (N over the
+time from the first submit to the last completion) and the commit latency of every step of
+every job, p50 and p95: from the step's report to rank 0 to its commit confirmed on chain
+(the job record's `commit_s`, which includes storing the step's blocks).
 """
 
 from __future__ import annotations
@@ -72,12 +79,68 @@ def run_queue(stack_dir: Path, job_path: Path) -> dict[str, float]:
     return {"first_inner_s": (first or now) - t0, "total_s": now - t0}
 
 
+def run_concurrent(stack_dir: Path, job_path: Path, n: int) -> dict[str, object]:
+    """Submit `n` copies of the job at once; wait for all; the throughput and commit latencies."""
+    from workers.cli_jobs import submit_job
+    from workers.jobs import JobStore, connect
+    from workers.stack import Stack
+
+    store = JobStore(connect(Stack.load(stack_dir).redis_url))
+    t0 = time.perf_counter()
+    jobs = [submit_job(stack_dir, job_path) for _ in range(n)]
+    ended: dict[str, float] = {}
+    while len(ended) < n:
+        for job in jobs:
+            if job not in ended and store.get(job)["state"] in ("completed", "failed", "cancelled"):
+                ended[job] = time.perf_counter() - t0
+        time.sleep(0.1)
+    records = [store.get(job) for job in jobs]
+    bad = [f"{j}: {r['state']} {r.get('error') or ''}" for j, r in zip(jobs, records, strict=True)
+           if r["state"] != "completed"]
+    if bad:
+        raise SystemExit("concurrent jobs did not complete: " + "; ".join(bad))
+    commits = sorted(v["commit_s"] for r in records for k, v in r.items()
+                     if k.startswith("step_") and isinstance(v, dict) and "commit_s" in v)
+    wall = max(ended.values())
+    return {"jobs": n, "wall_s": wall, "jobs_per_min": 60 * n / wall, "steps": len(commits),
+            "commit_p50_s": statistics.median(commits),
+            "commit_p95_s": commits[min(len(commits) - 1, round(0.95 * (len(commits) - 1)))]}
+
+
+def concurrent_main(args: argparse.Namespace, job_path: Path, tmp: str) -> None:
+    from workers.jobfile import load_job_file
+    from workers.stack import down, up
+
+    job = load_job_file(job_path)
+    stack_dir = Path(tmp) / "stack"
+    up(stack_dir, workers=args.workers, slots=args.slots)
+    try:
+        _warm_workers(stack_dir, args.workers)
+        res = run_concurrent(stack_dir, job_path, args.concurrent)
+    finally:
+        down(stack_dir)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"{job.name} ({args.job.name}): {job.parallel.replicas} replicas x {job.parallel.stages} stages, "
+          f"{args.steps} outer x {job.outer.inner_steps} inner steps; {args.concurrent} jobs submitted at once "
+          f"to one stack of {args.workers} workers x {args.slots} slots, one submitter key\n")
+    print("| jobs | wall s | jobs / min | steps committed | commit p50 s | commit p95 s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {res['jobs']} | {res['wall_s']:.1f} | {res['jobs_per_min']:.2f} | {res['steps']} | "
+          f"{res['commit_p50_s']:.2f} | {res['commit_p95_s']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--job", type=Path, default=ROOT / "examples" / "tiny.toml")
     ap.add_argument("--steps", type=int, default=3, help="outer steps (overrides the job file)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each way, alternating")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="N",
+                    help="submit N copies at once to one stack instead (jobs per minute, commit latency)")
+    ap.add_argument("--workers", type=int, default=2, help="--concurrent: the stack's workers")
+    ap.add_argument("--slots", type=int, default=2, help="--concurrent: rank slots per worker")
     args = ap.parse_args()
 
     from workers.jobfile import load_job_file
@@ -89,6 +152,9 @@ def main() -> None:
         if n != 1:
             raise SystemExit(f"{args.job}: no `steps = N` line in [outer] to override")
         job_path.write_text(text)
+        if args.concurrent:
+            concurrent_main(args, job_path, tmp)
+            return
         job = load_job_file(job_path)
         stack_dir = Path(tmp) / "stack"
         t0 = time.perf_counter()

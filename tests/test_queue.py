@@ -281,3 +281,36 @@ def _dev_keys(n):
     from lineage.chain.anvil import dev_accounts
 
     return dev_accounts(n)
+
+
+def test_eight_jobs_at_once_complete_each_step_once_and_verify(stack, tmp_path, small_job):
+    """Load (issue 33 item 8): eight tiny jobs submitted at once to one stack (2 workers x 2
+    slots) all complete, every step of every run is committed once, and every run verifies.
+    A step is committed by the key of the worker that runs the job's rank 0, so each of the
+    two workers' keys commits for several jobs at once (two slots each): one nonce manager
+    per key across concurrent jobs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from lineage.chain.client import Chain
+    from lineage.chain.ledger import Ledger
+
+    paths = [_job(tmp_path, small_job, f"load-{i}", steps=2, inner_steps=2, replicas=1, stages=1) for i in range(8)]
+    jobs = [submit(stack, p) for p in paths]
+    done = [wait_for(stack, j, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)
+            for j in jobs]
+    assert [st["state"] for st in done] == ["completed"] * 8, [(st["state"], st.get("error")) for st in done]
+    assert len({st["run_id"] for st in done}) == 8
+    jobs_of: dict[str, int] = {}
+    for st in done:
+        ledger = Ledger(Chain(st["rpc"]), st["registry"], st["ledger"])
+        commits = ledger.commits(int(st["run_id"]))
+        assert [c.record.step for c in commits] == [1, 2], st
+        (key,) = {c.record.submitter.lower() for c in commits}  # one key a job
+        jobs_of[key] = jobs_of.get(key, 0) + 1
+        assert all(isinstance(st[f"step_{n}"]["commit_s"], float) for n in (1, 2))
+    assert len(jobs_of) <= 2 and max(jobs_of.values()) >= 4, jobs_of
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda st: dlx("verify", "--run-dir", st["run_dir"], "--json"), done))
+    for res in results:
+        assert res.returncode == 0, res.stdout[-2000:] + res.stderr
+        assert all(s["ok"] and "chain" in s["passed"] for s in json.loads(res.stdout)["steps"])

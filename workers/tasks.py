@@ -507,9 +507,10 @@ def _report(store: JobStore, job_id: str, sink: Any, kind: str, payload: Any) ->
         sink.on_genesis(payload)
         store.update(job_id, run_id=sink.record.run_id)
     elif kind == "step":
-        sink.on_step(payload)
+        t0 = time.monotonic()
+        sink.on_step(payload)  # stored, committed and confirmed: commit_s is the step's wait for the chain
         summary = {"step": payload.step, "head": sink.record.head, "eval_loss": payload.metrics.get("eval_loss"),
-                   "bytes_sent": payload.metrics.get("bytes_sent", 0)}
+                   "bytes_sent": payload.metrics.get("bytes_sent", 0), "commit_s": round(time.monotonic() - t0, 3)}
         # step_N: each step's summary stays, so `dlx status --follow` misses none.
         store.update(job_id, run_id=sink.record.run_id, **summary, **{f"step_{payload.step}": summary})
     else:
