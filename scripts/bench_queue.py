@@ -2,7 +2,7 @@
 """The job queue's scheduling overhead: one job run by `dlx train` and through the queue.
 
     .venv/bin/python scripts/bench_queue.py [--job examples/tiny.toml] [--steps 3] [--repeat 1] [--json]
-    .venv/bin/python scripts/bench_queue.py --concurrent 8 [--workers 2 --slots 2] [--job J] [--steps 2]
+    .venv/bin/python scripts/bench_queue.py --concurrent 8 [--shape 1x1] [--workers 2 --slots 2] [--steps 2]
 
 In one invocation it starts its own queue stack (redis-server, anvil, one staked worker
 node per replica with one slot per stage; stopped by PID at the end), then runs the same
@@ -18,7 +18,8 @@ reports, and the total wall time to the last committed step; then the queue/trai
 the medians. Target: queue total <= 1.1x train total.
 
 `--concurrent N` measures a loaded stack instead: N copies of the job submitted at once to
-one stack of `--workers` x `--slots` (one submitter key), then jobs per minute (N over the
+one stack of `--workers` x `--slots` (a step is committed by the key of the worker running the
+job's rank 0, so each key commits for several jobs at once), then jobs per minute (N over the
 time from the first submit to the last completion) and the commit latency of every step of
 every job, p50 and p95: from the step's report to rank 0 to its commit confirmed on chain
 (the job record's `commit_s`, which includes storing the step's blocks).
@@ -124,7 +125,7 @@ def concurrent_main(args: argparse.Namespace, job_path: Path, tmp: str) -> None:
         return
     print(f"{job.name} ({args.job.name}): {job.parallel.replicas} replicas x {job.parallel.stages} stages, "
           f"{args.steps} outer x {job.outer.inner_steps} inner steps; {args.concurrent} jobs submitted at once "
-          f"to one stack of {args.workers} workers x {args.slots} slots, one submitter key\n")
+          f"to one stack of {args.workers} workers x {args.slots} slots\n")
     print("| jobs | wall s | jobs / min | steps committed | commit p50 s | commit p95 s |")
     print("|---:|---:|---:|---:|---:|---:|")
     print(f"| {res['jobs']} | {res['wall_s']:.1f} | {res['jobs_per_min']:.2f} | {res['steps']} | "
@@ -141,6 +142,8 @@ def main() -> None:
                     help="submit N copies at once to one stack instead (jobs per minute, commit latency)")
     ap.add_argument("--workers", type=int, default=2, help="--concurrent: the stack's workers")
     ap.add_argument("--slots", type=int, default=2, help="--concurrent: rank slots per worker")
+    ap.add_argument("--shape", default=None, metavar="RxS",
+                    help="replicas x stages (overrides the job file's [parallel] replicas and stages)")
     args = ap.parse_args()
 
     from workers.jobfile import load_job_file
@@ -151,6 +154,10 @@ def main() -> None:
         text, n = re.subn(r"(?m)^steps\s*=\s*\d+", f"steps = {args.steps}", args.job.read_text(), count=1)
         if n != 1:
             raise SystemExit(f"{args.job}: no `steps = N` line in [outer] to override")
+        if args.shape:
+            replicas, stages = args.shape.lower().split("x")
+            text = re.sub(r"(?m)^replicas\s*=\s*\d+", f"replicas = {int(replicas)}", text, count=1)
+            text = re.sub(r"(?m)^stages\s*=\s*\d+", f"stages = {int(stages)}", text, count=1)
         job_path.write_text(text)
         if args.concurrent:
             concurrent_main(args, job_path, tmp)
