@@ -60,9 +60,19 @@ class JsIpfsDaemon:
                               capture_output=True, text=True, timeout=120)
         if init.returncode != 0:
             raise DaemonError(f"jsipfs init failed: {init.stderr[-2000:]}")
+        for _ in range(4):  # a free port can be taken before the daemon binds it (other tests start services)
+            if self._launch(node):
+                return self
+        raise DaemonError(f"js-ipfs daemon: its ports were taken four times:\n{self.log.read_text(errors='replace')[-2000:]}")
+
+    def _launch(self, node: str) -> bool:
+        """Start the daemon on fresh free ports: True once ready, False when a port was taken."""
         config_path = self.repo / "config"
         config = json.loads(config_path.read_text())
-        api, gateway, rpc = free_port(), free_port(), free_port()
+        ports: set[int] = set()
+        while len(ports) < 3:  # three distinct ports (a port freed a moment ago can come back)
+            ports.add(free_port())
+        api, gateway, rpc = sorted(ports)
         config["Addresses"].update({
             "Swarm": [], "API": f"/ip4/127.0.0.1/tcp/{api}", "Gateway": f"/ip4/127.0.0.1/tcp/{gateway}",
             "RPC": f"/ip4/127.0.0.1/tcp/{rpc}", "Delegates": [],
@@ -76,8 +86,12 @@ class JsIpfsDaemon:
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
-            if "Daemon is ready" in self.log.read_text(errors="replace"):
-                return self
+            text = self.log.read_text(errors="replace")
+            if "Daemon is ready" in text:
+                return True
+            if "EADDRINUSE" in text:
+                self.stop()
+                return False
             if self.proc.poll() is not None:
                 break
             time.sleep(0.2)
