@@ -8,6 +8,7 @@ one pass with the same bytes. `trainer.compress` documents the kinds and the pay
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -86,23 +87,23 @@ def _row_slices(counts: list[int]) -> list[slice]:
     return out
 
 
-class Codec:
+class Codec(ABC):
     """One codec: ``meta/<name>`` [codec, bits, ...] and its own keys."""
 
     codec = CODEC_NONE
     name = "none"
 
+    @abstractmethod
     def encode(self, name: str, plan: Plan) -> Payload:
         """Payload tensors of one tensor coded under `plan`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def decode(self, name: str, payload: Payload, meta: list[int], m: int, n: int) -> torch.Tensor:
         """The (m, n) float32 matrix `encode` sent (KeyError for a missing key)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def nbytes(self, plan: Plan) -> int:
         """Data bytes of one tensor under `plan` (meta and safetensors' header excluded)."""
-        raise NotImplementedError
 
 
 class QuantCodec(Codec):
