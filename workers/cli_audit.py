@@ -69,6 +69,7 @@ from .cli_common import (
     need_run,
     run_checkpoint,
     user_errors,
+    with_endpoint,
 )
 from .cli_node import JsonOpt, chain_time, fmt_wei, load_key, parse_amount
 
@@ -518,19 +519,18 @@ def vote(
 
 @arbiter_app.command("resolve")
 @user_errors
+@with_endpoint
 def resolve(
     challenge_id: Annotated[int, typer.Argument(min=1, help="The challenge id.")],
     signatures: Annotated[list[str], typer.Argument(help="Arbiters' verdict signatures (0x-hex) or files from `vote --out`.")],
     upheld: UpholdOpt = None,
     as_json: JsonOpt = False,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Submit a quorum of verdict signatures (sorted by signer, as the ledger requires);
     prints the slash, the rejected steps and the new head."""
     verdict = _verdict(upheld)
     sender = load_key("arbiter")
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         c = lg.challenge(challenge_id)
         if c.resolved:
@@ -575,17 +575,16 @@ def resolve(
 
 
 @user_errors
+@with_endpoint
 def expire_challenge(
     challenge_id: Annotated[int, typer.Argument(min=1, help="The challenge id.")],
     as_json: JsonOpt = False,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Dismiss a challenge no arbiter quorum ruled on within the ledger's resolution
     period (the unbonding delay): the bond goes back to the challenger, the node may
     withdraw again, the step may be finalized. Anyone may send it (the node key pays)."""
     sender = load_key("node")
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         c = lg.challenge(challenge_id)
         if c.resolved:

@@ -16,8 +16,11 @@ Where the chain and the blocks are: one precedence for every command, first matc
 5. The defaults: http://127.0.0.1:8545 for the chain; for the blocks `dlx cas`'s
    ~/.dlx/blocks, while the audit commands refuse to guess and say what to pass.
 
-`Endpoint.resolve` applies it to the chain and `open_blocks` to the blocks; a command only
-declares the options (the `...Opt` types below) and calls them.
+`Endpoint.resolve` applies it to the chain and `open_blocks` to the blocks. A command that
+only needs the chain is decorated with `with_endpoint`: it gets the six chain options
+(`--rpc`, `--chain-id`, `--registry`, `--ledger`, `--run-dir`, `--stack`) last on its help
+page and is called with them resolved once, as `ep`; others declare the options (the
+`...Opt` types below) and call them.
 
 Naming a run: every command that takes a run (verify, lineage, lineage diff and compare,
 export, generate) takes it positionally (`RunArg`) as a run directory, a stack job (JOB,
@@ -36,9 +39,10 @@ unless the user chose the endpoint (`--rpc`, `--ipfs-api`) or passes
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import wraps
@@ -223,6 +227,31 @@ class Endpoint:
         if self.record is not None and self.run_dir is not None and ledger == self.record.ledger:
             self.record.read_from(out, self.run_dir)  # from the run's creation block
         yield out
+
+
+#: The chain options `with_endpoint` adds, in the order of a help page.
+ENDPOINT_OPTIONS = (("rpc", RpcOpt), ("chain_id", ChainIdOpt), ("registry", RegistryOpt), ("ledger", LedgerOpt),
+                    ("run_dir", RunDirOpt), ("stack", StackOpt))
+
+
+def with_endpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A command `fn(..., *, ep: Endpoint)` as Typer sees it: its own parameters, then the
+    six chain options (`ENDPOINT_OPTIONS`), resolved once into `ep` (`Endpoint.resolve`)
+    before `fn` runs. Under `user_errors`, so that a bad option is a one-line error."""
+    sig = inspect.signature(fn, eval_str=True)
+    own = [p for name, p in sig.parameters.items() if name != "ep"]
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=kind)
+             for name, kind in ENDPOINT_OPTIONS]
+    params = [*own, *added]
+
+    @wraps(fn)
+    def command(*args: Any, **kwargs: Any) -> Any:
+        where = {name: kwargs.pop(name, None) for name, _ in ENDPOINT_OPTIONS}
+        return fn(*args, ep=Endpoint.resolve(**where), **kwargs)
+
+    command.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params} | {"return": sig.return_annotation}
+    return command
 
 
 def _call(fn: Any, what: str, where: str) -> str:

@@ -33,16 +33,11 @@ from typing import Annotated, Any
 import typer
 
 from .cli_common import (
-    ChainIdOpt,
     Endpoint,
-    LedgerOpt,
-    RegistryOpt,
-    RpcOpt,
-    RunDirOpt,
-    StackOpt,
     address,
     config_error,
     user_errors,
+    with_endpoint,
 )
 
 ETHER = 10**18
@@ -155,18 +150,17 @@ node_app = typer.Typer(name="node", no_args_is_help=True,
 
 @node_app.command("register")
 @user_errors
+@with_endpoint
 def register_(
     operator: Annotated[str | None, typer.Option("--operator", help="The operator's address (default: the operator key's, else the node itself).")] = None,
     stake: Annotated[str | None, typer.Option("--stake", help="Also stake this much from the operator key, e.g. 1.5eth.")] = None,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Register the node key (DLX_NODE_KEY or DLX_KEYSTORE) for its operator."""
     amount = parse_amount(stake) if stake else None
     node = load_key("node")
     payer = load_key("operator")
     op = address(operator, "--operator") if operator else payer.address
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         if amount is not None:  # refused before the node is registered, not after
             lg.chain.require_funds(payer.address, amount, "--stake")
@@ -180,17 +174,16 @@ def register_(
 
 @node_app.command("stake")
 @user_errors
+@with_endpoint
 def stake_(
     amount: Annotated[str, typer.Option("--amount", help="How much to add, with its unit: 1.5eth, 2gwei, 10wei.")],
     node: NodeOpt = None,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Add stake behind a node, paid by the operator key (anyone may stake for a node)."""
     wei = parse_amount(amount)
     payer = load_key("operator")
     target = _target(node)
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         receipt = lg.registry.stake(payer, target, wei)
         _out(f"staked {fmt_wei(wei)} behind {target} from {payer.address}; stake now "
@@ -199,15 +192,14 @@ def stake_(
 
 @node_app.command("unbond")
 @user_errors
+@with_endpoint
 def unbond_(
     node: NodeOpt = None,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Unbond all of a node's stake (the operator key signs); the node stops attesting."""
     operator = load_key("operator")
     target = _target(node)
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         receipt = lg.registry.unbond(operator, target)
         amount, release_at = lg.registry.unbonding_of(target)
@@ -217,17 +209,16 @@ def unbond_(
 
 @node_app.command("withdraw")
 @user_errors
+@with_endpoint
 def withdraw_(
     node: NodeOpt = None,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Pay a node's unbonded stake to its operator, once the unbonding delay has passed."""
     from web3.logs import DISCARD
 
     operator = load_key("operator")
     target = _target(node)
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         receipt = lg.registry.withdraw(operator, target)
         paid = sum(int(e["args"]["amount"]) for e in
@@ -237,14 +228,13 @@ def withdraw_(
 
 @node_app.command("claim")
 @user_errors
+@with_endpoint
 def claim_(
     as_operator: Annotated[bool, typer.Option("--operator", help="Claim the operator key's credit, not the node key's.")] = False,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Claim a key's credit: rewards, refunded challenge bonds, slash shares."""
     account = load_key("operator" if as_operator else "node")
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         from lineage.chain.rewards import finalize_member_runs
 
@@ -257,15 +247,14 @@ def claim_(
 
 @node_app.command("status")
 @user_errors
+@with_endpoint
 def status_(
     node: NodeOpt = None,
     as_json: JsonOpt = False,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """A node's stake, unbonding stake and release time, open challenges and credit."""
     target = _target(node)
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect() as lg:
         doc = node_status(lg, target)
     if as_json:
@@ -293,12 +282,12 @@ def status_(
 
 @node_app.command("join")
 @user_errors
+@with_endpoint
 def join_(
     run: Annotated[int, typer.Argument(help="The run id to join.")],
     admission: Annotated[Path | None, typer.Option("--admission", help="An admission file (dlx node admit) for an "
                                                    "approved run.")] = None,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Join a run as the node key (an open run: staked enough; an approved one: admitted);
     the node may sign from the run's next step, and its stake is locked until it leaves."""
@@ -306,7 +295,6 @@ def join_(
 
     account = load_key("node")
     signed = read_admission(admission) if admission else None
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         tx = join_run(lg, account, run, signed)
         _, head = lg.head(run)
@@ -315,35 +303,33 @@ def join_(
 
 @node_app.command("leave")
 @user_errors
+@with_endpoint
 def leave_(
     run: Annotated[int, typer.Argument(help="The run id to leave.")],
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Leave a run: the node signs no later step, and the run's lock on its stake ends."""
     from lineage.chain.rewards import leave_run
 
     account = load_key("node")
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect(writable=True) as lg:
         _out(f"{account.address} left run {run} (tx {leave_run(lg, account, run)})")
 
 
 @node_app.command("admit")
 @user_errors
+@with_endpoint
 def admit_(
     run: Annotated[int, typer.Argument(help="The approved run.")],
     node: Annotated[str, typer.Argument(help="The node key to admit.")],
     out: Annotated[Path, typer.Option("--out", help="Where to write the admission file.")],
     hours: Annotated[float, typer.Option("--hours", min=0.0, help="How long the admission is valid.")] = 24.0,
-    rpc: RpcOpt = None, chain_id: ChainIdOpt = None, registry: RegistryOpt = None, ledger: LedgerOpt = None,
-    run_dir: RunDirOpt = None, stack: StackOpt = None,
+    *, ep: Endpoint,
 ) -> None:
     """Sign an admission to an approved run, as its creator (DLX_SUBMITTER_KEY, else the node key)."""
     from lineage.chain.rewards import sign_admission, write_admission
 
     creator = load_key("submitter")
-    ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger, run_dir=run_dir, stack=stack)
     with ep.connect() as lg:
         expiry = chain_time(lg) + int(hours * 3600)
         write_admission(out, sign_admission(lg, creator, run, address(node, "NODE"), expiry))
