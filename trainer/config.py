@@ -28,6 +28,9 @@ from trainer.config_base import Section as _Section
 from trainer.config_errors import one_line
 from trainer.config_model import MAX_PARAMS, AnyModel, GptConfig, LlamaConfig, ModelConfig
 from trainer.config_outer import (
+    ALLOWED_BITS,
+    CHUNK_MAX,
+    CHUNK_MIN,
     AnyOuter,
     CompressionConfig,
     EagerOuter,
@@ -40,6 +43,9 @@ from trainer.dataset import BPE_MIN_VOCAB, BYTE_VOCAB, PreparedData
 from trainer.errors import ConfigError
 
 __all__ = [
+    "ALLOWED_BITS",
+    "CHUNK_MAX",
+    "CHUNK_MIN",
     "MAX_PARAMS",
     "AnyModel",
     "AnyOuter",

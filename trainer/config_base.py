@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, SerializerFunctionWrapHandler, TypeAdapter, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    TypeAdapter,
+    model_serializer,
+)
 
 __all__ = ["Section", "Tagged", "dispatch", "shown"]
 
@@ -47,14 +53,14 @@ class Tagged(Section):
     def __new__(cls, *args: Any, **data: Any) -> Self:
         union = _UNIONS.get(cls)
         if union is not None:  # the base: the form the data names (then its __init__ runs again, harmlessly)
-            return union.validate_python(data)  # type: ignore[no-any-return]
+            return union.validate_python(data)
         return super().__new__(cls)
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
         union = _UNIONS.get(cls)
         if union is not None:
-            return union.validate_python(obj, **kwargs)  # type: ignore[no-any-return]
+            return union.validate_python(obj, **kwargs)
         return super().model_validate(obj, **kwargs)
 
     @classmethod
