@@ -74,6 +74,8 @@ SEED_MAX = 2**63 - 1
 class ParallelConfig(_Section):
     """How the world is laid out: R DiLoCo replicas, each a pipeline of S stages."""
 
+    SECTION = "parallel"
+
     replicas: int = Field(2, ge=1, description="R: DiLoCo replicas (data-parallel workers).")
     stages: int = Field(2, ge=1, description="S: pipeline stages per replica.")
     microbatches: int = Field(
@@ -133,6 +135,8 @@ class ParallelConfig(_Section):
 class DataConfig(_Section):
     """The corpus and its tokenizer (trainer/dataset.py): Python's standard library sources,
     user globs or a directory, in plain text, JSON Lines or Parquet files."""
+
+    SECTION = "data"
 
     source: Literal["stdlib", "files", "dir"] = Field(
         "stdlib", description="Where the corpus comes from: the standard library's sources, "

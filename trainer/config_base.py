@@ -18,6 +18,8 @@ from pydantic import (
     model_serializer,
 )
 
+from trainer.config_dump import recorded
+
 __all__ = ["Section", "Tagged", "dispatch", "shown"]
 
 
@@ -29,11 +31,11 @@ class Section(BaseModel):
     `trainer.config_dump.recorded` is the one definition."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    #: The section's name in a job file, for `recorded` ("outer.compression": a subsection).
+    SECTION: ClassVar[str] = ""
 
     @model_serializer(mode="wrap")
     def _recorded(self, handler: SerializerFunctionWrapHandler) -> Any:
-        from trainer.config_dump import recorded
-
         return recorded(self, handler(self))
 
 

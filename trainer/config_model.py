@@ -23,6 +23,8 @@ class ModelConfig(Tagged):
     `LlamaConfig` add their own. `ModelConfig(**fields)` and `ModelConfig.model_validate(data)`
     give the family's class (gpt when `family` is not given)."""
 
+    SECTION = "model"
+
     family: Literal["gpt", "llama"] = Field("gpt", description="Model family (trainer/model.py).")
     vocab_size: int = Field(256, ge=2, le=1 << 24, description="Vocabulary size (256 = raw bytes).")
     d_model: int = Field(128, ge=1, le=1 << 16, description="Width of the residual stream (C).")

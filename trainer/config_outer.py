@@ -36,6 +36,8 @@ class CompressionConfig(Section):
     compression dropped this round is added to the next round's pseudo-gradient.
     """
 
+    SECTION = "outer.compression"
+
     kind: Literal["none", "quantize", "lowrank", "sparse", "adaptive"] = Field(
         "none",
         description="none: float32; quantize: `bits`-bit integers with per-row scales; "
@@ -123,6 +125,8 @@ class OuterConfig(Tagged):
     """Outer optimizer: Nesterov SGD on the outer copy, gradient = mean pseudo-gradient. The
     fields every exchange rule has; `OuterConfig(**fields)` and `OuterConfig.model_validate`
     give the rule's class (`SyncOuter` when `delay` is not given)."""
+
+    SECTION = "outer"
 
     lr: float = Field(0.7, gt=0.0, description="Outer learning rate.")
     momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer momentum.")
