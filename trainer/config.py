@@ -289,7 +289,7 @@ class JobConfig(_Section):
                 f"parallel.microbatches ({p.microbatches}) must be >= parallel.stages "
                 f"({p.stages}) for the 1F1B schedule"
             )
-        if isinstance(m, LlamaConfig) and m.tie_embeddings and p.stages > 1:
+        if m.tie_embeddings and p.stages > 1:
             raise ValueError(
                 "model.tie_embeddings needs parallel.stages = 1 (the embeddings live on the first "
                 "stage, the head on the last)"

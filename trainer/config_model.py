@@ -96,6 +96,16 @@ class GptConfig(ModelConfig):
         return super().foreign_message(key, owner)
 
     @property
+    def tie_embeddings(self) -> bool:
+        """Never: the gpt head has its own matrix (`tie_embeddings` is a llama field)."""
+        return False
+
+    @property
+    def init(self) -> None:
+        """Never: a gpt model starts from its seed (`init` is a llama field)."""
+        return None
+
+    @property
     def smallest_side(self) -> int:
         return min(self.d_model, self.vocab_size, self.seq_len)
 

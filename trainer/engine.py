@@ -86,7 +86,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.artifacts import Blob, StoredTensors, tensors_to_bytes
-from trainer.config import JobConfig, LlamaConfig
+from trainer.config import JobConfig
 from trainer.control import Membership, RankControl
 from trainer.data import load_corpus
 from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
@@ -214,11 +214,10 @@ class RoundLoop:
         """This rank's stage, seeded (or the imported weights at genesis), on `device`."""
         job, topo = self.job, self.topo
         module = build_stage(job.model, topo.stage, topo.S, job.seed, job.parallel.numerics)
-        init = job.model.init if isinstance(job.model, LlamaConfig) else None
-        if init is not None and self.control.start is None:  # genesis = the imported weights
+        if job.model.init is not None and self.control.start is None:  # genesis = the imported weights
             from trainer.hf import load_init_weights
 
-            load_init_weights(module, init)
+            load_init_weights(module, job.model.init)
         return module.to(device)
 
     def _wire(self, topo: Topology) -> None:
