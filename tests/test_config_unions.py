@@ -174,6 +174,7 @@ def test_a_key_of_no_family_is_an_unknown_key_with_its_near_miss() -> None:
     assert refusal(job_dict(model={"family": "llama", "rope_thta": 1.0})) == \
         "model.rope_thta: unknown key (did you mean rope_theta?)"
     assert refusal(job_dict(model={"mlp_ration": 2})) == "model.mlp_ration: unknown key (did you mean mlp_ratio?)"
+    assert refusal(job_dict(outer={"fragmets": 2})) == "outer.fragmets: unknown key (did you mean fragments?)"
 
 
 def test_model_config_gives_the_familys_class() -> None:

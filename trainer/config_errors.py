@@ -77,12 +77,14 @@ def _walk(model: Any, loc: list[Any]) -> tuple[list[Any], Any]:
 
 
 def _near_miss(section: Any, key: str) -> str | None:
-    """The known key of `section` that `key` most resembles, if any."""
+    """The known key of `section` (of any of its forms) that `key` most resembles, if any."""
     import difflib
 
     if not _is_model(section):
         return None
-    close = difflib.get_close_matches(key, list(section.model_fields), n=1)
+    forms = section.VARIANTS.values() if _is_tagged(section) and section.VARIANTS else [section]
+    known = dict.fromkeys(name for form in forms for name in form.model_fields)
+    close = difflib.get_close_matches(key, list(known), n=1)
     return close[0] if close else None
 
 
