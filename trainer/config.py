@@ -2,8 +2,12 @@
 and `[outer]` sections of a job file, plus `load_job`, which turns validation failures into
 one-line `ConfigError`s naming every problem's field path, unknown keys first.
 
-Every section forbids unknown keys. `JobConfig` may be subclassed to add sections (the
-worker's job-file loader adds `chain` and `storage`); pass the subclass to `load_job`.
+Every section forbids unknown keys. `[model]` and `[outer]` take one of several forms,
+pydantic discriminated unions (the model family: trainer/config_model.py; the exchange rule:
+trainer/config_outer.py), so a key of another form is an unknown key. What a job records, and
+so what its config CID hashes, is its dump, defined in one place: trainer/config_dump.py.
+`JobConfig` may be subclassed to add sections (the worker's job-file loader adds `chain` and
+`storage`); pass the subclass to `load_job`.
 """
 
 from __future__ import annotations
@@ -13,30 +17,51 @@ from typing import Any, Literal, Self, TypeVar, overload
 
 from pydantic import (
     Field,
-    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     field_validator,
-    model_serializer,
     model_validator,
 )
 from pydantic.json_schema import SkipJsonSchema
 
+from trainer.config_base import Section as _Section
 from trainer.config_errors import one_line
-from trainer.config_model import MAX_PARAMS, ModelConfig
-from trainer.config_model import Section as _Section
+from trainer.config_model import MAX_PARAMS, AnyModel, GptConfig, LlamaConfig, ModelConfig
+from trainer.config_outer import (
+    ALLOWED_BITS,
+    CHUNK_MAX,
+    CHUNK_MIN,
+    AnyOuter,
+    CompressionConfig,
+    EagerOuter,
+    OuterConfig,
+    PartialOuter,
+    RestartOuter,
+    SyncOuter,
+)
 from trainer.dataset import BPE_MIN_VOCAB, BYTE_VOCAB, PreparedData
 from trainer.errors import ConfigError
 
 __all__ = [
+    "ALLOWED_BITS",
+    "CHUNK_MAX",
+    "CHUNK_MIN",
     "MAX_PARAMS",
+    "AnyModel",
+    "AnyOuter",
     "CompressionConfig",
     "DataConfig",
+    "EagerOuter",
+    "GptConfig",
     "InnerConfig",
     "JobConfig",
+    "LlamaConfig",
     "ModelConfig",
     "OuterConfig",
     "ParallelConfig",
+    "PartialOuter",
+    "RestartOuter",
+    "SyncOuter",
     "TransportConfig",
     "load_job",
     "one_line",
@@ -48,6 +73,8 @@ SEED_MAX = 2**63 - 1
 
 class ParallelConfig(_Section):
     """How the world is laid out: R DiLoCo replicas, each a pipeline of S stages."""
+
+    SECTION = "parallel"
 
     replicas: int = Field(2, ge=1, description="R: DiLoCo replicas (data-parallel workers).")
     stages: int = Field(2, ge=1, description="S: pipeline stages per replica.")
@@ -104,24 +131,12 @@ class ParallelConfig(_Section):
         """The fewest replicas an outer step may average: `min_replicas`, else R."""
         return self.replicas if self.min_replicas is None else self.min_replicas
 
-    @model_serializer(mode="wrap")
-    def _omit_auto_device(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A job that leaves the device to `auto` and `min_replicas` unset (or at R) dumps (and
-        hashes) as before those fields."""
-        data = handler(self)
-        if isinstance(data, dict):
-            if data.get("device") == "auto":
-                del data["device"]
-            if data.get("min_replicas", None) in (None, self.replicas):
-                data.pop("min_replicas", None)
-            if data.get("numerics") == "native":  # jobs from before it hash as they did
-                del data["numerics"]
-        return data
-
 
 class DataConfig(_Section):
     """The corpus and its tokenizer (trainer/dataset.py): Python's standard library sources,
     user globs or a directory, in plain text, JSON Lines or Parquet files."""
+
+    SECTION = "data"
 
     source: Literal["stdlib", "files", "dir"] = Field(
         "stdlib", description="Where the corpus comes from: the standard library's sources, "
@@ -179,17 +194,6 @@ class DataConfig(_Section):
             raise ValueError(f"dir needs source = 'dir' (source is '{self.source}')")
         return self
 
-    @model_serializer(mode="wrap")
-    def _omit_new_defaults(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A job that leaves the fields of issue 15 at their defaults dumps (and hashes) as
-        before they existed."""
-        data = handler(self)
-        if isinstance(data, dict):
-            for name, default in (("dir", None), ("tokenizer", "bytes"), ("text_field", "text")):
-                if data.get(name, default) == default:
-                    data.pop(name, None)
-        return data
-
     def with_prepared(self, prepared: PreparedData) -> DataConfig:
         """This config, reading `prepared`'s token file rather than preparing its own."""
         return self.model_copy(update={"prepared": prepared})
@@ -229,238 +233,6 @@ class InnerConfig(_Section):
         return betas
 
 
-ALLOWED_BITS = (1, 2, 4, 8)
-CHUNK_MIN, CHUNK_MAX = 64, 65536  # sparse chunk sizes: indices fit 6 to 16 bits
-
-
-class CompressionConfig(_Section):
-    """How a replica's pseudo-gradient is compressed before it crosses the link.
-
-    Every kind keeps an error-feedback buffer (unless `error_feedback = false`): what
-    compression dropped this round is added to the next round's pseudo-gradient.
-    """
-
-    kind: Literal["none", "quantize", "lowrank", "sparse", "adaptive"] = Field(
-        "none",
-        description="none: float32; quantize: `bits`-bit integers with per-row scales; "
-        "lowrank: rank-`rank` factors (PowerSGD-style power iteration, warm start) quantised "
-        "to `bits`, 1-D tensors quantised only; sparse: the top `density` of each `chunk` "
-        "consecutive values by magnitude, quantised to `bits` (SparseLoCo-style), 1-D tensors "
-        "quantised only; adaptive: low rank, sparse or whole quantisation, rank, density and "
-        "bits chosen per tensor each outer step (trainer/compress.py documents the rule).",
-    )
-    bits: int = Field(8, description="Bits per quantised value: 1 (the sign, scaled by the mean magnitude), "
-                      "2, 4 or 8.")
-    rank: int = Field(4, ge=1, description="Low-rank factor rank (kind = lowrank).")
-    power_iters: int = Field(1, ge=1, le=8, description="Power iterations per outer step.")
-    error_feedback: bool = Field(True, description="Carry the compression error to the next round.")
-    max_rank: int = Field(
-        32, ge=1, description="adaptive: the largest rank the rule may pick for any tensor."
-    )
-    energy: float = Field(
-        0.6,
-        gt=0.0,
-        le=1.0,
-        description="adaptive: fraction of a tensor's squared norm (with its error-feedback "
-        "residual) the low-rank factors should capture at the end of the warm-up schedule.",
-    )
-    warmup_steps: int = Field(
-        4,
-        ge=0,
-        description="adaptive: outer steps over which the energy target rises from half its "
-        "value to `energy` (more aggressive early).",
-    )
-
-    density: float = Field(
-        0.02,
-        description="sparse: fraction of each chunk's values kept (top-k by magnitude, "
-        "k = max(1, ceil(density * chunk length))), in (0, 1].",
-    )
-    chunk: int = Field(
-        4096,
-        description="sparse, adaptive: values per top-k chunk, a power of two from 64 to 65536 "
-        "(indices are sent at log2(chunk) bits).",
-    )
-
-    coding: Literal["fixed", "gaps"] = Field(
-        "fixed",
-        description="quantize at bits = 2 (values -1, 0 or +1 times the row's scale): how the "
-        "values are laid out. fixed: 2 bits each; gaps: the run of zeros before each nonzero "
-        "value as w-bit tokens (w picked per payload) plus one sign bit per nonzero: the same "
-        "values, decoded bit for bit alike, in fewer bytes when most round to zero (1.7-1.9x "
-        "fewer on the benchmark's pseudo-gradients; docs/FORMATS.md, codec 4).",
-    )
-
-    @model_validator(mode="after")
-    def _gaps_need_ternary(self) -> CompressionConfig:
-        if self.coding == "gaps" and (self.kind != "quantize" or self.bits != 2):
-            raise ValueError(f"coding = 'gaps' needs kind = 'quantize' and bits = 2 "
-                             f"(kind is '{self.kind}', bits {self.bits})")
-        return self
-
-    @field_validator("bits")
-    @classmethod
-    def _valid_bits(cls, bits: int) -> int:
-        if bits not in ALLOWED_BITS:
-            raise ValueError(f"must be one of 1, 2, 4, 8 (got {bits})")
-        return bits
-
-    @field_validator("density")
-    @classmethod
-    def _valid_density(cls, density: float) -> float:
-        if not 0.0 < density <= 1.0:  # also refuses NaN
-            raise ValueError(f"must be in (0, 1] (got {density})")
-        return density
-
-    @field_validator("chunk")
-    @classmethod
-    def _valid_chunk(cls, chunk: int) -> int:
-        if not (CHUNK_MIN <= chunk <= CHUNK_MAX and chunk & (chunk - 1) == 0):
-            raise ValueError(f"must be a power of two between {CHUNK_MIN} and {CHUNK_MAX} (got {chunk})")
-        return chunk
-
-    @model_serializer(mode="wrap")
-    def _new_fields_when_used(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """The top-k settings are dumped (and hashed) only for the kinds that use them, and
-        `coding` only when it is not "fixed", so a job that does not use them records what
-        it recorded before they existed."""
-        data = handler(self)
-        if isinstance(data, dict) and self.kind not in ("sparse", "adaptive"):
-            data.pop("density", None)
-            data.pop("chunk", None)
-        if isinstance(data, dict) and self.coding == "fixed":
-            data.pop("coding", None)
-        return data
-
-
-class OuterConfig(_Section):
-    """Outer optimizer: Nesterov SGD on the outer copy, gradient = mean pseudo-gradient."""
-
-    lr: float = Field(0.7, gt=0.0, description="Outer learning rate.")
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="Outer momentum.")
-    nesterov: bool = Field(True, description="Use Nesterov momentum.")
-    steps: int = Field(ge=1, description="T: number of outer steps.")
-    inner_steps: int = Field(ge=1, description="H: inner steps per outer step.")
-    delay: int = Field(
-        0,
-        description="0: synchronous DiLoCo (every replica waits for the exchange at the end of "
-        "each round); 1: the exchange of round t overlaps computation (`overlap` says how).",
-    )
-    overlap: Literal["partial", "eager", "restart"] = Field(
-        "partial",
-        description="delay = 1 only. partial: the exchange of round t runs during the first "
-        "`tau` inner steps of round t+1, then the outer step and a merge (Streaming DiLoCo); "
-        "eager: round t+1 starts from an outer step that uses the replica's own fresh "
-        "pseudo-gradient in place of its stale share (Kale et al. 2025); restart: a whole round "
-        "of delay, round t+1 restarts from the outer copy (trainer/diloco.py documents each).",
-    )
-    tau: int | Literal["auto"] = Field(
-        "auto",
-        description="overlap = partial: inner steps of round t+1 the exchange may take, 0..H "
-        "(0 waits at once: synchronous DiLoCo's result); auto: derived each round from the "
-        "measured exchange and inner-step times so that the exchange stays hidden (the ranks "
-        "agree on the largest estimate one round late, without waiting), at most H/4 "
-        "(longer overlaps cost quality; a longer exchange makes the round wait) (a wall-clock "
-        "decision, recorded in each round's start state so replay is exact; two runs of one job "
-        "may merge at different steps, so fix tau where reruns must give the same CIDs).",
-    )
-    alpha: float | None = Field(
-        None,
-        description="overlap = partial: unset merges exactly (local <- new outer weights + the "
-        "progress made since the send); a value in [0, 1] mixes instead, as Streaming DiLoCo "
-        "does: local <- alpha * local + (1 - alpha) * new outer weights.",
-    )
-    fragments: int = Field(
-        1,
-        ge=1,
-        description="overlap = partial: F, Streaming DiLoCo's fragments. Each stage's parameters "
-        "are cut into F contiguous groups of about equal size (`trainer.diloco.fragment_groups`) "
-        "and round t exchanges only group (t - 1) mod F, measured since that group's previous "
-        "exchange: each group syncs every F rounds, staggered, and each exchange is 1/F of the "
-        "stage (1: every round exchanges everything).",
-    )
-    compression: CompressionConfig = Field(
-        default_factory=CompressionConfig, description="Pseudo-gradient compression."
-    )
-    arithmetic: Literal["float64", "float32"] = Field(
-        "float64",
-        description="Recorded by a run, not a setting: how the outer step and the merge compute "
-        "(trainer/diloco.py). float64: each elementwise formula in float64, separate correctly "
-        "rounded operations, rounded to float32 once: the same bits on every IEEE-754 machine, "
-        "kernel set and thread count. float32: the arithmetic of runs recorded before "
-        "2026-12-04 (float32 kernels, fused multiply-adds where the CPU's kernels use them): "
-        "such a run's record has no `arithmetic` and reads as float32, so it keeps verifying "
-        "on machines of its class.",
-    )
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> OuterConfig:
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov = true needs momentum > 0 (set nesterov = false)")
-        return self
-
-    @field_validator("delay")
-    @classmethod
-    def _valid_delay(cls, delay: int) -> int:
-        if delay not in (0, 1):
-            raise ValueError(f"must be 0 or 1 (got {delay})")
-        return delay
-
-    @field_validator("tau", mode="before")
-    @classmethod
-    def _int_or_auto(cls, tau: Any) -> Any:
-        if tau == "auto" or (isinstance(tau, int) and not isinstance(tau, bool)):
-            return tau
-        raise ValueError(f'must be an integer in [0, inner_steps] or "auto" (got {tau!r})')
-
-    @field_validator("alpha")
-    @classmethod
-    def _valid_alpha(cls, alpha: float | None) -> float | None:
-        if alpha is not None and not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"must be in [0, 1] (got {alpha:g})")
-        return alpha
-
-    @model_validator(mode="after")
-    def _overlap_settings(self) -> OuterConfig:
-        given = self.model_fields_set
-        if self.delay == 0:
-            for name in ("overlap", "tau", "alpha", "fragments"):
-                if name in given:
-                    raise ValueError(f"{name} needs delay = 1 (an overlapped exchange); "
-                                     "delay = 0 is synchronous")
-            return self
-        for name in ("tau", "alpha", "fragments"):
-            if name in given and self.overlap != "partial":
-                raise ValueError(f"{name} is a setting of overlap = \"partial\" "
-                                 f"(overlap is \"{self.overlap}\")")
-        if isinstance(self.tau, int) and not 0 <= self.tau <= self.inner_steps:
-            raise ValueError(f"tau ({self.tau}) must be in [0, inner_steps = {self.inner_steps}]")
-        return self
-
-    @model_serializer(mode="wrap")
-    def _overlap_only_when_delayed(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        """A synchronous job dumps (and hashes) as before the overlap rules existed; a
-        delayed one records its rule (and the rule's own settings) explicitly."""
-        data = handler(self)
-        if not isinstance(data, dict):
-            return data
-        drop = {"overlap", "tau", "alpha"} if self.delay == 0 else set()
-        if self.delay == 1 and self.overlap != "partial":
-            drop |= {"tau", "alpha"}
-        if self.alpha is None:
-            drop.add("alpha")
-        if self.fragments == 1:  # jobs from before fragments existed hash as they did
-            drop.add("fragments")
-        if self.arithmetic == "float32":  # a record from before the field re-dumps as it was
-            drop.add("arithmetic")
-        return {k: v for k, v in data.items() if k not in drop}
-
-    @property
-    def rule(self) -> str:
-        """The exchange rule in force: "sync" (delay 0) or the overlap rule."""
-        return "sync" if self.delay == 0 else self.overlap
-
-
 class TransportConfig(_Section):
     """The link between replicas: every cross-replica byte is counted; the link may be shaped."""
 
@@ -491,13 +263,13 @@ class JobConfig(_Section):
         0, ge=0, le=SEED_MAX, description="Run seed; every other seed derives from it. At most "
         "2^63 - 1: torch's generators take 64-bit seeds and the manifest stores 64-bit integers."
     )
-    model: ModelConfig = Field(default_factory=ModelConfig, description="Model shape.")
+    model: AnyModel = Field(default_factory=GptConfig, description="Model shape, by family.")
     parallel: ParallelConfig = Field(
         default_factory=ParallelConfig, description="Replicas x stages layout."
     )
     data: DataConfig = Field(default_factory=DataConfig, description="Corpus and batching.")
     inner: InnerConfig = Field(default_factory=InnerConfig, description="Inner optimizer.")
-    outer: OuterConfig = Field(description="Outer optimizer and round counts.")
+    outer: AnyOuter = Field(description="Outer optimizer, round counts and exchange rule.")
     transport: TransportConfig = Field(
         default_factory=TransportConfig, description="Cross-replica link: counting and shaping."
     )
@@ -575,7 +347,7 @@ def _portable_settings(job: JobConfig) -> None:
     if c.kind != "none" and c.bits == 1:
         raise ValueError('outer.compression.bits = 1 is not portable yet (its scale is a mean): '
                          'use 2, 4 or 8 with parallel.numerics = "portable"')
-    if job.model.family == "gpt" and job.model.dropout > 0:
+    if isinstance(job.model, GptConfig) and job.model.dropout > 0:
         raise ValueError('model.dropout must be 0 with parallel.numerics = "portable"')
 
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from trainer.artifacts import bytes_to_tensors, tensors_to_bytes
 from trainer.compress import Compressor, ContributionReader, decode_contribution, stream_batches
-from trainer.config import OuterConfig
+from trainer.config import AnyOuter
 from trainer.hooks import unchanged
 from trainer.transport import Pending, Transport
 
@@ -180,7 +180,7 @@ class OuterOptimizer:
     def __init__(
         self,
         params: Mapping[str, torch.Tensor],
-        cfg: OuterConfig,
+        cfg: AnyOuter,
         momentum: dict[str, torch.Tensor] | None = None,
         *,
         adopt: bool = False,
@@ -264,7 +264,7 @@ class OuterOptimizer:
         return tensors_to_bytes(self.tensors())
 
     @classmethod
-    def from_bytes(cls, data: bytes, cfg: OuterConfig) -> OuterOptimizer:
+    def from_bytes(cls, data: bytes, cfg: AnyOuter) -> OuterOptimizer:
         tensors = bytes_to_tensors(data)
         params = {k.removeprefix("param/"): v for k, v in tensors.items() if k.startswith("param/")}
         momentum = {
@@ -275,7 +275,7 @@ class OuterOptimizer:
         return cls(params, cfg, momentum, adopt=True)  # bytes_to_tensors gives writable copies
 
 
-def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: OuterConfig, step: int | None = None) -> bytes:
+def apply_outer_step(shard: bytes, contributions: list[bytes], cfg: AnyOuter, step: int | None = None) -> bytes:
     """Recompute a stage's new shard (outer step `step`) from its parent shard and the
     replicas' published contributions (any compression kind; see
     `trainer.artifacts.Contribution`), in replica order, over the step's fragment
@@ -432,7 +432,7 @@ class DiLoCo:
     """
 
     def __init__(
-        self, module: nn.Module, cfg: OuterConfig, transport: Transport, compressor: Compressor,
+        self, module: nn.Module, cfg: AnyOuter, transport: Transport, compressor: Compressor,
         publish: DeltaHook = unchanged,
     ):
         """`publish`: the pseudo-gradient this rank publishes and sends, from the one it

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from trainer.config import ModelConfig, one_line
+from trainer.config import GptConfig, LlamaConfig, ModelConfig, one_line
 from trainer.errors import ConfigError
 from trainer.model import skeleton
 
@@ -87,7 +87,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "pad_token_id": None,
         "dtype": "float32",
     }
-    if cfg.family == "gpt":
+    if isinstance(cfg, GptConfig):
         return {
             "architectures": ["GPT2LMHeadModel"],
             "model_type": "gpt2",
@@ -107,6 +107,7 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
             "reorder_and_upcast_attn": False,
             "tie_word_embeddings": False,
         }
+    assert isinstance(cfg, LlamaConfig), f"no Hugging Face class for family {cfg.family!r}"
     model_type = "qwen2" if cfg.qkv_bias else "llama"
     config: dict[str, Any] = {
         "architectures": [_ARCHITECTURES[model_type]],
@@ -287,7 +288,7 @@ def from_hf(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
 
 def _ignored(hf: str, cfg: ModelConfig) -> bool:
     """Tensors a transformers checkpoint may hold that are no parameter of ours."""
-    tied_head = cfg.family == "llama" and cfg.tie_embeddings and hf == "lm_head.weight"
+    tied_head = isinstance(cfg, LlamaConfig) and cfg.tie_embeddings and hf == "lm_head.weight"
     gpt2_mask = cfg.family == "gpt" and hf.endswith((".attn.bias", ".attn.masked_bias"))  # old buffers
     return tied_head or gpt2_mask or hf.endswith("rotary_emb.inv_freq")
 
@@ -302,7 +303,7 @@ def resolve_init(model: ModelConfig, base: Path) -> ModelConfig:
     `seq_len`, the training context, may be shorter than config.json's
     max_position_embeddings (its value when unset). ConfigError, one line, for anything
     else; nothing is written."""
-    if model.init is None:
+    if not isinstance(model, LlamaConfig) or model.init is None:  # gpt: never from a directory
         return model
     path = (Path(base) / Path(model.init).expanduser()).resolve()
     config = _read_config(path)
@@ -322,7 +323,7 @@ def resolve_init(model: ModelConfig, base: Path) -> ModelConfig:
     try:
         resolved = ModelConfig.model_validate(merged)
     except ValidationError as err:
-        raise ConfigError(f"{one_line(err, 'model')} (with {path}/config.json)") from None
+        raise ConfigError(f"{one_line(err, 'model', ModelConfig)} (with {path}/config.json)") from None
     _check_weights(path, resolved)
     return resolved
 
@@ -389,7 +390,7 @@ def _check_weights(path: Path, cfg: ModelConfig) -> None:
     if missing:
         raise ConfigError(f"model.init: {missing[0]} is in {WEIGHTS_INDEX} but not in {files[missing[0]].name}")
     want = {_hf_name(n, cfg.family): s for n, s in _shapes(cfg).items()}
-    if cfg.tie_embeddings and "lm_head.weight" in have:  # a tied head may be saved; it must fit
+    if isinstance(cfg, LlamaConfig) and cfg.tie_embeddings and "lm_head.weight" in have:  # a tied head may be saved; it must fit
         want["lm_head.weight"] = (cfg.vocab_size, cfg.d_model)
     for name in sorted(want):
         if name not in have:

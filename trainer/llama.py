@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig, stage_layers
+from trainer.config import LlamaConfig, stage_layers
 from trainer.ops import Ops
 from trainer.stage_init import Step, constructor_steps
 
@@ -70,7 +70,7 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, name: str, ops: Ops):
+    def __init__(self, cfg: LlamaConfig, name: str, ops: Ops):
         super().__init__()
         self.ops = ops
         self.name = name  # the cache key
@@ -111,7 +111,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops):
+    def __init__(self, cfg: LlamaConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         d, f = cfg.d_model, cfg.ffn_size
@@ -128,7 +128,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm: x + attn(norm(x)), then + mlp(norm(x))."""
 
-    def __init__(self, cfg: ModelConfig, index: int, ops: Ops):
+    def __init__(self, cfg: LlamaConfig, index: int, ops: Ops):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, str(index), ops)
@@ -148,7 +148,7 @@ class LlamaStage(nn.Module):
     Output: logits (B, T, V) if it holds the head, else activations (B, T, C).
     """
 
-    def __init__(self, cfg: ModelConfig, *, embed_tokens: nn.Embedding | None,
+    def __init__(self, cfg: LlamaConfig, *, embed_tokens: nn.Embedding | None,
                  layers: dict[str, nn.Module], norm: RMSNorm | None, lm_head: nn.Linear | None,
                  ops: Ops | None = None):
         super().__init__()
@@ -186,7 +186,7 @@ class LlamaStage(nn.Module):
 class Llama(LlamaStage):
     """The whole model: a LlamaStage holding every part."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+    def __init__(self, cfg: LlamaConfig, ops: Ops | None = None):
         ops = ops if ops is not None else Ops()
         embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)

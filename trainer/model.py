@@ -34,7 +34,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
-from trainer.config import ModelConfig, stage_layers
+from trainer.config import GptConfig, LlamaConfig, ModelConfig, stage_layers
 from trainer.ops import NUMERICS, Ops, PortableOps, ops_for
 from trainer.stage_init import Step, constructor_steps, materialise
 
@@ -45,7 +45,7 @@ __all__ = [
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops):
+    def __init__(self, cfg: GptConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         self.n_heads = cfg.n_heads
@@ -69,7 +69,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops):
+    def __init__(self, cfg: GptConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         self.c_fc = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
@@ -86,7 +86,7 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LN: normalise, transform, add back to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops):
+    def __init__(self, cfg: GptConfig, ops: Ops):
         super().__init__()
         self.ops = ops
         self.ln_1 = nn.LayerNorm(cfg.d_model)
@@ -154,7 +154,7 @@ class GPTStage(nn.Module):
 class GPT(GPTStage):
     """The whole model: a GPTStage that holds every part."""
 
-    def __init__(self, cfg: ModelConfig, ops: Ops | None = None):
+    def __init__(self, cfg: GptConfig, ops: Ops | None = None):
         ops = ops if ops is not None else Ops()
         super().__init__(
             wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
@@ -222,11 +222,13 @@ def skeleton(cfg: ModelConfig, numerics: str = "native") -> nn.Module:
     stages)` and `.init_steps()`."""
     ops = ops_for(numerics)
     with torch.device("meta"), _NoMetaNormal():
-        if cfg.family == "llama":
+        if isinstance(cfg, LlamaConfig):
             from trainer.llama import Llama
 
             return Llama(cfg, ops)
-        return GPT(cfg, ops)
+        if isinstance(cfg, GptConfig):
+            return GPT(cfg, ops)
+        raise TypeError(f"no model of family {cfg.family!r}")
 
 
 def build_model(cfg: ModelConfig, seed: int, numerics: str = "native") -> nn.Module:

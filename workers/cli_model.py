@@ -149,12 +149,12 @@ def _job(blocks: Any, config: Any) -> Any:
     from pydantic import ValidationError
 
     from lineage.audit.replay import job_of
-    from trainer.config import one_line
+    from trainer.config import JobConfig, one_line
 
     try:
         return job_of(blocks, config, with_data=False)
     except ValidationError as err:
-        raise _error(f"the checkpoint's job configuration {config} is invalid: {one_line(err)}") from None
+        raise _error(f"the checkpoint's job configuration {config} is invalid: {one_line(err, model=JobConfig)}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise _error(f"{config} is not a job configuration block ({exc})") from None
 
