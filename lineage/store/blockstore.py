@@ -52,7 +52,7 @@ from multiformats import CID
 from lineage.errors import BlockNotFoundError, CorruptBlockError, StorageError
 from trainer.bounded import read_fd
 
-from .cid import RAW, block_name, cid_from_binary, cid_of_block, parse_cid
+from .cid import RAW, binary_cid_of_block, block_name, cid_from_binary, parse_cid
 from .dag import reachable
 from .limits import MAX_BLOCK
 
@@ -136,14 +136,19 @@ class Blockstore:
     def put(self, data: bytes | memoryview, codec: str = RAW) -> CID:
         """Store `data` as a block with `codec`, durably (one fsync); returns its CIDv1.
         Idempotent. Many blocks at once: `batch()`."""
-        cid = cid_of_block(data, codec)
-        name, _ = block_name(cid)
+        return cid_from_binary(self.put_binary(data, codec))
+
+    def put_binary(self, data: bytes | memoryview, codec: str = RAW) -> bytes:
+        """`put`, returning the binary CIDv1 (what a dag-pb link holds) instead of a CID
+        object: what the file importer calls for each block."""
+        raw = binary_cid_of_block(data, codec)
+        name, _ = block_name(raw)
         if not self._refresh(name):
             try:
                 self._write(name, data)
             except OSError as exc:
-                raise StorageError(f"cannot write block {cid} under {self.root}: {exc}") from exc
-        return cid
+                raise StorageError(f"cannot write block {cid_from_binary(raw)} under {self.root}: {exc}") from exc
+        return raw
 
     def _refresh(self, name: str) -> bool:
         """Whether the block file `name` is there; if so its age is reset, so that `gc`'s
@@ -371,25 +376,25 @@ class _Staged(Blockstore):
         super().__init__(root)
         self._stage_fd = stage_fd
 
-    def put(self, data: bytes | memoryview, codec: str = RAW) -> CID:
-        cid = cid_of_block(data, codec)
-        name, _ = block_name(cid)
+    def put_binary(self, data: bytes | memoryview, codec: str = RAW) -> bytes:
+        raw = binary_cid_of_block(data, codec)
+        name, _ = block_name(raw)
         if self._refresh(name):
-            return cid
+            return raw
         try:
             fd = os.open(name, _NEW_FILE, 0o666, dir_fd=self._stage_fd)
         except FileExistsError:  # staged already by this batch
-            return cid
+            return raw
         except OSError as exc:
-            raise StorageError(f"cannot stage block {cid} under {self.root}: {exc}") from exc
+            raise StorageError(f"cannot stage block {cid_from_binary(raw)} under {self.root}: {exc}") from exc
         try:
             _write_all(fd, data)
             _start_writeback(fd)
         except OSError as exc:
-            raise StorageError(f"cannot stage block {cid} under {self.root}: {exc}") from exc
+            raise StorageError(f"cannot stage block {cid_from_binary(raw)} under {self.root}: {exc}") from exc
         finally:
             os.close(fd)
-        return cid
+        return raw
 
 
 class _NotABlock(OSError):

@@ -11,6 +11,7 @@ an empty `Name` always written), because a CID is the hash of exactly those byte
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -19,7 +20,7 @@ from multiformats import CID
 from .cid import cid_from_binary
 
 __all__ = ["T_DIRECTORY", "T_FILE", "T_HAMT", "T_METADATA", "T_RAW", "T_SYMLINK", "PBLink", "PBNode",
-           "UnixFSData", "pb_fields", "read_varint", "write_varint"]
+           "UnixFSData", "file_leaf", "file_node", "pb_fields", "read_varint", "write_varint"]
 
 # UnixFS Data.DataType
 T_RAW, T_DIRECTORY, T_FILE, T_METADATA, T_SYMLINK, T_HAMT = range(6)
@@ -72,6 +73,35 @@ def _bytes_field(num: int, value: bytes) -> bytes:
 
 def _uint_field(num: int, value: int) -> bytes:
     return write_varint(num << 3) + write_varint(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _leaf_framing(size: int) -> tuple[bytes, bytes]:
+    """What goes before and after `size` bytes of file data in a dag-pb UnixFS leaf."""
+    head = _uint_field(1, T_FILE) + (write_varint(2 << 3 | 2) + write_varint(size) if size else b"")
+    tail = _uint_field(3, size)
+    return write_varint(1 << 3 | 2) + write_varint(len(head) + size + len(tail)) + head, tail
+
+
+def file_leaf(chunk: bytes | memoryview) -> bytes:
+    """`PBNode(UnixFSData(T_FILE, chunk, len(chunk)).encode()).encode()` (a CIDv0 import's
+    leaf), built with one copy of `chunk`: the framing of a chunk size is computed once."""
+    head, tail = _leaf_framing(len(chunk))
+    return b"".join((head, chunk, tail))
+
+
+def file_node(links: list[tuple[bytes, int, int]]) -> bytes:
+    """A UnixFS file node over `links` (binary CID, Tsize, file bytes below it): what
+    `PBNode(UnixFSData(T_FILE, None, sum(sizes), sizes).encode(), links).encode()` writes,
+    from binary CIDs (no CID object per link)."""
+    out = bytearray()
+    for cid, tsize, _ in links:
+        body = _bytes_field(1, cid) + b"\x12\x00" + _uint_field(3, tsize)  # Hash, empty Name, Tsize
+        out += _bytes_field(2, body)
+    unixfs = _uint_field(1, T_FILE) + _uint_field(3, sum(size for _, _, size in links))
+    unixfs += b"".join(_uint_field(4, size) for _, _, size in links)
+    out += _bytes_field(1, unixfs)
+    return bytes(out)
 
 
 @dataclass(frozen=True)

@@ -46,11 +46,13 @@ from lineage.errors import BlockNotFoundError, StorageError
 from .cid import (
     DAG_PB,
     RAW,
+    binary_cid_of_block,
+    cid_from_binary,
     cid_from_digest,
-    cid_of_block,
     digest_of,
     file_cid_candidates,
     parse_cid,
+    relabel_v0,
 )
 from .dagpb import (
     T_DIRECTORY,
@@ -58,9 +60,9 @@ from .dagpb import (
     T_HAMT,
     T_RAW,
     T_SYMLINK,
-    PBLink,
-    PBNode,
     UnixFSData,
+    file_leaf,
+    file_node,
     pb_fields,
 )
 from .limits import max_depth, max_in_memory
@@ -92,15 +94,19 @@ class ImportResult:
     dag_size: int = 0  # every block of the DAG: a directory link's Tsize (Kubo's node.Size())
 
 
-@dataclass
-class _Link:
-    cid: CID
-    tsize: int  # cumulative: the block plus everything below it
-    filesize: int  # file bytes below it
+#: A link below the root: (binary CID, Tsize: the block and everything below it, file bytes below it).
+_Link = tuple[bytes, int, int]
 
 
-def _compute_only(data: bytes | memoryview, codec: str) -> CID:
-    return cid_of_block(data, codec)
+def _binary_put(put: PutFn | None) -> Callable[[bytes | memoryview, str], bytes]:
+    """`put` as a function returning binary CIDs: a store's own `put_binary` where `put` is
+    a `Blockstore`'s `put` (no CID object per block), `put`'s CID as bytes otherwise."""
+    if put is None:
+        return binary_cid_of_block
+    owner = getattr(put, "__self__", None)
+    if getattr(put, "__name__", None) == "put" and callable(fast := getattr(owner, "put_binary", None)):
+        return fast
+    return lambda data, codec: bytes(put(data, codec))
 
 
 class FileImporter:
@@ -126,7 +132,7 @@ class FileImporter:
             raise ValueError(f"cid_version must be 0 or 1, got {cid_version}")
         if chunk_size < 1 or max_links < 2:
             raise ValueError(f"need chunk_size >= 1 and max_links >= 2, got {chunk_size}, {max_links}")
-        self._put = put or _compute_only
+        self._put = _binary_put(put)
         self.cid_version = cid_version
         self.raw_leaves = cid_version == 1 if raw_leaves is None else raw_leaves
         if self.raw_leaves and cid_version == 0:
@@ -143,24 +149,21 @@ class FileImporter:
         self._max_inflight = 2 * max(workers, 1)
         self._done = False
 
-    def _store(self, block: bytes | memoryview, codec: str) -> CID:
-        cid = self._put(block, codec)
+    def _store(self, block: bytes | memoryview, codec: str) -> bytes:
+        raw = self._put(block, codec)
         self._blocks += 1
-        if self.cid_version == 0:
-            return cid_from_digest(bytes(cid.raw_digest), DAG_PB, 0)
-        return cid
+        return relabel_v0(raw) if self.cid_version == 0 else raw
 
     def _leaf(self, chunk: bytes | memoryview) -> _Link:
         if self.raw_leaves:
-            return _Link(self._store(chunk, RAW), len(chunk), len(chunk))
-        block = PBNode(UnixFSData(T_FILE, bytes(chunk), len(chunk)).encode()).encode()
-        return _Link(self._store(block, DAG_PB), len(block), len(chunk))
+            return self._store(chunk, RAW), len(chunk), len(chunk)
+        block = file_leaf(chunk)
+        return self._store(block, DAG_PB), len(block), len(chunk)
 
     def _parent(self, links: list[_Link]) -> _Link:
-        size = sum(link.filesize for link in links)
-        unixfs = UnixFSData(T_FILE, None, size, [link.filesize for link in links])
-        block = PBNode(unixfs.encode(), [PBLink(link.cid, link.tsize) for link in links]).encode()
-        return _Link(self._store(block, DAG_PB), len(block) + sum(link.tsize for link in links), size)
+        block = file_node(links)
+        return (self._store(block, DAG_PB), len(block) + sum(tsize for _, tsize, _ in links),
+                sum(size for _, _, size in links))
 
     def _add(self, level: int, link: _Link) -> None:
         # A full group becomes a parent at once: exactly the batches of the balanced layout.
@@ -234,7 +237,8 @@ class FileImporter:
                 self._levels[level + 1].append(parent)
             level += 1
         self._done = True
-        return ImportResult(root.cid, self._size, self._blocks, root.tsize)
+        cid = cid_from_binary(root[0]) if self.cid_version == 1 else cid_from_digest(root[0][2:], DAG_PB, 0)
+        return ImportResult(cid, self._size, self._blocks, root[1])
 
     def close(self) -> None:
         if self._pool is not None:
