@@ -217,23 +217,54 @@ def up(
     slots: Annotated[int, typer.Option("--slots", min=1, help="Rank slots per worker.")] = 2,
     stack_dir: Annotated[Path, typer.Option("--stack", help="Directory for the stack's state and logs.")] = Path(".dlx"),
     host: Annotated[str, typer.Option("--host", help="Address Redis and the chain also listen on, for workers elsewhere.")] = "127.0.0.1",
+    rpc: Annotated[str | None, typer.Option("--rpc", help="Run on this chain instead of an anvil of the stack's own (needs --deployment; worker keys from $DLX_WORKER_KEYS).")] = None,
+    deployment: Annotated[Path | None, typer.Option("--deployment", help="The contracts on --rpc's chain: a file written by `dlx deploy`.")] = None,
 ) -> None:
-    """Start a local stack: redis-server, anvil (state file) and N staked workers."""
+    """Start a local stack: redis-server, anvil (state file) and N staked workers; or, with
+    --rpc and --deployment, Redis and N workers on that chain's deployed contracts."""
     import ipaddress
 
     from trainer.errors import ConfigError
     from workers.console import count
     from workers.jobs import redact
     from workers.stack import up as stack_up
+    from workers.stack import up_on_deployment
 
     try:
         ipaddress.ip_address(host)
     except ValueError:
         raise ConfigError(f"--host: not an IP address: {host!r}") from None
-    sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
-    stack = stack_up(stack_dir, workers, slots, host=host)
+    if (rpc is None) != (deployment is None):
+        raise ConfigError("--rpc and --deployment go together: a stack on your chain needs its deployed contracts "
+                          "(`dlx deploy --rpc URL --out FILE`)")
+    if rpc is not None and deployment is not None:
+        stack = up_on_deployment(stack_dir, rpc, deployment, worker_keys(workers), slots, host=host)
+    else:
+        sys.stderr.write("warning: the stack's node keys are anvil's public development keys: local chain only\n")
+        stack = stack_up(stack_dir, workers, slots, host=host)
     sys.stdout.write(f"redis {redact(stack.redis_url)} (password in {stack_dir / 'stack.json'})\nchain {stack.rpc} (id {stack.chain_id})\n"
                      f"ledger {stack.ledger}\n{count(len(stack.workers), 'worker')} x {count(slots, 'slot')}\n")
+
+
+def worker_keys(workers: int) -> list[Any]:
+    """The node keys of a stack on the user's chain: DLX_WORKER_KEYS, comma-separated private
+    keys, one per worker (from the environment only; never printed)."""
+    from eth_account import Account
+
+    from trainer.errors import ConfigError
+
+    raw = [k.strip() for k in os.environ.get("DLX_WORKER_KEYS", "").split(",") if k.strip()]
+    if len(raw) < workers:
+        raise ConfigError(f"DLX_WORKER_KEYS holds {len(raw)} private key(s); --workers {workers} needs one each")
+    keys = []
+    for i, key in enumerate(raw[:workers], start=1):
+        try:
+            keys.append(Account.from_key(key))
+        except (ValueError, TypeError):
+            raise ConfigError(f"DLX_WORKER_KEYS: key {i} is not a valid private key") from None
+    if len({k.address for k in keys}) < len(keys):
+        raise ConfigError("DLX_WORKER_KEYS: a key appears twice (each worker is its own node)")
+    return keys
 
 
 @user_errors
@@ -385,7 +416,8 @@ def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, coll
         # `[model] init` paths are the job file's; the rank tasks resolve them from here.
         "job_toml": job_file.read_text(), "job_dir": str(job_file.resolve().parent), "name": job.name, "rpc": stack.rpc, "chain_id": stack.chain_id,
         "registry": stack.registry, "ledger": stack.ledger, "blocks": stack.blocks,
-        "stack": str(Path(stack.dir).resolve()),  # run.json finds the chain through it after down and up
+        # run.json finds the stack's own chain through it after down and up; a user's chain stays where it is
+        "stack": None if stack.deployment else str(Path(stack.dir).resolve()),
         "replicas": job.parallel.replicas, "stages": job.parallel.stages, "world": job.world_size,
         "min_replicas": job.parallel.min_replicas or job.parallel.replicas,
         "outer_steps": job.outer.steps, "inner_steps": job.outer.inner_steps,
@@ -411,13 +443,24 @@ def refuse_what_the_stack_cannot_honour(job: Any, stack: Any) -> None:
     if chain.chain_id is not None and chain.chain_id != stack.chain_id:
         raise ConfigError(f"chain.chain_id is {chain.chain_id}, but the stack's chain at {stack.rpc} has id "
                           f"{stack.chain_id}")
-    if chain.deployment is not None:
+    if chain.deployment is not None and not _same_deployment(job, stack):
         raise ConfigError(f"chain.deployment: the stack records every job on its own ledger ({stack.ledger}), "
                           "not a deployment file's: leave chain.deployment out, or run the job with `dlx train`")
     if storage.backend != "local" or storage.path is not None:
         given = storage.api if storage.backend == "ipfs" else storage.path
         raise ConfigError(f"storage: the stack stores every job's blocks in its own blockstore ({stack.blocks}), "
                           f"not {given}: leave [storage] backend, api and path out, or run the job with `dlx train`")
+
+
+def _same_deployment(job: Any, stack: Any) -> bool:
+    """Whether the job's `[chain] deployment` names the contracts the stack runs on (a
+    stack started with that deployment: `dlx up --deployment`)."""
+    from lineage.chain.deploy import Deployment
+
+    if not stack.deployment:
+        return False
+    dep = Deployment.load(Path(job.chain.deployment))
+    return (dep.chain_id, dep.registry, dep.ledger) == (stack.chain_id, stack.registry, stack.ledger)
 
 
 def refuse_what_the_workers_cannot_serve(job: Any, stack: Any, store: Any) -> None:

@@ -14,6 +14,13 @@ same port where it is free, and keeps the ledger it finds there (no redeployment
 committed before still audit; a run's run.json names its stack, and finds the chain
 wherever the stack's anvil listens now (`lineage.chain.runrecord.RunRecord.load`).
 
+A stack on a chain of its user's (`dlx up --rpc URL --deployment FILE`, `up_on_deployment`):
+no anvil and no keeper; the contracts are the deployment file's (`dlx deploy`, checked
+against the endpoint's chain id and code), and each worker's node key comes from the
+environment (DLX_WORKER_KEYS: one private key per worker, comma-separated, never on a
+command line), registers itself and stakes from its own balance, and pays the gas of the
+steps it commits. Its runs name no stack: their chain does not stop with it.
+
 Redis is durable: an append-only file in `<stack>/redis/`, fsynced on every write (the
 job store and broker write little), so a restarted redis-server (`restart_redis`) comes
 back with every job record, lease and queued task. It asks for a password, generated
@@ -40,6 +47,8 @@ from trainer.errors import ConfigError
 from .jobs import JobError, connect
 
 if TYPE_CHECKING:
+    from eth_account.signers.local import LocalAccount
+
     from lineage.chain.client import Chain
     from lineage.chain.ledger import Ledger
 
@@ -62,6 +71,7 @@ class Stack:
     workers: list[dict] = field(default_factory=list)
     host: str = "127.0.0.1"
     keeper_pid: int = 0  # saves the chain's state file after every block
+    deployment: str | None = None  # set: the chain is the user's (no anvil: anvil_pid 0), with this file's contracts
 
     @property
     def blocks(self) -> str:
@@ -129,18 +139,10 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
     from lineage.chain.ledger import Ledger
 
     directory = Path(directory)
-    if (directory / STACK_FILE).exists():
-        old = Stack.load(directory)
-        if any(alive(p) for p in [old.redis_pid, old.anvil_pid, old.keeper_pid, *[w["pid"] for w in old.workers]] if p):
-            raise ConfigError(f"a stack is already up in {directory}: `dlx down` first")
+    _refuse_a_live_stack(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    port = free_port(host)
-    password = secrets.token_hex(16)
-    redis_pid = start_redis(directory, host, port, password)
-    url = f"redis://:{password}@{host}:{port}/0"
-    started: list[int] = [redis_pid]
+    url, started = _start_stack_redis(directory, host, free_port(host))
     try:
-        _wait_redis(url)
         before = _chain_history(directory)
         anvil_pid, rpc = _start_anvil(directory, host, accounts=max(10, workers + 2), port=before.get("port"))
         started.append(anvil_pid)
@@ -150,7 +152,7 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
         accounts = dev_accounts(workers + 1)
         chain = Chain(rpc)
         ledger = _kept_ledger(chain, before) or Ledger.deploy(chain, accounts[0])
-        stack = Stack(dir=str(directory), redis_url=url, redis_pid=redis_pid, rpc=rpc, anvil_pid=anvil_pid,
+        stack = Stack(dir=str(directory), redis_url=url, redis_pid=started[0], rpc=rpc, anvil_pid=anvil_pid,
                       chain_id=chain.chain_id, registry=ledger.addresses["registry"],
                       ledger=ledger.addresses["ledger"], host=host, keeper_pid=keeper_pid)
         _save_chain_history(stack)
@@ -162,6 +164,56 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
     except BaseException:
         _stop_pids(list(reversed(started)))
         raise
+
+
+def up_on_deployment(directory: Path, rpc: str, deployment: Path, keys: list[LocalAccount], slots: int,
+                     stake_wei: int = ETHER, host: str = "127.0.0.1") -> Stack:
+    """Start a stack on the user's chain at `rpc` with the contracts of `deployment` (module
+    docstring): Redis and one worker per key of `keys`, each registered and staked by
+    itself. Nothing is started when the deployment is not on that chain."""
+    from lineage.chain.anvil import free_port
+    from lineage.chain.client import Chain
+    from lineage.chain.deploy import open_deployment
+
+    directory = Path(directory)
+    _refuse_a_live_stack(directory)
+    chain = Chain(rpc)
+    ledger = open_deployment(chain, deployment)  # before anything starts: another chain, no code
+    for acct in keys:
+        ledger.registry.ensure_staked(acct, stake_wei)
+    directory.mkdir(parents=True, exist_ok=True)
+    url, started = _start_stack_redis(directory, host, free_port(host))
+    try:
+        stack = Stack(dir=str(directory), redis_url=url, redis_pid=started[0], rpc=rpc, anvil_pid=0,
+                      chain_id=chain.chain_id, registry=ledger.addresses["registry"],
+                      ledger=ledger.addresses["ledger"], host=host, deployment=str(Path(deployment).resolve()))
+        for i, acct in enumerate(keys, start=1):
+            started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
+        stack.save()
+        return stack
+    except BaseException:
+        _stop_pids(list(reversed(started)))
+        raise
+
+
+def _refuse_a_live_stack(directory: Path) -> None:
+    if (directory / STACK_FILE).exists():
+        old = Stack.load(directory)
+        if any(alive(p) for p in [old.redis_pid, old.anvil_pid, old.keeper_pid, *[w["pid"] for w in old.workers]] if p):
+            raise ConfigError(f"a stack is already up in {directory}: `dlx down` first")
+
+
+def _start_stack_redis(directory: Path, host: str, port: int) -> tuple[str, list[int]]:
+    """The stack's redis-server, answering; (its URL, [its pid])."""
+    password = secrets.token_hex(16)
+    redis_pid = start_redis(directory, host, port, password)
+    url = f"redis://:{password}@{host}:{port}/0"
+    try:
+        _wait_redis(url)
+    except BaseException:
+        _stop_pids([redis_pid])
+        raise
+    return url, [redis_pid]
 
 
 def _chain_history(directory: Path) -> dict:
@@ -332,8 +384,9 @@ def down(directory: Path) -> list[int]:
     _stop_pids(workers)  # first the workers, while Redis and the chain still answer them
     keeper = [stack.keeper_pid] if stack.keeper_pid else []
     _stop_pids(keeper)  # its last save, while anvil answers; then anvil saves once more at exit
-    _stop_pids([stack.anvil_pid, stack.redis_pid])
-    pids = [*workers, *keeper, stack.anvil_pid, stack.redis_pid]
+    servers = [p for p in (stack.anvil_pid, stack.redis_pid) if p]  # no anvil on the user's chain
+    _stop_pids(servers)
+    pids = [*workers, *keeper, *servers]
     (Path(directory) / STACK_FILE).unlink()  # chain/ stays: the next `up` resumes its chain
     return pids
 
