@@ -124,14 +124,31 @@ def _commits(rec: dict) -> list[int]:
     return [c.record.step for c in ledger.commits(int(rec["run_id"]))]
 
 
+def _joiner_waiting(stack: Path, job: str) -> None:
+    """Wait until a joiner ticket of `job` is registered and beating (the growth path's
+    `GrowFlag` then seats it at the next round end)."""
+    from workers.membership import Members
+
+    store = _store(stack)
+    members = Members(store, job, int(store.get(job)["attempt"]))
+    deadline = time.monotonic() + 300
+    while not members.alive(list(members.waiting())):
+        assert time.monotonic() < deadline, "the returned node's ticket never waited to join"
+        time.sleep(0.2)
+
+
 def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
     stack = _up(tmp_path, workers=3, slots=1)
-    try:
+    hold = tmp_path / "joiner-waits"  # the ranks wait before step 4 until the returned node waits to join:
+    try:  # however slowly its worker starts, the run does not end first
         steps = 9
-        job = _submit(stack, _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=40, replicas=3,
-                                  stages=1))
+        path = _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=40, replicas=3, stages=1)
+        path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 4\nuntil = "{hold}"\n')
+        job = _submit(stack, path)
         victim, before = _kill_mid_round(stack, job, replica=2)
         _restart_worker(stack, victim, slots=1)  # the node comes back while the others go on
+        _joiner_waiting(stack, job)
+        hold.touch()
         rec = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)
         assert rec["state"] == "completed", rec.get("error")
         assert _commits(rec) == list(range(1, steps + 1))  # every step once, none lost
@@ -142,6 +159,7 @@ def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
         grown = [t for t, s in enumerate(sets) if t > shrunk[-1]]
         assert grown and all(sets[t] == [0, 1, 2] for t in grown), sets  # full size again, on chain
     finally:
+        hold.touch()
         _down(stack)
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 DLX = str(Path(sys.executable).parent / "dlx")
-CID = re.compile(r"baf[a-z2-7]+")
+CID = re.compile(r"(?<![0-9A-Za-z])baf[a-z2-7]+")  # not the letters "baf" inside a hex hash
 HEX = re.compile(r"0x[0-9a-fA-F]+")
 LONG = "a-run-directory-with-a-name-long-enough-to-push-every-line-past-any-terminal-width"
 

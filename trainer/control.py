@@ -14,7 +14,14 @@ from typing import Any
 
 from trainer.hooks import RankHooks
 
-__all__ = ["Membership", "RankControl", "ResumePoint"]
+#: How long the ranks of a world wait for each other to arrive (at least; `trainer.world.
+#: init_world`): a rank that joins a running world (an elastic joiner) starts its process,
+#: imports torch and builds its stage first, which on a loaded machine takes longer than a
+#: short collective timeout. A launcher that judges whether the others moved on without a
+#: failed rank waits at least this long.
+RENDEZVOUS_S = 120.0
+
+__all__ = ["RENDEZVOUS_S", "Membership", "RankControl", "ResumePoint"]
 
 
 @dataclass(frozen=True)

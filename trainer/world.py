@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import JobConfig
+from trainer.control import RENDEZVOUS_S
 from trainer.errors import Cancelled, DlxError, TrainingError
 from trainer.supervisor import peer_loss
 
@@ -24,6 +25,7 @@ __all__ = [
     "check_members",
     "gpu_usable",
     "init_world",
+    "rendezvous",
     "world_failure",
 ]
 
@@ -77,14 +79,34 @@ class Topology:
 
 def init_world(init_method: str, rank: int, world_size: int, timeout_s: float | None) -> None:
     """Join a world over gloo (every membership epoch's, too) with the collective timeout:
-    how soon a lost peer fails a collective."""
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT,
-    )
+    how soon a lost peer fails a collective. A tcp:// world's ranks first meet on its
+    TCPStore with the longer rendezvous timeout (`rendezvous`), so a slow starter is waited
+    for; a lost peer then fails the first collective after the collective timeout."""
+    timeout = timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT
+    if not init_method.startswith("tcp://"):
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
+        return
+    store = rendezvous(init_method, rank, world_size, max(timeout, timedelta(seconds=RENDEZVOUS_S)))
+    store.set_timeout(timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def rendezvous(init_method: str, rank: int, world_size: int, wait: timedelta) -> dist.TCPStore:
+    """The world's TCPStore (rank 0 serves it at `init_method`'s tcp://host:port, as
+    torch's own tcp:// rendezvous does), once all `world_size` ranks have arrived or `wait`
+    has passed (DistStoreError, which `world_failure` counts as a broken world)."""
+    import time
+
+    host, _, port = init_method.removeprefix("tcp://").rpartition(":")
+    store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, wait)
+    store.add("dlx/arrived", 1)
+    deadline = time.monotonic() + wait.total_seconds()
+    while store.add("dlx/arrived", 0) < world_size:
+        if time.monotonic() > deadline:
+            raise dist.DistStoreError(f"rendezvous at {init_method}: {store.add('dlx/arrived', 0)} of "
+                                      f"{world_size} ranks arrived within {wait.total_seconds():.0f} s")
+        time.sleep(0.05)
+    return store
 
 
 def check_members(members: tuple[int, ...], job: JobConfig, epoch: int) -> tuple[int, ...]:

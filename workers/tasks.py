@@ -43,6 +43,7 @@ from lineage.chain.attest import (
     replica_bitmap,
     shard_digest,
 )
+from trainer.control import RENDEZVOUS_S
 from trainer.launch import gpu_count
 
 from .celery_app import app, redis_url
@@ -409,8 +410,8 @@ class RankTask:
                 return {"rank": self.ticket, "state": self.store.state(self.job_id)}
             if self.elastic and "is not in epoch" in str(payload):  # my replica lost a stage
                 return {"rank": self.ticket, "state": "left"}
-            if self.elastic and self.members.moves_on(self.epoch, float(self.rec.get("collective_timeout_s") or 60)
-                                                      + HEARTBEAT_TTL_S):  # the others re-form without me
+            within = max(float(self.rec.get("collective_timeout_s") or 60), RENDEZVOUS_S) + HEARTBEAT_TTL_S
+            if self.elastic and self.members.moves_on(self.epoch, within):  # the others re-form without me
                 log.warning("job %s ticket %s left its world: %s", self.job_id, self.ticket, payload)
                 return {"rank": self.ticket, "state": "left"}
             raise JobError(self._blame(world, by_ticket, str(payload)))

@@ -41,7 +41,11 @@ Modes, each active at every outer step >= `from_step`:
 - shared_key: slot (replica, stage) is signed with the key of slot (0, stage), one node in
   two replicas, so the ledger reverts with LedgerNotIndependent (signer side: workers/sink.py);
 - equivocate_result: as equivocate, but the second claim differs in its co-signed shard
-  digest (`reportResultEquivocation`).
+  digest (`reportResultEquivocation`);
+- hold (no misbehaviour: a test's pacing): every rank waits, before the inner steps of
+  outer step `from_step` only, until the file `until` exists (at most HOLD_MAX_S), so that
+  a test can let something happen at a known point of a run (a returning node waiting to
+  join) however slowly the machine starts processes.
 """
 
 from __future__ import annotations
@@ -86,7 +90,10 @@ EQUIVOCATION_DIR = "equivocation"
 SIGNER_MODES = ("equivocate", "equivocate_result", "shared_key")
 
 CheatMode = Literal["poison", "skip_work", "stale_parent", "equivocate", "bad_aggregate", "collude_shard",
-                    "wrong_shard", "shared_key", "equivocate_result"]
+                    "wrong_shard", "shared_key", "equivocate_result", "hold"]
+
+#: The longest a `hold` waits for its file: then the run goes on (and the test fails on what it asserts).
+HOLD_MAX_S = 600.0
 
 
 class CheatConfig(_Section):
@@ -103,7 +110,8 @@ class CheatConfig(_Section):
         "claim; bad_aggregate: the coordinator stores a stage shard that is not the aggregate; "
         "collude_shard: every replica of the stage co-signs such a shard; wrong_shard: the slot co-signs "
         "another shard than its peers; shared_key: replica 0's key signs the slot; equivocate_result: "
-        "the node also signs a claim with another co-signed shard."
+        "the node also signs a claim with another co-signed shard; hold: every rank waits before "
+        "step from_step's inner steps until the file `until` exists (pacing, not misbehaviour)."
     )
     replica: int = Field(0, ge=0, description="The cheating slot's replica.")
     stage: int = Field(0, ge=0, description="The cheating slot's stage (skip_work: all stages).")
@@ -111,6 +119,7 @@ class CheatConfig(_Section):
     scale: float = Field(
         1.0, gt=0.0, description="poison: noise std as a multiple of the pseudo-gradient's RMS."
     )
+    until: str | None = Field(None, description="hold: the file whose existence ends the wait.")
 
     def active(self, step: int) -> bool:
         return step >= self.from_step
@@ -132,6 +141,8 @@ def check_cheats(cheats: list[CheatConfig], job: JobConfig) -> None:
                              "possible parent is the genesis)")
         if p.sync == "allreduce":
             raise ValueError(f"{where}: cheats need parallel.sync = 'diloco'")
+        if (c.mode == "hold") != (c.until is not None):
+            raise ValueError(f"{where}: `until` goes with mode 'hold', and only with it")
 
 
 def hooks(cheats: list[CheatConfig], job: JobConfig) -> Cheats | None:
@@ -202,7 +213,11 @@ class Cheats(RankHooks):
 
     def inner_phase(self, loop: RoundLoop, rnd: Round) -> float:
         """skip_work: claim the round (loss 0, a zero pseudo-gradient) without its inner
-        steps, but keep the stop collective's beat and the partial rule's merge."""
+        steps, but keep the stop collective's beat and the partial rule's merge. hold: wait
+        for the file first (every rank, so no collective waits on a held peer)."""
+        for c in self.cheats:
+            if c.mode == "hold" and rnd.t == c.from_step and c.until is not None:
+                _wait_for_file(Path(c.until), HOLD_MAX_S)
         if not any(c.active(rnd.t) for c in self.cheats if c.mode == "skip_work" and c.replica == loop.topo.replica):
             return loop.inner_steps(rnd)
         for h in range(loop.job.outer.inner_steps if loop.control.cancellable else 0):
@@ -303,6 +318,14 @@ class _Poison:
             noise = torch.randn(d.shape, generator=gen, dtype=torch.float32)
             out[name] = d + (live[0].scale * rms * noise).to(d.dtype)
         return out
+
+
+def _wait_for_file(path: Path, limit_s: float) -> None:
+    import time
+
+    deadline = time.monotonic() + limit_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def _nudged(data: bytes) -> bytes:
