@@ -99,7 +99,7 @@ def worker(
 def submit(
     job_file: Annotated[Path, typer.Argument(help="Job file (TOML).")],
     stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
-    rendezvous_s: Annotated[float, typer.Option("--rendezvous-timeout", min=1, help="Seconds for all ranks to join.")] = 60.0,
+    rendezvous_s: Annotated[float, typer.Option("--rendezvous-timeout", min=1, help="Seconds for all ranks to join (an elastic job then starts with min_replicas or more).")] = 60.0,
     collective_timeout_s: Annotated[float, typer.Option("--collective-timeout", min=5, help="Seconds before a lost rank fails the round.")] = 60.0,
 ) -> None:
     """Queue a training job; prints its id at once."""
@@ -472,8 +472,8 @@ def refuse_what_the_workers_cannot_serve(job: Any, stack: Any, store: Any) -> No
 
     workers = _live_slots(stack, store)
     offered = sum(w["slots"] for w in workers)
-    if offered < job.world_size:
-        raise ConfigError(f"the job needs {job.world_size} rank slots; the stack's live workers offer {offered} "
+    if offered < _slots_needed(job):  # an elastic job starts with min_replicas (workers/rendezvous.py)
+        raise ConfigError(f"the job needs {_slots_needed(job)} rank slots; the stack's live workers offer {offered} "
                           f"({len(workers)} worker{'s' if len(workers) != 1 else ''}): start more workers "
                           "(`dlx worker`) or use fewer replicas or stages")
     _refuse_understaked(job, stack, workers)
@@ -492,6 +492,11 @@ def _live_slots(stack: Any, store: Any) -> list[dict[str, Any]]:
     return announced + starting
 
 
+def _slots_needed(job: Any) -> int:
+    """The rank slots a job starts with: all of them, an elastic job's min_replicas x stages."""
+    return job.parallel.min_present * job.parallel.stages
+
+
 def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> None:
     """Queued nodes stake for themselves (`dlx node stake`): a job whose stake the live
     nodes do not hold would have its attestations refused on chain, step after step."""
@@ -503,10 +508,10 @@ def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> 
     ledger = Ledger(Chain(stack.rpc, stack.chain_id), stack.registry, stack.ledger)
     stakes = {node: ledger.registry.stake_of(node) for node in {w["node"] for w in workers}}
     offered = sum(w["slots"] for w in workers if stakes[w["node"]] >= need)
-    if offered < job.world_size:
+    if offered < _slots_needed(job):
         node, most = max(stakes.items(), key=lambda kv: kv[1])
         raise ConfigError(f"chain.stake_wei: the job wants nodes holding {need} wei; the live workers whose nodes "
-                          f"hold that offer {offered} of its {job.world_size} rank slots (the most a node holds: "
+                          f"hold that offer {offered} of its {_slots_needed(job)} rank slots (the most a node holds: "
                           f"{most} wei, {node}): nodes stake for themselves (`dlx node stake`)")
 
 

@@ -20,7 +20,9 @@ then calls `Regroup` (trainer.control.RankControl.regroup), which
 
 A lost replica's tickets are retired, and S new tickets for it go to the `train` queue:
 the first worker with free slots to take them (a new one, or the lost one come back) waits
-as a *joiner*. Rank 0 asks `GrowFlag` after each outer step it reports; when a complete
+as a *joiner*. So does a ticket the first world formed without (an elastic job starts with
+as few as min_replicas complete replicas when its other tickets are not taken within the
+rendezvous timeout: workers/rendezvous.py); its replica ids are the world's free ones. Rank 0 asks `GrowFlag` after each outer step it reports; when a complete
 replica waits, every rank regroups at that boundary with reason "grow", the joiners take
 the lowest free replica ids, and their rank processes start from the head checkpoint
 fetched from the store (fresh inner and compressor state; trainer.engine).
@@ -34,7 +36,7 @@ the same set).
 Keys (under `dlx:job:<id>:a<attempt>`): `seats` (ticket -> "r,s"), `epoch` (the current
 epoch), `wanted` (the highest epoch asked for), `e<n>` (the epoch's record, JSON),
 `e<n>:in` (check-ins), `e<n>:decider`, `e<n>:addr` (rank 0's store address), `waiting`
-(joiner ticket -> node), `retired` (tickets of lost replicas), `tickets` (the next ticket
+(joiner ticket -> node), `seated` (joiners seated since: ticket -> node), `retired` (tickets of lost replicas), `tickets` (the next ticket
 number), `sink` (the step the sink is committing and the ticket hosting it).
 """
 
@@ -133,6 +135,7 @@ class Members:
             return
         nodes = self.store.joined(self.job_id, self.attempt)
         nodes.update(self.waiting())
+        nodes.update({int(t): v.decode() for t, v in self.r.hgetall(self.key("seated")).items()})
         member_nodes = {str(r): [nodes.get(t, "?") for t, seat in sorted(rec.seats.items(), key=lambda x: x[1])
                                  if seat[0] == r] for r in rec.members}
         self.store.update(self.job_id, epoch=rec.epoch, members=list(rec.members), member_nodes=member_nodes)
@@ -346,7 +349,9 @@ def seat_joiners(members: Members, rec: dict[str, Any], taken: set[int]) -> dict
             break
         group, queue = queue[:S], queue[S:]
         seats.update({t: (r, s) for s, t in enumerate(group)})
-    if seats:
+    if seats:  # seated: their nodes move from `waiting` to `seated` (the epoch's record names them)
+        members.r.hset(members.key("seated"), mapping={str(t): waiting[t] for t in seats})
+        members.r.expire(members.key("seated"), KEY_TTL_S)
         members.r.hdel(members.key("waiting"), *map(str, seats))
     return seats
 
@@ -371,6 +376,10 @@ def join_run_as_joiner(members: Members, rec: dict[str, Any], account: Any, tick
     returns the refusal's message, else None."""
     from lineage.errors import ChainError
 
+    while not members.store.get(members.job_id).get("run_id"):  # a spare ticket may come before createRun
+        if members.store.state(members.job_id) in TERMINAL:
+            return None
+        time.sleep(0.5)
     try:
         tx = _join_run(members, rec, account)
     except ChainError as exc:

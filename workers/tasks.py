@@ -5,10 +5,10 @@ rank on one worker node:
 
 1. it joins the job's rendezvous record in Redis with its node address; rank 0 also
    publishes its TCPStore address; all wait until the world is complete or the deadline
-   passes (then the job fails saying how many slots were needed and how many came); the
-   task's rank is then its ticket, and each task trains the slot `replica_aligned` gives it,
-   so that a node's slots lie in one replica (the ledger's independence rule; ticket 0 stays
-   rank 0, the rendezvous host);
+   passes (then the job fails saying how many slots were needed and how many came, or an
+   elastic job starts with the complete replicas that came: workers/rendezvous.py); each
+   task trains the slot `replica_aligned` gives it, so that a node's slots lie in one
+   replica (the ledger's independence rule; ticket 0 stays rank 0, the rendezvous host);
 2. it runs the rank in a child process (torch.distributed over gloo), relaying events;
 3. every rank attests its own work: when rank 0 publishes the claim for its slot, the
    rank checks the claimed contribution, data shard and loss against what it computed
@@ -57,8 +57,9 @@ from .jobs import (
     connect,
     settle_run_file,
 )
-from .membership import EpochRecord, GrowFlag, Members, Regroup, join_epoch, run_blocks, store_port
+from .membership import EpochRecord, GrowFlag, Members, Regroup, join_epoch, run_blocks
 from .node import NodeIdentity
+from .rendezvous import elastic_rendezvous, rendezvous, replica_aligned, spare_ticket
 
 log = get_task_logger(__name__)
 POLL_S = 0.1
@@ -119,33 +120,6 @@ class RedisSigner:
             time.sleep(POLL_S)
 
 
-def replica_aligned(joined: dict[int, str], replicas: int, stages: int) -> list[int]:
-    """The tickets (the rank each task was queued as) in the order of the ranks they train.
-
-    The ledger lets a node sign slots of one replica per step only, and a worker with several
-    slots takes several tickets, whichever the queue hands it; so each node's tickets are
-    packed into replicas together, largest groups first (ticket 0's node first, keeping
-    ticket 0 at rank 0: it hosts the rendezvous store). Every task computes the same order
-    from the same complete `joined` map (ticket -> node). A node holding more tickets than
-    a replica has stages, or whose group fits no replica's room, spills into the next room
-    (and the ledger refuses its steps, naming it)."""
-    groups: dict[str, list[int]] = {}
-    for ticket in sorted(joined):
-        groups.setdefault(joined[ticket], []).append(ticket)
-    first, *rest = sorted(groups.values(), key=lambda g: (g[0] != 0, -len(g), g[0]))
-    rooms: list[list[int]] = [first[:stages], *([] for _ in range(replicas - 1))]
-    spill = first[stages:]
-    for group in rest:
-        room = next((r for r in rooms if len(r) + len(group) <= stages), None)
-        if room is None:
-            spill.extend(group)
-        else:
-            room.extend(group)
-    for ticket in spill:
-        next(r for r in rooms if len(r) < stages).append(ticket)
-    return [t for room in rooms for t in room]
-
-
 @app.task(bind=True, name="workers.tasks.run_rank", acks_late=True)
 def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     """Run `rank` of job `job_id` (attempt `attempt`) on this worker node."""
@@ -155,7 +129,8 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
         return {"rank": rank, "skipped": True}
     # Idempotence under redelivery (acks_late): the first task to take the rank's lease runs
     # it; a duplicate finds a live owner, or a world formed without it, and leaves.
-    joiner = rank >= int(rec["world"])  # an elastic job's ticket for a lost replica joins a running world
+    # An elastic job's ticket for a lost replica, or one its first world formed without, joins a running world.
+    joiner = rank >= int(rec["world"]) or spare_ticket(store, job_id, attempt, rank)
     if rec["state"] != "queued" and not joiner:  # the world formed before this delivery
         return {"rank": rank, "skipped": True, "duplicate": True}
     token = f"{self.request.hostname}/{uuid.uuid4().hex[:8]}"
@@ -168,7 +143,7 @@ def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     me = NodeIdentity.from_env()
     beat = Heartbeat(store, job_id, attempt, rank, token)
     try:
-        return _run(store, job_id, rank, attempt, rec, me, beat)
+        return _run(store, job_id, rank, attempt, rec, me, beat, joiner)
     except BaseException as exc:
         text = " ".join(str(exc).split()) or exc.__class__.__name__
         known = text.startswith(("rank ", "lost rank")) or "rendezvous" in text
@@ -218,30 +193,8 @@ class Heartbeat:
             self._beat(final_ttl_s)
 
 
-def _rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
-                world: int) -> tuple[dict[int, str], str] | None:
-    """Join the job's rendezvous and wait for all `world` rank slots and rank 0's store
-    address; returns (ticket -> node address, the store's host:port), or None when the
-    job ended meanwhile. Rank 0 publishes the address of the TCPStore it will host."""
-    store.join(job_id, attempt, rank, me.address)
-    if rank == 0:
-        store.publish_store_address(job_id, attempt, f"{me.host}:{store_port(me.host)}")
-    deadline = time.monotonic() + float(rec.get("rendezvous_s", 60))
-    while True:
-        joined = store.joined(job_id, attempt)
-        address = store.store_address(job_id, attempt)
-        if len(joined) >= world and address:
-            return joined, address
-        if store.state(job_id) in TERMINAL:
-            return None
-        if time.monotonic() > deadline:
-            raise JobError(f"rendezvous timed out: the job needs {world} rank slots, "
-                           f"{len(joined)} joined within {rec.get('rendezvous_s', 60)} s")
-        time.sleep(POLL_S)
-
-
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
-         beat: Heartbeat) -> dict[str, Any]:
+         beat: Heartbeat, joiner: bool) -> dict[str, Any]:
     from trainer.config import load_job
     from workers.jobfile import job_file_class, with_init_model
     from workers.local import refuse_cheat_off_local_chain
@@ -250,27 +203,53 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
     world = job.world_size
     task = RankTask(store, job_id, attempt, rank, rec, me, beat, job)
-    if rank >= world:  # a ticket queued for a lost replica: wait to be seated, then join
+    if joiner:  # a ticket queued for a lost replica, or left out of the first world: wait to be seated
         return task.join()
-    met = _rendezvous(store, job_id, rank, attempt, rec, me, world)
+    met = _first_world(task, world)
     if met is None:
         return {"rank": rank, "skipped": True}
-    joined, address = met
-    by_ticket = [joined[i] for i in range(world)]  # liveness is kept per task (ticket)
-    order = replica_aligned(joined, job.parallel.replicas, job.parallel.stages)
+    if not met[0]:  # an elastic job's first world formed without this ticket: it joins later
+        return task.join()
+    order, nodes, address, by_ticket = met
     slot = order.index(rank)  # the rank this task trains and attests
-    nodes = [joined[t] for t in order]
-    if rank == 0:
+    if slot == 0:
         store.update(job_id, state="running", nodes=nodes, world=world)
-    task.seat = divmod(slot, job.parallel.stages)
-    if task.elastic and rank == 0:
+    S = job.parallel.stages
+    task.seat = divmod(slot, S)
+    present = tuple(range(len(order) // S))  # an elastic job may start with fewer than R replicas
+    if task.elastic and slot == 0:
         resume = rec.get("resume_from") or {}
-        S = job.parallel.stages
-        task.members.publish(EpochRecord(0, tuple(range(job.parallel.replicas)), {t: order.index(t) for t in order},
+        task.members.publish(EpochRecord(0, present, {t: order.index(t) for t in order},
                                          {t: divmod(order.index(t), S) for t in order},
                                          int(resume.get("step", 0)), str(resume.get("checkpoint", ""))))
     start = _resume_point(rec, job, slot) if rec.get("resume_from") else None
-    return task.run(slot, world, f"tcp://{address}", start, order=order, by_ticket=by_ticket)
+    return task.run(slot, len(order), f"tcp://{address}", start, members=present if task.elastic else None,
+                    order=order, by_ticket=by_ticket)
+
+
+def _first_world(task: RankTask, world: int) -> tuple[list[int], list[str], str, list[str]] | None:
+    """The rendezvous (workers/rendezvous.py): (the tickets in slot order, each slot's node,
+    rank 0's store address, each ticket's node for liveness, none when the world formed
+    without some), an empty order when an elastic job's world formed without this ticket,
+    or None when the job ended meanwhile."""
+    store, job_id, attempt, job = task.store, task.job_id, task.attempt, task.job
+    R, S = job.parallel.replicas, job.parallel.stages
+    if not task.elastic:
+        met = rendezvous(store, job_id, task.ticket, attempt, task.rec, task.me, world)
+        if met is None:
+            return None
+        joined, address = met
+        order = replica_aligned(joined, R, S)
+        return order, [joined[t] for t in order], address, [joined[i] for i in range(world)]
+    formed = elastic_rendezvous(store, job_id, task.ticket, attempt, task.rec, task.me,
+                                (R, S, job.parallel.min_present))
+    if formed is None:
+        return None
+    first, address = formed
+    if address is None:
+        return [], [], "", []
+    by_ticket = [first.nodes[first.order.index(i)] for i in range(world)] if len(first.order) == world else []
+    return first.order, first.nodes, address, by_ticket
 
 
 class RankTask:
@@ -355,7 +334,7 @@ class RankTask:
         control.gpu = gpu = _GPUS.take()
         log_path = rank_log(self.rec["run_dir"], self.ticket if self.elastic else rank, self.attempt)
         if start is not None:
-            _log_line(log_path, f"attempt {self.attempt} {'joins' if members else 'resumes'} from step {start.step}")
+            _log_line(log_path, f"attempt {self.attempt} {'joins' if epoch else 'resumes'} from step {start.step}")
         sup = Supervisor()
         try:
             proc = sup.start(rank, train_rank, (rank, world, init_method, self.training, control),
@@ -653,6 +632,9 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     data = DataRecord.from_doc(rec["data"]) if "data" in rec else None
     config = RunConfig.of_job(job, code_hash(), data).to_doc()
     domain = Domain(chain.chain_id, ledger.ledger.address)
+    # The run's first members (createRun names each once): an elastic job's first world may
+    # hold fewer than R replicas, whose free slots repeat its first node (joiners use joinRun).
+    nodes = nodes + nodes[:1] * (job.world_size - len(nodes))
     sink = LedgerSink(
         job=training, config=config, store=Blockstore(record.blocks_dir(run_dir)), ledger=ledger,
         submitter=me.account, slot_nodes=nodes, signer=RedisSigner(store, job_id, attempt, me, domain, members),
