@@ -32,7 +32,6 @@ import pytest
 from dlx_testing.cheat import CheatingJobFile
 from eth_utils import to_checksum_address
 
-from lineage.audit.query import open_ledger
 from lineage.chain.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
 from lineage.chain.attest import (
     ContributionClaim,
@@ -225,7 +224,7 @@ def honest_chain(trained_run, tmp_path_factory) -> Iterator[tuple[Ledger, RunRec
     """A live anvil on a copy of the honest run's chain state."""
     run_dir = copy_run(trained_run[0], tmp_path_factory.mktemp("honest-chain") / "run")
     record = RunRecord.load(run_dir)
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         yield ledger, record
 
 
@@ -355,7 +354,7 @@ def test_a_stale_parent_reverts_the_commit_and_nothing_is_half_written(coordinat
     store = store_of(run_dir)
     step2 = get_manifest(store, record.head)
     assert step2.step == 2
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         assert ledger.head(record.run_id) == (digest_of(parse_cid(record.head)), 2)
         assert [s.step for s in ledger.steps(record.run_id)] == [1, 2]
     # The ledger expected step 2's checkpoint and was offered step 1's.
@@ -421,7 +420,7 @@ def test_a_manifest_linking_a_shard_nobody_co_signed_fails_the_chain_level(coord
     assert steps[1]["ok"]
     shard = get_manifest(store_of(run_dir), manifest_cid(run_dir, 2)).stages[0]
     record = RunRecord.load(run_dir)
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         (cosigned,) = ledger.steps(record.run_id)[1].shards(1)  # what both replicas computed
     assert digest_of(shard) != cosigned
     assert steps[2]["failures"]["chain"] == (
@@ -449,7 +448,7 @@ def test_a_replica_co_signing_another_shard_than_its_peer_is_refused_by_the_ledg
     assert last.startswith("dlx: error: commitStep(run 1, step 2): reverted with LedgerShardMismatch("
                            "stage=0, replica=1, expected=0x")
     record = RunRecord.load(run_dir)
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         assert ledger.head(record.run_id)[1] == 1
 
 
@@ -466,7 +465,7 @@ def test_replicas_colluding_on_a_wrong_shard_fail_the_aggregate_and_are_all_slas
     record = RunRecord.load(run_dir)
     nodes = node_keys(2)
     verifier = dev_accounts(10)[9]
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         fund(ledger, verifier.address)
         ledger.registry.ensure_staked(verifier, ETHER)
         stakes = [ledger.registry.stake_of(n.address) for n in nodes]
@@ -495,7 +494,7 @@ def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_c
     run_dir = copy_run(cosign_cheats, tmp_path / "run")
     record = RunRecord.load(run_dir)
     verifier = dev_accounts(10)[9]
-    with open_ledger(run_dir, record, writable=True) as ledger:  # kept in the run's chain
+    with record.open_ledger(run_dir, writable=True) as ledger:  # kept in the run's chain
         fund(ledger, verifier.address)
         ledger.registry.ensure_staked(verifier, ETHER)
     env = key_env(node=verifier)
@@ -522,7 +521,7 @@ def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_c
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout)
     assert out["upheld"] and out["rejected_steps"] == [2] and out["head_step"] == 1
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         assert [ledger.registry.stake_of(n.address) for n in nodes] == [0, 0]
         assert sorted(log["args"]["node"] for log in ledger.registry.contract.events.Slashed().get_logs(from_block=0)) == \
             sorted(n.address for n in nodes)
@@ -538,7 +537,7 @@ def test_a_result_equivocation_is_slashed_from_its_two_signed_claims(cosign_chea
     assert a.claim.contribution == b.claim.contribution and a.claim.new_shard != b.claim.new_shard
     reporter = dev_accounts(10)[5]
     env = {**os.environ, "DLX_REPORTER_KEY": "0x" + bytes(reporter.key).hex()}
-    with open_ledger(cosign_cheats, record) as ledger:
+    with record.open_ledger(cosign_cheats) as ledger:
         (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
         assert rec.shards(1) == [a.claim.new_shard]  # claim a is the committed one
         stake = ledger.registry.stake_of(node.address)
@@ -604,7 +603,7 @@ def test_an_equivocating_node_is_slashed_from_its_two_signed_claims(node_cheats,
     assert a.domain == b.domain and a.domain.chain_id == ANVIL_CHAIN_ID
     reporter = dev_accounts(10)[9]
     env = {**os.environ, "DLX_REPORTER_KEY": "0x" + bytes(reporter.key).hex()}
-    with open_ledger(node_cheats, record) as ledger:  # a live copy of the run's chain
+    with record.open_ledger(node_cheats) as ledger:  # a live copy of the run's chain
         (rec,) = [s for s in ledger.steps(record.run_id) if s.step == 2]
         (event,) = [x for x in rec.attestations if (x["replica"], x["stage"]) == (0, 1)]
         assert bytes(event["contribution"]) == a.claim.contribution  # claim a is the committed one

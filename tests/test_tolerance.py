@@ -322,7 +322,6 @@ def _votes(run_dir: Path, challenge: int, *args: str, n: int = 2) -> list[subpro
 @pytest.mark.slow
 @needs_foreign
 def test_from_a_foreign_kernel_set_an_honest_node_is_never_slashable_and_a_cheat_still_is(arbitrated_native):
-    from lineage.audit.query import open_ledger
     from lineage.chain.anvil import dev_accounts, rpc_call
     from lineage.chain.runrecord import RunRecord
 
@@ -330,7 +329,7 @@ def test_from_a_foreign_kernel_set_an_honest_node_is_never_slashable_and_a_cheat
     record = RunRecord.load(run_dir)
     accounts = dev_accounts(10)
     honest, cheater, challenger = accounts[1], accounts[4], accounts[CHALLENGER_INDEX]  # slots (0, 0), (1, 1)
-    with open_ledger(run_dir, record, writable=True) as ledger:
+    with record.open_ledger(run_dir, writable=True) as ledger:
         rpc_call(ledger.chain.rpc_url, "anvil_setBalance", [challenger.address, hex(100 * ETHER)])
         ledger.registry.ensure_staked(challenger, ETHER)
         honest_stake = ledger.registry.stake_of(honest.address)
@@ -377,6 +376,6 @@ def test_from_a_foreign_kernel_set_an_honest_node_is_never_slashable_and_a_cheat
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout)
     assert out["upheld"] and out["node"] == cheater.address and int(out["slashed_wei"]) > 0
-    with open_ledger(run_dir, record) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         assert ledger.registry.stake_of(cheater.address) == 0
         assert ledger.registry.stake_of(honest.address) == honest_stake

@@ -343,12 +343,11 @@ def _retain(store: Any, policy: Any, run_dir: Path | None, dry_run: bool,
 
 
 def _open_steps(run_dir: Path, head: int) -> set[int]:
-    from lineage.audit.query import open_ledger
     from lineage.chain.runrecord import RunRecord
     from lineage.store.retention import open_steps
 
     record = RunRecord.load(run_dir)
-    with open_ledger(run_dir, record, None) as ledger:
+    with record.open_ledger(run_dir) as ledger:
         return open_steps(ledger, record.run_id, head)
 
 

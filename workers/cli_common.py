@@ -202,9 +202,8 @@ class Endpoint:
         if self.record is not None and self.rpc == self.record.rpc:
             check_chain(self.record, None)  # a stopped stack's run: `dlx up` brings its chain back
         if self.rpc is None:
-            from lineage.audit.query import open_ledger
-
-            with open_ledger(self.run_dir, self.record, writable=writable) as ledger:  # type: ignore[arg-type]
+            assert self.record is not None and self.run_dir is not None  # `resolve`: rpc None only for a run's chain
+            with self.record.open_ledger(self.run_dir, writable=writable) as ledger:
                 if self.chain_id is not None and ledger.chain.chain_id != self.chain_id:  # --chain-id wins
                     from lineage.errors import ChainError
 

@@ -15,18 +15,12 @@ before version 3; an uncommitted checkpoint's own list).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from multiformats import CID
 
-from lineage.chain.anvil import Anvil
-from lineage.chain.client import Chain
 from lineage.chain.ledger import DOMAIN_VERSION, Commit, Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import BlockNotFoundError, ChainError, StorageError
@@ -37,37 +31,6 @@ from lineage.store.manifest import Manifest, get_manifest
 #: A step's status: on the current chain and final, on it and still challengeable,
 #: rejected by an upheld challenge, or (a checkpoint in the store) never committed.
 STATUSES = ("finalized", "pending", "rejected", "uncommitted")
-
-
-@contextmanager
-def open_ledger(run_dir: Path, record: RunRecord, rpc: str | None = None, *,
-                writable: bool = False) -> Iterator[Ledger]:
-    """Connect to the run's chain; for an embedded chain, start anvil on its state file:
-    on a copy to read, or on the file itself (`writable`), which anvil rewrites at exit so
-    transactions sent meanwhile stay in the run's chain."""
-    with _open_ledger(run_dir, record, rpc, writable=writable) as ledger:
-        record.read_from(ledger, run_dir)
-        yield ledger
-
-
-@contextmanager
-def _open_ledger(run_dir: Path, record: RunRecord, rpc: str | None, *, writable: bool) -> Iterator[Ledger]:
-    url = rpc or record.rpc
-    if url:
-        yield Ledger(Chain(url, record.chain_id), record.registry, record.ledger)
-        return
-    state = run_dir / (record.chain_state or "")
-    if not record.chain_state or not state.exists():
-        raise ChainError(f"the run's chain state file is missing: {state}")
-    if writable:
-        with Anvil(state_path=state) as anvil:
-            yield Ledger(Chain(anvil.url, record.chain_id), record.registry, record.ledger)
-        return
-    with tempfile.TemporaryDirectory(prefix="dlx-chain-") as tmp:
-        copy = Path(tmp) / "state.json"
-        shutil.copyfile(state, copy)  # read from a copy: anvil rewrites its state at exit
-        with Anvil(state_path=copy) as anvil:
-            yield Ledger(Chain(anvil.url, record.chain_id), record.registry, record.ledger)
 
 
 @dataclass(frozen=True)
@@ -140,7 +103,7 @@ def run_lineage(run_dir: Path, rpc: str | None = None) -> Lineage:
     """The commits of the run in `run_dir`, oldest first."""
     record = RunRecord.load(run_dir)
     store = record.open_store(run_dir)
-    with open_ledger(run_dir, record, rpc) as ledger:
+    with record.open_ledger(run_dir, rpc) as ledger:
         return ledger_lineage(ledger, store, record.run_id, name=record.name)
 
 

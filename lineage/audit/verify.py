@@ -76,8 +76,6 @@ from lineage.store.runconfig import RunConfig
 from lineage.store.unixfs import check_file, file_cid, read_bytes
 from trainer.errors import ConfigError
 
-from .query import open_ledger
-
 DATA = "data"
 LEVELS = ("chain", "content", "aggregate", DATA)
 REPLAY = "replay"  # level 4, sampled: verify_run(..., replay=FRACTION)
@@ -151,7 +149,7 @@ def verify_run(run_dir: Path, rpc: str | None = None, levels: tuple[str, ...] = 
         raise ConfigError(f"--tolerance must be a finite number >= 0 (got {tolerance:g})")
     record = RunRecord.load(run_dir)
     store = record.open_store(run_dir) if store is None else store
-    with open_ledger(run_dir, record, rpc) as ledger:
+    with record.open_ledger(run_dir, rpc) as ledger:
         created = ledger.run_created(record.run_id)
         steps = ledger.steps(record.run_id)
         facts: ChainFacts | None = None

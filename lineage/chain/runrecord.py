@@ -5,19 +5,29 @@ chain accepted. Readers (`dlx lineage`) trust the chain, not this file, for the 
 the file only says where to look. A run of the local job-queue stack (`dlx up`) also
 names the stack's directory: its chain may listen on another port after `dlx down` and
 `dlx up`, and `load` then points `rpc` at wherever the stack's anvil is now.
+
+`RunRecord.open_ledger` is how every reader reaches a run's ledger: on the recorded (or a
+given) endpoint, or on an anvil started on the run's embedded chain state.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.bounded import read_bounded
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from lineage.chain.ledger import Ledger
 
 RUN_FILE = "run.json"
 STACK_FILE = "stack.json"  # workers.stack's record of a running stack (its `rpc` is read here)
@@ -93,6 +103,41 @@ class RunRecord:
             return json.loads((Path(self.stack) / STACK_FILE).read_text())["rpc"]
         except (OSError, ValueError, KeyError, TypeError):
             return None  # the stack is down: the recorded URL is all there is
+
+    @contextmanager
+    def open_ledger(self, run_dir: Path, rpc: str | None = None, *, writable: bool = False) -> Iterator[Ledger]:
+        """The run's ledger, its logs read from the run's creation block on (`read_from`): on
+        `rpc`, else the recorded endpoint, else an anvil started on the run's embedded chain
+        state: on a copy to read, or on the file itself (`writable`), which anvil rewrites at
+        exit so that transactions sent meanwhile stay in the run's chain."""
+        from lineage.chain.client import Chain
+        from lineage.chain.ledger import Ledger
+
+        with self._chain_url(Path(run_dir), rpc, writable) as url:
+            ledger = Ledger(Chain(url, self.chain_id), self.registry, self.ledger)
+            self.read_from(ledger, run_dir)
+            yield ledger
+
+    @contextmanager
+    def _chain_url(self, run_dir: Path, rpc: str | None, writable: bool) -> Iterator[str]:
+        if url := rpc or self.rpc:
+            yield url
+            return
+        from lineage.chain.anvil import Anvil
+        from lineage.errors import ChainError
+
+        state = run_dir / (self.chain_state or "")
+        if not self.chain_state or not state.exists():
+            raise ChainError(f"the run's chain state file is missing: {state}")
+        if writable:
+            with Anvil(state_path=state) as anvil:
+                yield anvil.url
+            return
+        with tempfile.TemporaryDirectory(prefix="dlx-chain-") as tmp:
+            copy = Path(tmp) / "state.json"
+            shutil.copyfile(state, copy)  # read from a copy: anvil rewrites its state at exit
+            with Anvil(state_path=copy) as anvil:
+                yield anvil.url
 
     def open_store(self, run_dir: Path) -> Any:
         """The run's block store: the IPFS daemon it used, or its blockstore directory."""
