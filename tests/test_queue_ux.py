@@ -35,6 +35,15 @@ def _run_file(st: dict) -> dict:
     return json.loads((Path(st["run_dir"]) / "run.json").read_text())
 
 
+def _settled(st: dict, status: str, timeout: float = 30) -> dict:
+    """run.json once it says `status` (the sink's task settles it once its relay ends, a
+    moment after the job record), or as it stands at the deadline."""
+    deadline = time.monotonic() + timeout
+    while (doc := _run_file(st))["status"] != status and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return doc
+
+
 def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack, tmp_path, small_job):
     done = submit(stack, _job(tmp_path, small_job, "ux-done", steps=STEPS, inner_steps=INNER))
     st = wait_for(stack, done, lambda s: s["state"] in FINAL)
@@ -73,8 +82,7 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
     assert "rank 0: outer step 1 done" in out and out.rstrip().endswith(f"== job {long} cancelled"), out[-2000:]
     assert "rank 0: cancelled" in out
     check_sample("dlx logs --follow, cancelled", out)
-    time.sleep(1)  # the sink's task settles run.json once its relay ends
-    assert _run_file(st)["status"] == "cancelled"
+    assert _settled(st, "cancelled")["status"] == "cancelled"
     _resume_counts_on(stack, done, long, st)
 
     assert dlx("down", "--stack", str(stack)).returncode == 0
@@ -101,8 +109,7 @@ def _resume_counts_on(stack: Path, done: str, job: str, st: dict) -> None:
     assert f"resumes from step {head} (attempt 2)" in res.stdout
     end = wait_for(stack, job, lambda s: s["state"] in FINAL and s["attempt"] == 2, timeout=300)
     assert end["state"] == "completed", end
-    time.sleep(1)
-    assert _run_file(end)["status"] == "completed"
+    assert _settled(end, "completed")["status"] == "completed"
     a, b = _lineage(wait_for(stack, done, lambda s: True)["run_dir"]), _lineage(end["run_dir"])
     keys = ("bytes_sent", "modelled_comm_s", "tokens", "eval_loss")
     assert [{k: s["metrics"][k] for k in keys} for s in b] == [{k: s["metrics"][k] for k in keys} for s in a]
