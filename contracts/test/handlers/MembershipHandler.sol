@@ -176,7 +176,7 @@ contract MembershipHandler is CommonBase, StdUtils {
 
     function _spec(
         address[] memory founders,
-        uint256 minStake,
+        uint256 minimum,
         address[] memory arbiters,
         ITrainingLedger.Admission admission,
         uint128 reward
@@ -189,7 +189,7 @@ contract MembershipHandler is CommonBase, StdUtils {
             stages: 2,
             minReplicas: 1,
             challengeWindow: WINDOW,
-            minStake: minStake,
+            minStake: minimum,
             arbiters: arbiters,
             quorum: 2,
             independence: uint8(ITrainingLedger.Independence.Keys),
@@ -201,13 +201,13 @@ contract MembershipHandler is CommonBase, StdUtils {
     function _afterCreate(
         uint256 r,
         address creator,
-        uint256 minStake,
+        uint256 minimum,
         uint128 reward,
         uint256 funded,
         address[] memory founders
     ) internal {
         _creators[r] = creator;
-        _minStakes[r] = minStake;
+        _minStakes[r] = minimum;
         _rewards[r] = reward;
         ghost_in += funded;
         ghost_funded[r] += funded;
@@ -297,9 +297,9 @@ contract MembershipHandler is CommonBase, StdUtils {
             if (mode == 1) return ITrainingLedger.LedgerAdmissionExpired.selector;
             if (mode == 2 || mode == 3) return ITrainingLedger.LedgerAdmissionNotByCreator.selector;
         }
-        uint256 stake = registry.stakeOf(node);
+        uint256 active = registry.stakeOf(node);
         uint256 locked = expectedLocked(node);
-        uint256 free = stake > locked ? stake - locked : 0;
+        uint256 free = active > locked ? active - locked : 0;
         if (free < _minStakes[r]) return INodeRegistry.RegistryInsufficientFreeStake.selector;
         return bytes4(0);
     }
@@ -689,7 +689,7 @@ contract MembershipHandler is CommonBase, StdUtils {
         uint256 r = c.runId == _runIds[0] ? 0 : 1;
         (, uint64 headBefore) = ledger.runHead(c.runId);
         bytes32 offence = ledger.offenceId(1, c.runId, c.step, c.replica, c.stage, bytes32(uint256(c.epoch)), c.node);
-        uint256 stake = _stakeTotal(c.node);
+        uint256 held = _stakeTotal(c.node);
 
         ledger.resolveChallenge(cid, upheld, _verdicts(cid, upheld));
 
@@ -700,7 +700,7 @@ contract MembershipHandler is CommonBase, StdUtils {
             for (uint64 s = headAfter + 1; s <= headBefore; ++s) {
                 ghost_badRecord[r][s][_records[r][s].epoch] = true;
             }
-            if (!ghost_offenceSlashed[offence]) _slashed(r, c.node, offence, stake);
+            if (!ghost_offenceSlashed[offence]) _slashed(r, c.node, offence, held);
         }
         ghost_bonds -= c.bond;
         ghost_openChallengesAgainst[c.node] -= 1;
@@ -734,12 +734,12 @@ contract MembershipHandler is CommonBase, StdUtils {
         bytes4 want = bytes4(0);
         if (ghost_status[r][node] == NONE) want = ITrainingLedger.LedgerNotMember.selector;
         else if (ghost_offenceSlashed[offence]) want = ITrainingLedger.LedgerAlreadySlashed.selector;
-        uint256 stake = _stakeTotal(node);
+        uint256 held = _stakeTotal(node);
         uint256 creditBefore = registry.creditOf(address(this));
         try ledger.reportEquivocation(_runIds[r], step, GENESIS, a, b) {
             if (want != bytes4(0)) ghost_wrongRefusal += 1;
-            _slashed(r, node, offence, stake);
-            if (registry.creditOf(address(this)) - creditBefore != stake * REPORTER_BPS / 10_000) {
+            _slashed(r, node, offence, held);
+            if (registry.creditOf(address(this)) - creditBefore != held * REPORTER_BPS / 10_000) {
                 ghost_payMismatch += 1;
             }
         } catch (bytes memory reason) {
@@ -747,10 +747,11 @@ contract MembershipHandler is CommonBase, StdUtils {
         }
     }
 
-    /// @dev Books a slash of `node`'s whole `stake` for `offence` in run `r`: the reporter's
-    /// share is credited, the rest joins the run's pool as its creator's funding.
-    function _slashed(uint256 r, address node, bytes32 offence, uint256 stake) internal {
-        uint256 income = stake - stake * REPORTER_BPS / 10_000;
+    /// @dev Books a slash of `node`'s whole stake (`held`, active and unbonding) for
+    /// `offence` in run `r`: the reporter's share is credited, the rest joins the run's pool
+    /// as its creator's funding.
+    function _slashed(uint256 r, address node, bytes32 offence, uint256 held) internal {
+        uint256 income = held - held * REPORTER_BPS / 10_000;
         ghost_offenceSlashed[offence] = true;
         ghost_slashedAt[node] = uint64(block.timestamp);
         ghost_slashIncome[r] += income;
