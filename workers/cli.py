@@ -78,7 +78,7 @@ def train(
         from workers.local import resumable
 
         job = resumable(resume)[1]
-    else:
+    elif job_file is not None:  # (one of the two: the check above)
         job = load_job_file(job_file)  # validated before anything heavy is imported or started
     warm_up(RANK_IMPORTS)  # the ranks' imports, once, while this process prepares the data and the chain
 
@@ -123,7 +123,7 @@ def train(
 
     cb.stopping = stopping
     with bar:
-        record = resume_job(run_dir, rpc, cb) if resume else run_job(job, job_file, run_dir, rpc, cb)
+        record = resume_job(run_dir, rpc, cb) if resume or job_file is None else run_job(job, job_file, run_dir, rpc, cb)
     if record.status == "stopped":
         err.print(f"stopped at step {record.steps}/{T}, head {record.head}; continue with: dlx train --resume {run_dir}")
         raise typer.Exit(128 + signalled[0])
@@ -249,7 +249,7 @@ def _queue_replayer(run_dir: Path, stack_dir: Path, store: Path | None = None, i
         broker = Stack.load(stack_dir).redis_url
     record = RunRecord.load(run_dir)
     if ipfs_api or store:
-        spec = ipfs_api or str(Path(store).resolve())
+        spec = ipfs_api or str(Path(store or ".").resolve())
     else:
         spec = record.ipfs_api or str(record.blocks_dir(run_dir).resolve())
 

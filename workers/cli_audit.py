@@ -213,7 +213,7 @@ def _lineage(ref: RunRef, run_dir: Path | None, rpc: str | None, chain_id: int |
     # flags win over run.json (docs/audit.md): read through the endpoint they name
     ep = Endpoint.resolve(rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                           run_dir=ref.run_dir or run_dir, stack=stack)
-    run_id = ep.record.run_id if ref.run_dir is not None else ref.run_id  # type: ignore[union-attr]
+    run_id = ep.record.run_id if ref.run_dir is not None and ep.record is not None else ref.run_id
     blocks = endpoint_blocks(ep, store, ipfs_api)
     with ep.connect() as lg:
         if ref.cid is None:
@@ -327,7 +327,7 @@ def _diff_side(text: str, i: int, run_dirs: list[Path], stores: list[Path], apis
             raise AuditError(f"{option} given {len(values)} times: once for both checkpoints, or twice (A's, B's)")
         return values[min(i, len(values) - 1)] if values else None
 
-    ref = name_run(text, stack=stack)
+    ref = need_run(name_run(text, stack=stack), "dlx lineage diff")
     where = {"run_dir": pick(run_dirs, "--run-dir"), "store": pick(stores, "--store"),
              "ipfs_api": pick(apis, "--ipfs-api")}
     if ref.run_dir is not None:
@@ -643,7 +643,7 @@ def register(app: typer.Typer) -> None:
 
 def _run_dir_of(text: str, stack: Path | None) -> Path:
     """The run directory RUN `text` names (`dlx lineage compare` reads the runs' metrics)."""
-    ref = name_run(text, stack=stack)
+    ref = need_run(name_run(text, stack=stack), "dlx lineage compare")
     if ref.run_dir is None:
         raise AuditError(f"dlx lineage compare reads two run directories (their metrics.jsonl): {text} is a "
                          f"{'checkpoint CID' if ref.cid is not None else 'run id'}; give a run directory or a stack job")

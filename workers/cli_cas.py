@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import TrustOpt, check_run_endpoints, open_blocks, user_errors
+from .cli_common import TrustOpt, check_run_endpoints, config_error, open_blocks, user_errors
 
 app = typer.Typer(name="cas", help="Content-addressed storage: add, get, CIDs, CAR export/import, verify, gc.",
                   no_args_is_help=True)
@@ -197,7 +197,7 @@ def _get_tree(target: Any, root: Any, output: Path | None) -> None:
     from lineage.store.unixfs_dir import read_tree
 
     if output is None:
-        _user_error(f"{root} is a directory; give -o DIR to restore it")
+        raise config_error(f"{root} is a directory; give -o DIR to restore it")
     if output.exists() and not output.is_dir():
         _user_error(f"{output} exists and is not a directory")
     count = read_tree(target, root, output)

@@ -174,7 +174,7 @@ class Endpoint:
             from lineage.chain.runrecord import RunRecord
 
             record = RunRecord.load(run_dir)
-            src = {"rpc": record.rpc, "chain_id": record.chain_id, "registry": record.registry,
+            src: dict[str, Any] = {"rpc": record.rpc, "chain_id": record.chain_id, "registry": record.registry,
                    "ledger": record.ledger}
         elif stack is not None:
             stk = Stack.load(stack)
@@ -217,6 +217,7 @@ class Endpoint:
             raise config_error("no contract addresses: pass --ledger (or --registry), --run-dir, --stack, "
                                 "or set DLX_LEDGER")
         if registry is None:
+            assert ledger is not None  # (not both None: refused above)
             registry = _call(chain.contract("TrainingLedger", ledger).functions.registry(), "ledger", ledger)
         if ledger is None:
             ledger = _call(chain.contract("NodeRegistry", registry).functions.ledger(), "registry", registry)
@@ -539,6 +540,7 @@ def run_checkpoint(ref: RunRef, *, rpc: str | None = None, chain_id: int | None 
     on its chain, or a CID itself, from the blocks the options give (as for every command)."""
     from lineage.chain.runrecord import RunRecord
 
+    record: RunRecord | None
     if ref.run_dir is not None:
         record = RunRecord.load(ref.run_dir)
         check_run_endpoints(ref.run_dir, record, ipfs_api=ipfs_api, store=store, trust=trust, chain=False)

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,7 +135,7 @@ def status(
         seen = int(rec.get("step") or 0) - 1 if rec.get("step") else 0  # the latest one, then every new one
         while True:
             for step in range(seen + 1, int(rec.get("step") or 0) + 1):
-                out.print(step_line(job_id, rec.get(f"step_{step}") or rec, T), markup=False)
+                out.print(step_line(job_id, store.step(job_id, step) or rec, T), markup=False)
                 seen = step
             if rec["state"] in TERMINAL:
                 break
@@ -530,7 +531,7 @@ def _announce(me: Any, slots: int, queues: str) -> Any:
                           "pid": os.getpid(), "host": me.host})
 
 
-def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
+def job_progress(rec: Mapping[str, Any], T: int, H: int) -> tuple[int, str]:
     """(inner steps done, the rest as text) of a job record, for `dlx status`'s bar."""
     from workers.console import human_seconds, megabytes
 
@@ -547,7 +548,7 @@ def job_progress(rec: dict[str, Any], T: int, H: int) -> tuple[int, str]:
     return done, text
 
 
-def members_line(rec: dict[str, Any]) -> str:
+def members_line(rec: Mapping[str, Any]) -> str:
     """An elastic job's current replica set and each replica's nodes (`dlx status`)."""
     nodes = rec.get("member_nodes") or {}
     each = [f"replica {r} ({', '.join(nodes.get(str(r), []))})" for r in rec["members"]]
@@ -555,7 +556,7 @@ def members_line(rec: dict[str, Any]) -> str:
             f"epoch {rec.get('epoch', 0)}): " + "; ".join(each))
 
 
-def reward_pool(rec: dict[str, Any]) -> dict[str, Any] | None:
+def reward_pool(rec: Mapping[str, Any]) -> dict[str, Any] | None:
     """The reward terms of the job's run, read from the chain (issue 35): its admission
     rule, wei a final step pays and wei left in its pool (as strings: JSON numbers lose
     precision above 2**53). None before the run exists, for a closed run without rewards,
@@ -586,7 +587,7 @@ def pool_line(pool: dict[str, Any]) -> str:
             f"{fmt_wei(int(pool['pool_wei']))} left (admission {pool['admission']})")
 
 
-def step_line(job_id: str, rec: dict[str, Any], T: int) -> str:
+def step_line(job_id: str, rec: Mapping[str, Any], T: int) -> str:
     """One committed outer step of a job as a plain line (`dlx status --follow` off a
     terminal), from its `step_N` summary in the job record (or the record itself)."""
     from workers.console import megabytes

@@ -99,6 +99,7 @@ def load_key(role: str = "node") -> Any:
         except (ValueError, TypeError):
             raise config_error(f"{prefix}_KEY is not a valid private key") from None
     password = os.environ.get(f"{prefix}_KEYSTORE_PASSWORD")
+    assert keystore is not None  # no key: the keystore (the check above)
     if password is None:
         raise config_error(f"{prefix}_KEYSTORE is set but {prefix}_KEYSTORE_PASSWORD is not")
     try:

@@ -30,7 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -105,6 +105,76 @@ def redact(url: str) -> str:
     return url
 
 
+class ResumeFrom(TypedDict):
+    """Where `dlx resume` continues a job: the step the chain's head is, and its CID."""
+
+    step: int
+    checkpoint: str
+
+
+class StepSummary(TypedDict):
+    """One committed step, as the sink reports it (also kept as the record's `step_N`)."""
+
+    step: int
+    head: str
+    eval_loss: float | None
+    bytes_sent: int
+    commit_s: float
+
+
+class JobRecord(TypedDict, total=False):
+    """A queue job's record in Redis (`JobStore.get`; every value is stored as JSON): what
+    `dlx submit` writes, then what the rank tasks, the sink and the membership add. Each
+    committed step also leaves a `step_N` key holding its `StepSummary` (`JobStore.step`)."""
+
+    # written by `dlx submit` (workers/cli_jobs.py, submit_job), and `dlx resume`
+    job_toml: str
+    job_dir: str
+    name: str
+    rpc: str
+    chain_id: int
+    registry: str
+    ledger: str
+    blocks: str
+    stack: str | None  # the local stack whose own anvil holds the chain (None: a chain of the user's)
+    replicas: int
+    stages: int
+    world: int
+    min_replicas: int
+    outer_steps: int
+    inner_steps: int
+    rendezvous_s: float
+    collective_timeout_s: float
+    data: dict[str, Any]  # the prepared dataset (lineage.store.datasets.DataRecord.to_json)
+    run_dir: str
+    resume_from: ResumeFrom  # `dlx resume`: the chain's head it continues from
+    # the job's life (JobStore)
+    state: str  # queued, running, completed, failed, cancelled
+    attempt: int
+    error: str | None
+    created: float
+    updated: float
+    ended: float
+    # the rank tasks and the sink (workers/tasks.py)
+    nodes: list[str]
+    run_id: int
+    step: int
+    head: str
+    eval_loss: float | None
+    bytes_sent: int
+    commit_s: float
+    outer_step: int
+    inner_step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    eta_s: float | None
+    # elastic membership (workers/membership.py)
+    epoch: int
+    members: list[int]
+    member_nodes: dict[str, list[str]]
+
+
 @dataclass
 class JobStore:
     r: redis.Redis
@@ -124,13 +194,18 @@ class JobStore:
         self.r.expire(self.key(job_id), KEY_TTL_S)
         return job_id
 
-    def get(self, job_id: str) -> dict[str, Any]:
+    def get(self, job_id: str) -> JobRecord:
         raw = self.r.hgetall(self.key(job_id))
         if not raw:
             raise JobError(f"no such job: {job_id}")
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return cast(JobRecord, {text(k): json.loads(v) for k, v in raw.items()})
 
-    def reconcile(self, job_id: str) -> dict[str, Any]:
+    def step(self, job_id: str, step: int) -> StepSummary | None:
+        """Step `step`'s summary, once the sink committed it."""
+        raw = self.r.hget(self.key(job_id), f"step_{step}")
+        return cast(StepSummary, json.loads(raw)) if raw else None
+
+    def reconcile(self, job_id: str) -> JobRecord:
         """The job's record, after failing a running job that no live task can finish any
         more (every rank's lease lapsed and nothing was written for STALL_S)."""
         rec = self.get(job_id)
@@ -192,14 +267,14 @@ class JobStore:
 
     def joined(self, job_id: str, attempt: int) -> dict[int, str]:
         raw = self.r.hgetall(self.key(job_id, f"a{attempt}", "joined"))
-        return {int(k): v.decode() for k, v in raw.items()}
+        return {int(k): text(v) for k, v in raw.items()}
 
     def publish_store_address(self, job_id: str, attempt: int, address: str) -> None:
         self.r.set(self.key(job_id, f"a{attempt}", "rdzv"), address, ex=KEY_TTL_S)
 
     def store_address(self, job_id: str, attempt: int) -> str | None:
         value = self.r.get(self.key(job_id, f"a{attempt}", "rdzv"))
-        return value.decode() if value else None
+        return text(value) if value else None
 
     # -- liveness --------------------------------------------------------------------------
 
@@ -215,7 +290,7 @@ class JobStore:
             owner = self.r.get(key)  # a retried SET NX may say "not set" for our own first try
             if owner is None:  # lapsed just now: try again
                 continue
-            if owner.decode() == token:
+            if text(owner) == token:
                 return True
             left = self.r.pttl(key)
             time.sleep(1.5 * beat_s)
@@ -266,8 +341,8 @@ class JobStore:
         raw = self.r.hgetall(self.key(job_id, f"a{attempt}", "sigs", f"e{epoch}", step))
         out = {}
         for k, v in raw.items():
-            r, s = k.decode().split(",")
-            out[(int(r), int(s))] = bytes.fromhex(v.decode())
+            r, s = text(k).split(",")
+            out[(int(r), int(s))] = bytes.fromhex(text(v))
         return out
 
 
@@ -339,5 +414,10 @@ class WorkerBeat:
             pass  # it lapses by itself
 
 
-def _enc(fields: dict[str, Any]) -> dict[str, str]:
+def text(value: bytes | str) -> str:
+    """A Redis reply as text (this client answers bytes)."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _enc(fields: dict[str, Any]) -> dict[Any, str]:
     return {k: json.dumps(v) for k, v in fields.items()}

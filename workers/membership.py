@@ -46,6 +46,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from .jobs import (
     JobError,
     JobStore,
     connect,
+    text,
 )
 
 __all__ = ["EpochRecord", "GrowFlag", "Members", "Regroup", "join_epoch", "join_run_as_joiner", "run_blocks", "seat_of", "store_port"]
@@ -135,7 +137,7 @@ class Members:
             return
         nodes = self.store.joined(self.job_id, self.attempt)
         nodes.update(self.waiting())
-        nodes.update({int(t): v.decode() for t, v in self.r.hgetall(self.key("seated")).items()})
+        nodes.update({int(t): text(v) for t, v in self.r.hgetall(self.key("seated")).items()})
         member_nodes = {str(r): [nodes.get(t, "?") for t, seat in sorted(rec.seats.items(), key=lambda x: x[1])
                                  if seat[0] == r] for r in rec.members}
         self.store.update(self.job_id, epoch=rec.epoch, members=list(rec.members), member_nodes=member_nodes)
@@ -167,7 +169,7 @@ class Members:
         self.r.expire(key, KEY_TTL_S)
 
     def checked_in(self, epoch: int) -> dict[int, tuple[int, int]]:
-        return {int(t): seat_of(v.decode()) for t, v in self.r.hgetall(self.key(f"e{epoch}", "in")).items()}
+        return {int(t): seat_of(text(v)) for t, v in self.r.hgetall(self.key(f"e{epoch}", "in")).items()}
 
     def claim_decider(self, epoch: int, ticket: int) -> bool:
         return bool(self.r.set(self.key(f"e{epoch}", "decider"), str(ticket), nx=True, ex=KEY_TTL_S))
@@ -177,7 +179,7 @@ class Members:
 
     def address(self, epoch: int) -> str | None:
         raw = self.r.get(self.key(f"e{epoch}", "addr"))
-        return raw.decode() if raw else None
+        return text(raw) if raw else None
 
     # -- tickets ---------------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ class Members:
         self.r.expire(key, KEY_TTL_S)
 
     def waiting(self) -> dict[int, str]:
-        return {int(t): v.decode() for t, v in self.r.hgetall(self.key("waiting")).items()}
+        return {int(t): text(v) for t, v in self.r.hgetall(self.key("waiting")).items()}
 
     def retire(self, tickets: list[int]) -> None:
         if tickets:
@@ -235,7 +237,7 @@ class Members:
         raw = self.r.get(self.key("sink"))
         if raw is None:
             return True
-        ticket = int(raw.decode().split(",")[0])
+        ticket = int(text(raw).split(",")[0])
         return not self.beating([ticket], STALE_BEAT_S)
 
 
@@ -477,7 +479,7 @@ def _stage_shard(rec: dict[str, Any], ep: EpochRecord, stage: int) -> bytes:
     return read_bytes(store, get_manifest(store, ep.head).stages[stage])
 
 
-def run_blocks(rec: dict[str, Any]) -> Path:
+def run_blocks(rec: Mapping[str, Any]) -> Path:
     """The run's blockstore directory (the stack's, shared by its workers)."""
     return Path(rec["blocks"]) if Path(rec["blocks"]).is_absolute() else Path(rec["run_dir"]) / rec["blocks"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainer.config import MAX_PARAMS, CompressionConfig, JobConfig, ModelConfig
+from trainer.config import MAX_PARAMS, CompressionConfig, JobConfig, LlamaConfig, ModelConfig
 from trainer.errors import ConfigError
 
 __all__ = [
@@ -177,7 +177,7 @@ def flops_per_token(model: ModelConfig) -> float:
     return 6.0 * model.n_params() + 12.0 * model.n_layers * model.d_model * model.seq_len
 
 
-def scaled_llama(model: ModelConfig, params: int, stages: int = 1) -> ModelConfig:
+def scaled_llama(model: ModelConfig, params: int, stages: int = 1) -> LlamaConfig:
     """A llama of about `params` parameters with the job's vocabulary, context and dtype.
     For each width d (by 64 below 1024, head size 64; then by 1024, head size 128, 8 query
     heads per key/value head where the heads allow it), n_layers = max(2, stages, d / 100)
@@ -186,7 +186,7 @@ def scaled_llama(model: ModelConfig, params: int, stages: int = 1) -> ModelConfi
     ratio) wins. ConfigError if no shape comes within 5% of `params`."""
     if params > MAX_PARAMS:
         raise ConfigError(f"--params {params:,}: more than the {MAX_PARAMS / 1e9:,.0f}B parameters a job may have")
-    best: tuple[float, ModelConfig] | None = None
+    best: tuple[float, LlamaConfig] | None = None
     for d in [*range(64, 1024, 64), *range(1024, 65536 + 1, 1024)]:
         heads = d // 128 if d >= 1024 else d // 64
         base = {"family": "llama", "vocab_size": model.vocab_size, "d_model": d, "n_heads": heads,
@@ -203,7 +203,7 @@ def scaled_llama(model: ModelConfig, params: int, stages: int = 1) -> ModelConfi
         if not d // 2 <= ffn <= 16 * d:
             continue
         try:
-            cfg = ModelConfig.model_validate({**base, "intermediate_size": ffn})
+            cfg = LlamaConfig.model_validate({**base, "intermediate_size": ffn})
         except ValidationError:
             continue
         key = abs(math.log(ffn / d / (8 / 3)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ def _form(store: JobStore, job_id: str, attempt: int, order: list[int], joined: 
     store.r.set(_key(store, job_id, attempt), world.to_json(), nx=True, ex=KEY_TTL_S)
 
 
-def rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
+def rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: Mapping[str, Any], me: NodeIdentity,
                world: int) -> tuple[dict[int, str], str] | None:
     """Join the job's rendezvous and wait for all `world` rank slots and rank 0's store
     address; returns (ticket -> node address, the store's host:port), or None when the
@@ -144,7 +145,7 @@ def rendezvous(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[
         time.sleep(POLL_S)
 
 
-def elastic_rendezvous(store: JobStore, job_id: str, ticket: int, attempt: int, rec: dict[str, Any],
+def elastic_rendezvous(store: JobStore, job_id: str, ticket: int, attempt: int, rec: Mapping[str, Any],
                        me: NodeIdentity, shape: tuple[int, int, int]) -> tuple[World, str | None] | None:
     """An elastic job's rendezvous (module docstring) for a job of `shape` (R, S,
     min_replicas): (the first world, rank 0's store address), with no address when this

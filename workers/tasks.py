@@ -31,6 +31,7 @@ import threading
 import time
 import tomllib
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,7 @@ from .jobs import (
     TERMINAL,
     WORKER_PATIENCE_S,
     JobError,
+    JobRecord,
     JobStore,
     connect,
     settle_run_file,
@@ -193,7 +195,7 @@ class Heartbeat:
             self._beat(final_ttl_s)
 
 
-def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, Any], me: NodeIdentity,
+def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: JobRecord, me: NodeIdentity,
          beat: Heartbeat, joiner: bool) -> dict[str, Any]:
     from trainer.config import load_job
     from workers.jobfile import job_file_class, with_init_model
@@ -218,7 +220,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: dict[str, A
     task.seat = divmod(slot, S)
     present = tuple(range(len(order) // S))  # an elastic job may start with fewer than R replicas
     if task.elastic and slot == 0:
-        resume = rec.get("resume_from") or {}
+        resume: dict[str, Any] = dict(rec.get("resume_from") or {})
         task.members.publish(EpochRecord(0, present, {t: order.index(t) for t in order},
                                          {t: divmod(order.index(t), S) for t in order},
                                          int(resume.get("step", 0)), str(resume.get("checkpoint", ""))))
@@ -245,11 +247,11 @@ def _first_world(task: RankTask, world: int) -> tuple[list[int], list[str], str,
                                 (R, S, job.parallel.min_present))
     if formed is None:
         return None
-    first, address = formed
-    if address is None:
+    first, at = formed
+    if at is None:
         return [], [], "", []
     by_ticket = [first.nodes[first.order.index(i)] for i in range(world)] if len(first.order) == world else []
-    return first.order, first.nodes, address, by_ticket
+    return first.order, first.nodes, at, by_ticket
 
 
 class RankTask:
@@ -261,7 +263,7 @@ class RankTask:
     moves to whichever task holds the first present replica's first stage, and a ticket
     whose replica lost a stage leaves quietly (its replica's new tickets are queued)."""
 
-    def __init__(self, store: JobStore, job_id: str, attempt: int, ticket: int, rec: dict[str, Any],
+    def __init__(self, store: JobStore, job_id: str, attempt: int, ticket: int, rec: JobRecord,
                  me: NodeIdentity, beat: Heartbeat, job: Any) -> None:
         self.store, self.job_id, self.attempt, self.ticket = store, job_id, attempt, ticket
         self.rec, self.me, self.beat, self.job = rec, me, beat, job
@@ -287,7 +289,7 @@ class RankTask:
         from trainer.control import RankControl
         from trainer.hooks import RankHooks
 
-        elastic = {}
+        elastic: dict[str, Any] = {}
         if self.elastic:
             elastic = {"members": members, "epoch": epoch,
                        "regroup": Regroup(redis_url(), self.brief(), self.ticket, self.seat, self.me.host),
@@ -557,7 +559,7 @@ def _blame(store: JobStore, job_id: str, attempt: int, world: int, nodes: list[s
 
 
 def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int, int], me: NodeIdentity,
-                    pending: dict[tuple[int, int], Any], rec: dict[str, Any], wait: bool = False) -> None:
+                    pending: dict[tuple[int, int], Any], rec: Mapping[str, Any], wait: bool = False) -> None:
     """Sign rank 0's claim for my slot (`seat`: replica, stage) once it is published, if it
     matches my own work and the world I trained in; `pending` maps (epoch, step) to my
     contribution and that epoch's replica bitmap."""
@@ -587,7 +589,7 @@ def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int,
         store.put_signature(job_id, attempt, epoch, step, seat, claim.sign(domain, me.account.key))
 
 
-def _training_config(rec: dict[str, Any], job: Any) -> Any:
+def _training_config(rec: Mapping[str, Any], job: Any) -> Any:
     """The job's training config, reading the token file the job record names, fetched by
     CID from the run's store into this worker's data cache (re-hashed: a node trains on the
     data named on chain or not at all). A job queued before data records: as configured."""
@@ -651,7 +653,7 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     return sink
 
 
-def _note_resume(rec: dict[str, Any]) -> None:
+def _note_resume(rec: Mapping[str, Any]) -> None:
     """A resumed attempt's sink, before it writes: mark the earlier attempt's inner-step
     metrics past the head (`workers.tracking.mark_resume`), once per attempt."""
     from workers.tracking import mark_resume
@@ -661,7 +663,7 @@ def _note_resume(rec: dict[str, Any]) -> None:
         mark_resume(Path(rec["run_dir"]), int(resume["step"]))
 
 
-def _resume_point(rec: dict[str, Any], job: Any, rank: int) -> Any:
+def _resume_point(rec: JobRecord, job: Any, rank: int) -> Any:
     from lineage.store.blockstore import Blockstore
     from lineage.store.manifest import get_manifest
     from workers.local import resume_point
