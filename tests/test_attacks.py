@@ -10,6 +10,9 @@ replicas collude on a wrong shard (and one of them equivocates on it), and two s
 runs the ledger stops (one node signing for both replicas; a replica co-signing another
 shard than its peer). The cheats come from the test-only `[cheat]` job section
 (tests/dlx_testing/cheat.py, the suite's extension: conftest names it in DLX_TEST_EXTENSION).
+The runs are real `dlx train` processes; the verifications that catch them run `dlx verify`
+in this process (tests/dlx_testing/here.py), the commands a challenger or reporter types run
+the installed `dlx`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import dag_cbor
 import pytest
 from dlx_testing.cheat import CheatingJobFile
+from dlx_testing.here import dlx_here
 from eth_utils import to_checksum_address
 
 from lineage.audit.query import open_ledger
@@ -116,7 +120,8 @@ def dlx(*args: Any, timeout: float = 600, **kw: Any) -> subprocess.CompletedProc
 
 
 def verify(run_dir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    res = dlx("verify", "--run-dir", run_dir, "--json", *extra)
+    """`dlx verify --json` in this process (the real command, without an interpreter's start-up)."""
+    res = dlx_here("verify", "--run-dir", run_dir, "--json", *extra)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     return res.returncode, json.loads(res.stdout)
 
