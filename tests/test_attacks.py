@@ -10,6 +10,9 @@ replicas collude on a wrong shard (and one of them equivocates on it), and two s
 runs the ledger stops (one node signing for both replicas; a replica co-signing another
 shard than its peer). The cheats come from the test-only `[cheat]` job section
 (tests/dlx_testing/cheat.py, the suite's extension: conftest names it in DLX_TEST_EXTENSION).
+The runs are real `dlx train` processes; the verifications that catch them run `dlx verify`
+in this process (tests/dlx_testing/here.py), the commands a challenger or reporter types run
+the installed `dlx`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 import dag_cbor
 import pytest
 from dlx_testing.cheat import CheatingJobFile
+from dlx_testing.here import dlx_here
 from eth_utils import to_checksum_address
 
 from lineage.chain.anvil import ANVIL_CHAIN_ID, dev_accounts, free_port, rpc_call, tool_path
@@ -114,8 +118,28 @@ def dlx(*args: Any, timeout: float = 600, **kw: Any) -> subprocess.CompletedProc
     return subprocess.run([DLX, *map(str, args)], capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def dlx_at_once(calls: list[tuple[Any, ...]], envs: list[dict[str, str]],
+                timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+    """`dlx ARGS` for each of `calls` (with its environment of `envs`), all started at once:
+    their finished processes, in order."""
+    procs = [subprocess.Popen([DLX, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for args, env in zip(calls, envs, strict=True)]
+    try:
+        done = []
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        return done
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def verify(run_dir: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    res = dlx("verify", "--run-dir", run_dir, "--json", *extra)
+    """`dlx verify --json` in this process (the real command, without an interpreter's start-up)."""
+    res = dlx_here("verify", "--run-dir", run_dir, "--json", *extra)
     assert res.returncode in (0, 1), res.stderr[-2000:]
     return res.returncode, json.loads(res.stdout)
 
@@ -509,12 +533,14 @@ def test_the_challenge_path_for_a_wrong_co_signed_shard_through_the_cli(cosign_c
     assert done["failure"].startswith("stage 0: recomputed shard differs from ")
     challenge = str(done["challenge"])
     first, second = sorted(ARBITERS[:2], key=lambda a: int(a.address, 16))
-    res = dlx("arbiter", "vote", challenge, "--dismiss", "--recompute", "--run-dir", run_dir, env=key_env(arbiter=first))
+    # The three votes only read the run and its chain: at once.
+    res, *upholds = dlx_at_once(
+        [("arbiter", "vote", challenge, "--dismiss", "--recompute", "--run-dir", run_dir)]
+        + [("arbiter", "vote", challenge, "--uphold", "--recompute", "--run-dir", run_dir)] * 2,
+        [key_env(arbiter=first), key_env(arbiter=first), key_env(arbiter=second)])
     assert res.returncode == 2 and "the recomputed outer step contradicts dismissing" in res.stderr, res.stderr
     sigs = []
-    for arbiter in (first, second):
-        res = dlx("arbiter", "vote", challenge, "--uphold", "--recompute", "--run-dir", run_dir,
-                  env=key_env(arbiter=arbiter))
+    for res in upholds:
         assert res.returncode == 0, res.stderr[-2000:]
         sigs.append(res.stdout.strip())
     res = dlx("arbiter", "resolve", challenge, "--uphold", *sigs, "--run-dir", run_dir, "--json", env=env)

@@ -5,7 +5,8 @@ repaired, and event reads in bounded block ranges.
 The unit tests pin the classification of failures, the backoff and the fee arithmetic. The
 slow ones run the real `dlx` against an anvil that mines a block a second, through a small
 HTTP proxy in this process that can answer 429 or refuse wide `eth_getLogs` queries, while
-the test freezes anvil (SIGSTOP), reorganises it, drops its pool and raises its base fee.
+the test freezes anvil (SIGSTOP), reorganises it, drops its pool and raises its base fee;
+the runs are then checked by `dlx verify` run in this process (tests/dlx_testing/here.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 import requests
 from conftest import DLX, small_job_toml
+from dlx_testing.here import dlx_here
 from test_chain import _attest, _run, h
 from web3.exceptions import Web3RPCError
 
@@ -349,8 +351,7 @@ def test_a_run_completes_through_a_freeze_a_reorg_a_drop_a_fee_jump_and_rate_lim
     steps = [c.record.step for c in commits if c.status != "rejected"]
     assert steps == [1, 2, 3, 4, 5], steps  # every step on chain exactly once
     assert len(commits) == 5, [(c.record.step, c.status) for c in commits]
-    verify = subprocess.run([DLX, "verify", str(run_dir), "--rpc", url], capture_output=True, text=True,
-                            timeout=300)
+    verify = dlx_here("verify", run_dir, "--rpc", url)
     assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
     print(f"faults run: {took:.0f} s, 429 answers: {proxy.throttled}; chain lines:",
           *[line for line in lines if line.startswith("chain: ")], sep="\n  ")
@@ -594,7 +595,7 @@ def test_a_queued_job_completes_through_a_freeze_and_a_reorganisation_of_the_sta
         commits = ledger.commits(int(rec["run_id"]))
         assert [c.record.step for c in commits if c.status != "rejected"] == [1, 2, 3, 4]
         assert len(commits) == 4
-        verify = subprocess.run([DLX, "verify", rec["run_dir"]], capture_output=True, text=True, timeout=300)
+        verify = dlx_here("verify", rec["run_dir"])
         assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
         logs = [*(Path(rec["run_dir"]) / "logs").glob("*.log"), *(stack / "logs").glob("*.log")]
         lines = [line for log in sorted(logs) for line in log.read_text().splitlines() if "chain: " in line]

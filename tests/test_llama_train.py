@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dlx_testing.here import dlx_here
 
 from trainer.compress import decode_contribution
 from trainer.config import ModelConfig, load_job
@@ -129,8 +130,7 @@ def test_bf16_with_activation_checkpointing_trains_and_replays_bit_for_bit(tmp_p
     assert train.returncode == 0, train.stderr
     said = " ".join(train.stderr.split())
     assert "llama 47K parameters" in said and "on cpu (auto: 0 GPUs for 4 ranks)" in said
-    verify = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--replay", "1"],
-                            capture_output=True, text=True, timeout=600)
+    verify = dlx_here("verify", "--run-dir", run_dir, "--replay", "1")
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "replayed 4 (step, replica) rounds" in verify.stdout and "4 bit for bit" in verify.stdout
 

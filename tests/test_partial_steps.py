@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 
 import pytest
 import typer
-from conftest import DLX, small_job_toml
+from conftest import small_job_toml
+from dlx_testing.here import dlx_here
 
 from lineage.audit.replay import check_continuity, replay_many
 from lineage.audit.verify import verify_run
@@ -155,8 +154,7 @@ def test_the_partial_step_is_on_chain_over_its_set(honest):
 
 def test_dlx_verify_passes_every_level_and_replays_only_the_present_replicas(honest):
     run_dir, _ = honest
-    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--replay", "1", "--json"],
-                         capture_output=True, text=True, timeout=900)
+    res = dlx_here("verify", "--run-dir", run_dir, "--replay", "1", "--json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(res.stdout)
     assert report["ok"]
@@ -179,13 +177,11 @@ def test_replay_refuses_an_absent_replica_and_continuity_skips_one_that_left(hon
 
 def test_dlx_lineage_shows_each_steps_replica_set(honest):
     run_dir, _ = honest
-    res = subprocess.run([DLX, "lineage", "show", "--run-dir", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = dlx_here("lineage", "show", "--run-dir", run_dir, "--json")
     assert res.returncode == 0, res.stderr[-2000:]
     assert [s["replicas"] for s in json.loads(res.stdout)["steps"]] == [[0, 1, 2], [0, 2]]
     page = run_dir / "lineage.html"
-    res = subprocess.run([DLX, "lineage", "show", "--run-dir", str(run_dir), "--html", str(page)],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "250"})
+    res = dlx_here("lineage", "show", "--run-dir", run_dir, "--html", page, env={"COLUMNS": "250"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "0,2" in res.stdout and "0,1,2" in res.stdout
     html = page.read_text()

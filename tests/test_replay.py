@@ -1,6 +1,8 @@
 """Replay verification (level 4): a round re-run from its published start state gives the
 claimed contribution bit for bit; a tampered start state, contribution or next-round state
-is caught. Real runs (`dlx train`: processes, gloo, anvil, blockstore), real replays."""
+is caught. Real runs (`dlx train`: processes, gloo, anvil, blockstore), real replays; the
+honest run through the installed `dlx verify`, the others through the same command run in
+this process (tests/dlx_testing/here.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dlx_testing.here import dlx_here
 
 from lineage.audit.replay import ReplicaReplay, StageReplay, check_continuity, job_of, replay_many
 from lineage.audit.verify import sample_pairs
@@ -180,7 +183,7 @@ def test_a_run_stored_before_references_still_verifies_and_replays(trained_run, 
         return sum(p.stat().st_size for p in (d / "blocks").rglob("*") if p.is_file())
 
     assert stored(trained_run[0]) < stored(run_dir)
-    res = dlx("verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json")
+    res = dlx_here("verify", "--run-dir", run_dir, "--replay", "1.0", "--json")
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads(res.stdout)
     assert [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data", "replay"]] * 3
@@ -244,8 +247,9 @@ def _with(manifest, **cells):
 @pytest.mark.slow
 def test_every_overlap_rule_replays_exactly_and_tampering_is_caught(delayed_run, tmp_path) -> None:
     store, steps, cps, name, run_dir = delayed_run
-    # The user's command: every level, every round of every replica replayed, bit for bit.
-    res = dlx("verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json")
+    # The user's command (in this process): every level, every round of every replica
+    # replayed, bit for bit.
+    res = dlx_here("verify", "--run-dir", run_dir, "--replay", "1.0", "--json")
     assert res.returncode == 0, res.stderr + res.stdout
     report = json.loads(res.stdout)
     assert report["ok"] and [s["passed"] for s in report["steps"]] == [["chain", "content", "aggregate", "data", "replay"]] * 3

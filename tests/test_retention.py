@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dlx_testing.here import dlx_here
 
 from lineage.audit import verify as V
 from lineage.chain.anvil import rpc_call
@@ -130,9 +131,9 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
         assert all(store.has(c) for c in m.stages) == (m.step >= 2)
     _everything_else_present(store, hist)
 
-    res = _dlx("cas", "verify", "--run-dir", run_dir)
+    res = dlx_here("cas", "verify", "--run-dir", run_dir)
     assert res.returncode == 0, res.stderr
-    res = _dlx("verify", "--run-dir", run_dir, "--replay", "0.5", "--json")
+    res = dlx_here("verify", "--run-dir", run_dir, "--replay", "0.5", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     by_step = {s["step"]: s for s in report["steps"]}
@@ -143,7 +144,7 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
     assert by_step[3]["unavailable"] == {} and "replay" in by_step[3]["passed"]  # the one step it can replay
     assert [r["step"] for r in report["replay"]] == [3]
     # the table says so too
-    res = _dlx("verify", "--run-dir", run_dir)
+    res = dlx_here("verify", "--run-dir", run_dir)
     assert res.returncode == 0 and "replay: not possible: start state pruned" in " ".join(res.stdout.split())
     # forked workers, one step each: steps 2 and 3 start from parents whose shards are gone
     monkeypatch.setattr(V, "MIN_STEPS_PER_WORKER", 1)
@@ -155,7 +156,7 @@ def test_train_with_keep_last_1_prunes_as_it_goes_and_verifies(tmp_path, small_j
     gone = hist[3].stages[0]
     for path in (run_dir / "blocks").glob(f"*/{gone}"):
         path.unlink()
-    res = _dlx("verify", "--run-dir", run_dir, "--json")
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")
     assert res.returncode == 1
     assert json.loads(res.stdout)["steps"][2]["failures"].get("content", "").startswith("block not found")
 
@@ -177,25 +178,25 @@ def test_gc_keep_every_2_removes_exactly_the_pruned_files(trained_run, tmp_path)
     assert expected
     expected_bytes = sum(store.size(c) for c in expected)
 
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2")  # all of it younger than the grace period
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--keep", "every:2")  # all of it younger than the grace period
     assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0", "--dry-run")
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0", "--dry-run")
     assert res.returncode == 0, res.stderr
     assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
     assert {str(c) for c in store} == before
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0")
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--keep", "every:2", "--grace", "0")
     assert res.returncode == 0, res.stderr
     assert {line.split()[-1] for line in res.stdout.splitlines()} == expected
     assert f"removed {len(expected)} block(s), {expected_bytes} bytes (" in res.stderr
     assert {str(c) for c in store} == before - expected
     _everything_else_present(store, hist)
 
-    assert _dlx("cas", "verify", "--run-dir", run_dir).returncode == 0
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--grace", "0")  # the pin walk passes over the pruned files
+    assert dlx_here("cas", "verify", "--run-dir", run_dir).returncode == 0
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--grace", "0")  # the pin walk passes over the pruned files
     assert res.returncode == 0 and res.stdout == "", res.stdout + res.stderr
-    res = _dlx("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
+    res = dlx_here("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
     assert res.returncode == 0, res.stderr
-    res = _dlx("verify", "--run-dir", run_dir, "--json")
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     steps = json.loads(res.stdout)["steps"]
     assert [s["unavailable"] for s in steps] == [{"replay": "not possible: start state pruned"}, {}, {}]
@@ -213,11 +214,11 @@ def test_a_prune_cut_short_leaves_whole_blocks_and_the_next_gc_finishes_it(train
     assert len(p.blocks) >= 2 and {str(c) for c in p.roots} <= {str(c) for c in p.blocks}
     store.prune(p.roots, p.blocks[: len(p.blocks) // 2])  # the process dies here
     assert store.verify() == []
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "last:1", "--grace", "0")
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--keep", "last:1", "--grace", "0")
     assert res.returncode == 0, res.stderr
     assert {str(c) for c in store} == before - {str(c) for c in p.blocks}
-    assert _dlx("cas", "verify", "--run-dir", run_dir).returncode == 0
-    res = _dlx("verify", "--run-dir", run_dir, "--json")
+    assert dlx_here("cas", "verify", "--run-dir", run_dir).returncode == 0
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     assert [s["unavailable"] for s in json.loads(res.stdout)["steps"]] == [
         {"replay": "not possible: start state pruned"}] * 2 + [{}]
@@ -243,25 +244,25 @@ def test_a_kept_start_state_keeps_the_shard_it_refers_to_and_a_car_carries_it(tm
     assert [round_state_ref(store, c).weights for c in _starts(hist[3])] == hist[1].stages * 2
     assert [round_state_ref(store, c).weights for c in _starts(hist[2])] == hist[0].stages * 2
 
-    res = _dlx("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
+    res = dlx_here("cas", "export", "--run-dir", run_dir, "-o", tmp_path / "run.car")
     assert res.returncode == 0, res.stderr
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("blocks"))
-    res = _dlx("cas", "import", tmp_path / "run.car", "--run-dir", copy)
+    res = dlx_here("cas", "import", tmp_path / "run.car", "--run-dir", copy)
     assert res.returncode == 0, res.stderr
     imported = Blockstore(copy / "blocks")
     assert [read_start_state(imported, m, r, s) for m in hist[1:] for r in (0, 1) for s in (0, 1)] == \
         [read_start_state(store, m, r, s) for m in hist[1:] for r in (0, 1) for s in (0, 1)]
-    res = _dlx("verify", "--run-dir", copy, "--replay", "1.0", "--json")
+    res = dlx_here("verify", "--run-dir", copy, "--replay", "1.0", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     assert len(json.loads(res.stdout)["replay"]) == 6
 
     assert 1 not in kept_steps(KeepPolicy.parse("last:1"), 3).shards
-    res = _dlx("cas", "gc", "--run-dir", run_dir, "--keep", "last:1", "--grace", "0")
+    res = dlx_here("cas", "gc", "--run-dir", run_dir, "--keep", "last:1", "--grace", "0")
     assert res.returncode == 0, res.stderr
     assert not any(store.has(c) for m in hist[1:3] for c in _starts(m))  # pruned as before
     for cid in hist[1].stages:  # step 1's shards: not kept for step 1, kept for step 3's states
         check_file(store, cid, workers=0)
-    res = _dlx("verify", "--run-dir", run_dir, "--json")  # level 2 rebuilds the head's states
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")  # level 2 rebuilds the head's states
     assert res.returncode == 0, res.stdout + res.stderr
     assert all({"chain", "content", "aggregate"} <= set(s["passed"]) for s in json.loads(res.stdout)["steps"])

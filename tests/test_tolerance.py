@@ -224,9 +224,29 @@ def _job(name: str, extra: str = "") -> str:
 
 
 def _dlx(*args: Any, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    (res,) = _dlx_all([args], env=env, timeout=timeout)
+    return res
+
+
+def _dlx_all(calls: list[tuple[Any, ...]], env: dict[str, str] | None = None, envs: list[dict[str, str]] | None = None,
+             timeout: float = 600) -> list[subprocess.CompletedProcess[str]]:
+    """`dlx ARGS` for each ARGS of `calls`, all at once (commands that only read the run and
+    its chain), each with `env` or its own of `envs` added: their finished processes, in order."""
     clean = {k: v for k, v in os.environ.items() if (not k.startswith("DLX_") or k == "DLX_TEST_EXTENSION") and k not in FOREIGN}
-    return subprocess.run([DLX, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          env={**clean, **(env or {})})
+    procs = [subprocess.Popen([DLX, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**clean, **(env or {}), **(envs[i] if envs else {})})
+             for i, args in enumerate(calls)]
+    try:
+        done = []
+        for args, proc in zip(calls, procs, strict=True):
+            out, err = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess([DLX, *map(str, args)], proc.returncode, out, err))
+        return done
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def _train(root: Path, toml: str) -> Path:
@@ -246,7 +266,14 @@ needs_foreign = pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() == "D
 @needs_foreign
 def test_dlx_verify_reports_both_fingerprints_and_judges_a_foreign_replay_flip_aware(tmp_path) -> None:
     run_dir = _train(tmp_path / "native", _job("native"))
-    res = _dlx("verify", "--run-dir", run_dir, "--replay", "1.0", "--json", env=FOREIGN)
+    # Four verifications of the run (they only read it), at once: from the foreign kernel set,
+    # its table, under this machine's own kernels, and with an explicit tolerance of 0.
+    res, text, own, strict = _dlx_all([
+        ("verify", "--run-dir", run_dir, "--replay", "1.0", "--json"),
+        ("verify", "--run-dir", run_dir, "--replay", "0.2"),
+        ("verify", "--run-dir", run_dir, "--replay", "1.0", "--json"),
+        ("verify", "--run-dir", run_dir, "--replay", "0.2", "--json", "--tolerance", "0"),
+    ], envs=[FOREIGN, FOREIGN, {}, FOREIGN])
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     report = json.loads(res.stdout)
     kernels = report["kernels"]
@@ -262,17 +289,14 @@ def test_dlx_verify_reports_both_fingerprints_and_judges_a_foreign_replay_flip_a
     assert all(st["trained_on"] == trained and st["judged"] == FLIP_AWARE and st["max_flip"] <= 1 for st in stages)
     assert not any(st["exact"] for st in stages)  # the kernels differ: so do the last bits
     assert all(st["state_rel_l2"] is not None for r in report["replay"] if r["step"] < 3 for st in r["stages"])
-    text = _dlx("verify", "--run-dir", run_dir, "--replay", "0.2", env=FOREIGN)
     words = " ".join(text.stdout.split())
     assert text.returncode == 0 and "judged within tolerance" in words and f"replayed on {replayed}" in words
     # The same run verified under its own kernels: bit for bit, as before.
-    res = _dlx("verify", "--run-dir", run_dir, "--replay", "1.0", "--json")
-    report = json.loads(res.stdout)
-    assert res.returncode == 0 and report["kernels"]["notes"] == []
+    report = json.loads(own.stdout)
+    assert own.returncode == 0 and report["kernels"]["notes"] == []
     assert all(st["exact"] and st["judged"] == EXACT for r in report["replay"] for st in r["stages"])
     # An explicit 0 asks for bit for bit: the foreign replay then fails, naming the judging.
-    res = _dlx("verify", "--run-dir", run_dir, "--replay", "0.2", "--json", "--tolerance", "0", env=FOREIGN)
-    assert res.returncode == 1 and "judged bit for bit" in json.dumps(json.loads(res.stdout)["steps"])
+    assert strict.returncode == 1 and "judged bit for bit" in json.dumps(json.loads(strict.stdout)["steps"])
 
 
 def _portable_run(tmp_path: Path) -> Path:
@@ -313,10 +337,19 @@ def _key_env(role: str, index: int) -> dict[str, str]:
     return {**FOREIGN, f"DLX_{role.upper()}_KEY": "0x" + bytes(dev_accounts(10)[index].key).hex()}
 
 
-def _votes(run_dir: Path, challenge: int, *args: str, n: int = 2) -> list[subprocess.CompletedProcess[str]]:
-    """`n` arbiters' `dlx arbiter vote CHALLENGE ARGS --replay`, from the foreign kernel set."""
-    return [_dlx("arbiter", "vote", challenge, *args, "--replay", "--run-dir", run_dir,
-                 env=_key_env("arbiter", i)) for i in ARBITER_INDICES[:n]]
+def _vote_calls(run_dir: Path, challenge: int, *args: str, n: int = 2) -> list[tuple[tuple[Any, ...], dict[str, str]]]:
+    """`n` arbiters' `dlx arbiter vote CHALLENGE ARGS --replay`, from the foreign kernel set:
+    (arguments, environment) for `_votes`."""
+    return [(("arbiter", "vote", challenge, *args, "--replay", "--run-dir", run_dir), _key_env("arbiter", i))
+            for i in ARBITER_INDICES[:n]]
+
+
+def _votes(*calls: list[tuple[tuple[Any, ...], dict[str, str]]]) -> list[list[subprocess.CompletedProcess[str]]]:
+    """The votes of each list of `_vote_calls`, all at once (a vote only reads the chain):
+    their finished processes, a list per list."""
+    flat = [call for group in calls for call in group]
+    done = iter(_dlx_all([args for args, _ in flat], envs=[env for _, env in flat]))
+    return [[next(done) for _ in group] for group in calls]
 
 
 @pytest.mark.slow
@@ -348,12 +381,15 @@ def test_from_a_foreign_kernel_set_an_honest_node_is_never_slashable_and_a_cheat
                "--json", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     frivolous = json.loads(res.stdout)["challenge"]
-    for vote in _votes(run_dir, frivolous, "--uphold", n=1):
+    uphold, strict_uphold, dismiss = _votes(_vote_calls(run_dir, frivolous, "--uphold", n=1),
+                                            _vote_calls(run_dir, frivolous, "--uphold", "--tolerance", "1e-12", n=1),
+                                            _vote_calls(run_dir, frivolous, "--dismiss"))
+    for vote in uphold:
         assert vote.returncode == 2 and "matches the claim" in vote.stderr and "refusing to sign an uphold" in vote.stderr
-    for vote in _votes(run_dir, frivolous, "--uphold", "--tolerance", "1e-12", n=1):
+    for vote in strict_uphold:
         assert vote.returncode == 2 and "the calibrated flip-aware rule accepts this replay" in vote.stderr, vote.stderr
     sigs = []
-    for vote in _votes(run_dir, frivolous, "--dismiss"):
+    for vote in dismiss:
         assert vote.returncode == 0, vote.stderr[-3000:]
         sigs.append(vote.stdout.strip())
     res = _dlx("arbiter", "resolve", frivolous, "--dismiss", *sigs, "--run-dir", run_dir, "--json", env=env)
@@ -365,10 +401,12 @@ def test_from_a_foreign_kernel_set_an_honest_node_is_never_slashable_and_a_cheat
     done = json.loads(res.stdout)
     assert (done["replica"], done["stage"]) == (1, 1) and "flip-aware within" in done["judging"]
     assert done["failure"], done
-    for vote in _votes(run_dir, done["challenge"], "--dismiss", n=1):
+    dismiss, uphold = _votes(_vote_calls(run_dir, done["challenge"], "--dismiss", n=1),
+                             _vote_calls(run_dir, done["challenge"], "--uphold"))
+    for vote in dismiss:
         assert vote.returncode == 2 and "refusing to sign a dismissal" in vote.stderr
     sigs = []
-    for vote in _votes(run_dir, done["challenge"], "--uphold"):
+    for vote in uphold:
         assert vote.returncode == 0, vote.stderr[-3000:]
         assert "differs from the claim" in vote.stderr
         sigs.append(vote.stdout.strip())

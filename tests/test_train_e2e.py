@@ -1,6 +1,7 @@
 """End to end: `dlx train` runs real multi-process pipeline-parallel DiLoCo, stores every
 checkpoint in the blockstore, commits every outer step on a real anvil, and
-`dlx lineage --json` reads the chain back, consistent with the stored blocks."""
+`dlx lineage --json` reads the chain back, consistent with the stored blocks (its JSON
+read in this process, tests/dlx_testing/here.py; its table from the installed `dlx`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import dag_cbor
 import pytest
+from dlx_testing.here import dlx_here
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -29,8 +31,7 @@ def test_train_then_lineage_gives_a_verified_checkpoint_chain(trained_run):
     assert (run_dir / "chain" / "state.json").exists()
     assert f"head     {record.head}" in res.stdout
 
-    res = subprocess.run([DLX, "lineage", "--run-dir", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=120)
+    res = dlx_here("lineage", "--run-dir", run_dir, "--json")
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["run"] == record.run_id
@@ -66,8 +67,7 @@ def test_train_then_lineage_gives_a_verified_checkpoint_chain(trained_run):
 def test_lineage_html_report_is_one_self_contained_file(trained_run, tmp_path):
     run_dir, _ = trained_run
     out = tmp_path / "report.html"
-    res = subprocess.run([DLX, "lineage", "--run-dir", str(run_dir), "--html", str(out), "--json"],
-                         capture_output=True, text=True, timeout=120)
+    res = dlx_here("lineage", "--run-dir", run_dir, "--html", out, "--json")
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     page = out.read_text()

@@ -1,5 +1,7 @@
 """`dlx verify` on a real run: an honest run passes every level; a tampered block is
-caught by the content level, naming the step and the CID."""
+caught by the content level, naming the step and the CID. The verifications run in this
+process (`dlx_here`: the real command without an interpreter's start-up); the hostile run
+is trained by a patched `dlx`, and `dlx cas get`'s one line is what a shell sees."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import dag_cbor
 import pytest
+from dlx_testing.here import dlx_here
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -21,8 +24,7 @@ DLX = str(Path(sys.executable).parent / "dlx")
 
 
 def verify(run_dir: Path) -> tuple[int, dict]:
-    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=300)
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")
     assert res.returncode in (0, 1), res.stderr
     return res.returncode, json.loads(res.stdout)
 
@@ -146,8 +148,7 @@ def test_hostile_round_state_nodes_fail_content_and_replay_with_their_reason(tmp
     res = subprocess.run([sys.executable, "-c", HOSTILE_DLX, "train", str(job), "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--replay", "1.0", "--json"],
-                         capture_output=True, text=True, timeout=600)
+    res = dlx_here("verify", "--run-dir", run_dir, "--replay", "1.0", "--json")
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
     steps = {s["step"]: s for s in json.loads(res.stdout)["steps"]}
     assert "content" in steps[1]["passed"] and "content" in steps[3]["passed"]

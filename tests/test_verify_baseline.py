@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dlx_testing.here import dlx_here
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
@@ -22,8 +23,7 @@ def test_a_baseline_run_verifies_with_the_aggregate_level_not_applicable(tmp_pat
     res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir)], capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    res = subprocess.run([DLX, "verify", "--run-dir", str(run_dir), "--json"], capture_output=True, text=True,
-                         timeout=600)
+    res = dlx_here("verify", "--run-dir", run_dir, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
     for step in report["steps"]:
