@@ -212,8 +212,9 @@ def _fixed64(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] 
 # The least float32 amax whose unit 2**(e - bits) is a normal float32 (e - bits >= -126,
 # i.e. amax >= 2**(bits - 127)).
 _F32_SCALABLE = [2.0 ** (bits - 127) for bits in range(64)]
-# The least float64 amax (biased exponent E >= bits) whose unit and its inverse are normal.
-_F64_SCALABLE = [2.0 ** (bits - 1023) for bits in range(64)]
+# The least float64 amax whose unit and its inverse are normal: a normal amax (E >= 1)
+# with E >= bits.
+_F64_SCALABLE = [2.0 ** (max(bits, 1) - 1023) for bits in range(64)]
 
 
 def _nonfinite_sum(x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:
