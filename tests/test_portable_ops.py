@@ -6,7 +6,9 @@ within float32-level tolerance; the models in portable numerics against native w
 same weights. (b) A subprocess matrix: one probe (every op on fixed inputs, a tiny gpt and
 a tiny llama for three AdamW steps) hashed under ATen capabilities, MKL and oneDNN
 instruction sets, glibc hwcaps and thread counts: every hash equal. (c) The tiny models'
-hashes pinned: the same on every machine, by construction.
+hashes pinned: the same on every machine, by construction. (d) Every kernel and the exact
+building blocks pinned by one hash over many shapes and value ranges, so that a faster
+kernel is shown to give the same bits.
 
 Run as a script (`python tests/test_portable_ops.py`), this file prints the probe's hashes.
 """
@@ -520,5 +522,118 @@ def test_pinned_in_process() -> None:
         assert h.hexdigest() == PINNED[family], family
 
 
+
+# ---------------------------------------------------------------------------------------------
+# (d) every kernel pinned bit for bit on random inputs of many shapes and value ranges
+# (tiny, huge, subnormal, spread over many binades, zero slices and -0.0, inf and nan): a
+# faster kernel must give exactly these bits. The digest was computed by the kernels before
+# they were made faster (one scale read from the exponent field, fewer passes per op).
+
+BATTERY_SHA256 = "644cc450fe6e9e42e8515d04e9cdc6d2d62f1e4a4227d09763d68d4e5c0ea3b5"
+
+
+def _battery_values(g: torch.Generator, shape: tuple[int, ...], kind: str, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(shape, generator=g, dtype=F64)
+    if kind.startswith("x"):  # a scale: x1e-30, ...
+        x = x * float(kind[1:])
+    elif kind == "zeros":  # zero slices, and -0.0 here and there
+        x[..., ::3, :] = 0.0
+        x.view(-1)[::7] = -0.0
+    elif kind == "wide":  # magnitudes spread over 120 binades
+        x = x * torch.exp2(torch.randint(-60, 60, shape, generator=g).double())
+    elif kind == "sub":  # subnormals of the dtype
+        x = x * (1e-42 if dtype == torch.float32 else 1e-310)
+    elif kind == "nonfinite":
+        x.view(-1)[::11], x.view(-1)[5::13], x.view(-1)[3::17] = math.inf, -math.inf, math.nan
+    return x.to(dtype)
+
+
+KINDS32 = ["normal", "x1e-30", "x1e30", "x1e-38", "x3e37", "zeros", "wide", "sub", "nonfinite"]
+KINDS64 = [*KINDS32, "x1e-300", "x1e300", "x1e-306"]
+
+
+def _battery_blocks(h: Any, g: torch.Generator) -> None:
+    """The exact building blocks: fixed point and exact sums, float32 and float64 inputs."""
+    from trainer.portable_core import _fixed, _sum64
+
+    for dtype, kinds in ((torch.float32, KINDS32), (F64, KINDS64)):
+        for shape in [(7, 1), (5, 300), (3, 4, 33), (2, 128, 96), (64, 1)]:
+            for kind in kinds:
+                x = _battery_values(g, shape, kind, dtype)
+                for dims in sorted({(len(shape) - 1,), (0,), tuple(range(len(shape)))}):
+                    n = math.prod(shape[d] for d in dims)
+                    for bits in (21, 26, 53 - max(1, n - 1).bit_length()):
+                        q, unit, bad = _fixed(x, dims, bits)
+                        _digest(h, q, unit, *([] if bad is None else [bad]))
+                    _digest(h, _sum64(x, dims), _sum64(x, dims, keepdim=True))
+                    if kind != "nonfinite":
+                        _digest(h, _sum64(x.abs(), dims, nonneg=True))
+
+
+def _battery_ops(h: Any, g: torch.Generator) -> None:
+    """Every op forward and backward (float32)."""
+    def r(*shape: int, kind: str = "normal") -> torch.Tensor:
+        return _battery_values(g, shape, kind, torch.float32).requires_grad_()
+
+    def run(y: torch.Tensor, *leaves: torch.Tensor, kind: str = "normal") -> None:
+        y.backward(_battery_values(g, tuple(y.shape), kind, torch.float32))
+        _digest(h, y, *[t.grad for t in leaves])
+        for t in leaves:
+            t.grad = None
+
+    for sa, sb in [((1, 1), (1, 1)), ((33, 70), (70, 17)), ((256, 96), (96, 288)),
+                   ((5, 5000), (5000, 6)), ((2, 3, 9, 16), (2, 3, 16, 5)), ((8, 128, 24), (8, 24, 128)),
+                   ((2, 1, 5, 8), (1, 3, 8, 6)), ((2, 7, 8), (8, 5))]:
+        for kind in ["normal", "zeros", "wide", "sub", "nonfinite", "x1e-38", "x1e30"]:
+            a, b = r(*sa, kind=kind), r(*sb)
+            run(P.matmul(a, b, scale=0.3), a, b)
+            if len(sb) == 2:
+                _digest(h, P.matmul(a.detach(), r(*sb[::-1], kind=kind).detach().t()))
+    for n, i, o in [(256, 96, 288), (4, 24, 10), (300, 384, 96)]:
+        for kind in ["normal", "zeros", "wide", "nonfinite"]:
+            x, w, b = r(n, i, kind=kind), r(o, i), r(o)
+            for _ in range(2):  # the weight-slice cache: a miss, then a hit
+                run(P.linear(x, w, b), x, w, b, kind=kind)
+            with torch.no_grad():
+                w.mul_(0.5)  # an update: a miss again
+            _digest(h, P.linear(x, w, None))
+    for shape in [(2, 128, 96), (5, 6, 32), (3, 1)]:
+        for kind in ["normal", "x1e-30", "x1e30", "x1e-20", "zeros", "wide", "nonfinite"]:
+            x, w, b = r(*shape, kind=kind), r(shape[-1]), r(shape[-1])
+            run(P.layer_norm(x, w, b, 1e-5), x, w, b)
+            run(P.rms_norm(x, w, 1e-6), x, w)
+            for dim in (-1, 0):
+                run(P.softmax(x, dim), x)
+            run(P.softmax(x, -1, mask=torch.ones(shape[-2:], dtype=torch.bool).tril()), x)
+            run(P.cross_entropy(x.reshape(-1, shape[-1]), torch.randint(0, shape[-1], (x[..., 0].numel(),), generator=g)), x)
+            for name in ["exp", "tanh", "erf", "sigmoid", "silu", "gelu", "sin", "cos"]:
+                run(getattr(P, name)(x), x)
+            xa = x.detach().abs().requires_grad_()
+            run(P.log(xa), xa)
+            run(P.rsqrt(xa), xa)
+            for dims in (None, -1, 0):
+                run(P.sum(x, dims), x)
+                run(P.mean(x, dims), x)
+            run(P.add(x, b), x, b)
+            ew = r(9, shape[-1], kind=kind)
+            run(P.embedding(torch.randint(0, 9, (4, 30), generator=g), ew), ew, kind=kind)
+            _digest(h, P.grad_sq_norm([x.detach(), w.detach()]))
+    q, k, v = r(2, 4, 12, 8), r(2, 2, 12, 8), r(2, 2, 12, 8)
+    run(P.scaled_dot_product_attention(q, P.repeat_kv(k, 2), P.repeat_kv(v, 2)), q, k, v)
+
+
+def battery() -> str:
+    h = hashlib.sha256()
+    g = torch.Generator().manual_seed(11)
+    _battery_blocks(h, g)
+    _battery_ops(h, g)
+    return h.hexdigest()
+
+
+@pytest.mark.slow  # about 20 s of kernels (CPU time)
+def test_kernels_bit_for_bit_on_many_shapes() -> None:
+    assert battery() == BATTERY_SHA256
+
+
 if __name__ == "__main__":
-    print(json.dumps(probe()))
+    print(json.dumps({**probe(), **({"battery": battery()} if "--battery" in sys.argv else {})}))

@@ -43,10 +43,11 @@ _POOL = _Pool()
 def _tmp(shape: Sequence[int], like: Tensor, dtype: torch.dtype = F64) -> Tensor:
     """An uninitialised work tensor of `shape` on like's device: from the pool inside a
     `_scoped` op (power-of-two buckets), else a plain allocation."""
+    shape = tuple(shape)
     n = math.prod(shape)
     pool = _POOL
     if pool.held is None or n < _POOL_MIN_ELEMENTS:
-        return torch.empty(tuple(shape), dtype=dtype, device=like.device)
+        return torch.empty(shape, dtype=dtype, device=like.device)
     key = (dtype, like.device, 1 << (n - 1).bit_length())
     bufs = pool.free.get(key)
     if bufs:
@@ -58,7 +59,8 @@ def _tmp(shape: Sequence[int], like: Tensor, dtype: torch.dtype = F64) -> Tensor
     return buf.as_strided(shape, _contiguous_strides(shape))
 
 
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
@@ -70,6 +72,14 @@ def _tmp_like(x: Tensor, dtype: torch.dtype = F64) -> Tensor:
     return _tmp(x.shape, x, dtype)
 
 
+def _release(held: list[tuple[tuple[torch.dtype, torch.device, int], Tensor]]) -> None:
+    pool = _POOL
+    for key, buf in held:
+        if pool.bytes + buf.nbytes <= _POOL_MAX_BYTES:
+            pool.free.setdefault(key, []).append(buf)
+            pool.bytes += buf.nbytes
+
+
 @contextmanager
 def _scope() -> Iterator[None]:
     pool = _POOL
@@ -77,11 +87,8 @@ def _scope() -> Iterator[None]:
     try:
         yield
     finally:
-        for key, buf in pool.held:
-            if pool.bytes + buf.nbytes <= _POOL_MAX_BYTES:
-                pool.free.setdefault(key, []).append(buf)
-                pool.bytes += buf.nbytes
-        pool.held = outer
+        held, pool.held = pool.held, outer
+        _release(held)
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -92,8 +99,13 @@ def _scoped(fn: _F) -> _F:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
-        with _scope():
+        pool = _POOL  # `_scope` inlined: this wraps every op
+        outer, pool.held = pool.held, []
+        try:
             return fn(*args, **kwargs)
+        finally:
+            held, pool.held = pool.held, outer
+            _release(held)
 
     return run  # type: ignore[return-value]
 
@@ -138,10 +150,9 @@ def _fixed(x: Tensor, dims: tuple[int, ...], bits: int,
     magnitude (frexp). Non-finite values become 0 in q; `bad` (or None) marks the slices
     that held any."""
     amax = _absmax(x, dims, nonneg)
-    if x.dtype == F32:
-        fast = _fixed32(x, amax, bits)
-        if fast is not None:
-            return fast
+    fast = _fixed32(x, amax, bits) if x.dtype == F32 else _fixed64(x, amax, bits) if x.dtype == F64 else None
+    if fast is not None:
+        return fast
     bad = None
     if not bool(torch.isfinite(amax).all()):
         bad = ~torch.isfinite(amax)
@@ -176,9 +187,34 @@ def _fixed32(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] 
     return _tmp_like(x).copy_(q32), unit.to(F64), None
 
 
+def _fixed64(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] | None:
+    """`_fixed` of float64 x whose slices' amax are finite and whose units 2**(e - bits)
+    and scales 2**(bits - e) are normal float64 (None otherwise): the general path's
+    integers and units with e read from amax's exponent field instead of frexp, and no
+    copy (x * 2**(bits - e), one rounding, as there). A slice of zeros gets frexp's e = 0
+    (amax 0.5 stands in for it)."""
+    if amax.numel() == 0:
+        return None
+    lo_t, hi_t = torch.aminmax(amax)
+    lo, hi = lo_t.item(), hi_t.item()
+    if lo == 0.0:  # +-0: some slices are zero
+        amax = amax.masked_fill(amax == 0, 0.5)
+        lo = amax.amin().item()
+    if not (lo >= _F64_SCALABLE[bits] and hi < math.inf):  # also False for NaN
+        return None
+    # amax = m 2**(E - 1023), 1 <= m < 2: frexp's e = E - 1022, and the unit 2**(e - bits)
+    # has the biased exponent U = E + 1 - bits, its inverse 2046 - U.
+    unit = torch.bitwise_and(amax.view(torch.int64), 0x7FF0000000000000).sub_((bits - 1) << 52)
+    scale = torch.sub(2046 << 52, unit).view(F64)
+    return torch.mul(x, scale, out=_tmp_like(x)).round_(), unit.view(F64), None
+
+
 # The least float32 amax whose unit 2**(e - bits) is a normal float32 (e - bits >= -126,
 # i.e. amax >= 2**(bits - 127)).
 _F32_SCALABLE = [2.0 ** (bits - 127) for bits in range(64)]
+# The least float64 amax whose unit and its inverse are normal: a normal amax (E >= 1)
+# with E >= bits.
+_F64_SCALABLE = [2.0 ** (max(bits, 1) - 1023) for bits in range(64)]
 
 
 def _nonfinite_sum(x: Tensor, dims: tuple[int, ...], keepdim: bool) -> Tensor:

@@ -91,7 +91,9 @@ def _product(a: _Operand, b: _Operand, sa: int, sb: int, out: Tensor, scale: flo
         cross.add_(torch.matmul(a.lo, b.hi, out=_tmp(shape, out)).mul_(2.0**sb))
         c.mul_(2.0 ** (sa + sb)).add_(cross)
     row = a.shift if scale == 1.0 else a.shift * scale  # (.., m, 1): 2**e * scale
-    torch.mul(c.mul_(row), b.shift, out=out)  # the second product is exact: one rounding
+    # The second product is exact: one rounding (float64 in place, then the cast: what a
+    # mixed-dtype mul into float32 out computes, in vectorised passes).
+    out.copy_(c.mul_(row).mul_(b.shift))
     bads = [m for m in (a.bad, b.bad) if m is not None]
     if bads:
         out.masked_fill_(bads[0] if len(bads) == 1 else bads[0] | bads[1], math.nan)
@@ -153,9 +155,10 @@ def _mm(a: Tensor, b: Tensor, bias: Tensor | None = None, scale: float = 1.0,
     bq = None if batched else _weight_operand(b, nb, sb) if weight else _Operand.of(b, -2, nb, sb)
     out = torch.empty(*a.shape[:-1], n, dtype=F32, device=a.device)
     for i in range(0, a.shape[0], step):
-        j = i + step
-        bi = _Operand.of(b[i:j], -2, nb, sb) if bq is None else bq
-        _product(_Operand.of(a[i:j], -1, na, sa), bi, sa, sb, out[i:j], scale)
+        whole = step >= a.shape[0]  # one chunk: no slicing
+        ai, bi, oi = (a, b, out) if whole else (a[i:i + step], b[i:i + step], out[i:i + step])
+        _product(_Operand.of(ai, -1, na, sa), _Operand.of(bi, -2, nb, sb) if bq is None else bq,
+                 sa, sb, oi, scale)
     # A sum of -0.0 products may be -0.0 or +0.0 by kernel: + 0.0 makes every zero +0.0
     # (the bias too, so that +-0 + bias does not depend on the sign of a zero).
     return out.add_(0.0 if bias is None else bias + 0.0)
