@@ -156,11 +156,9 @@ def up(directory: Path, workers: int, slots: int, stake_wei: int = ETHER, host: 
                       chain_id=chain.chain_id, registry=ledger.addresses["registry"],
                       ledger=ledger.addresses["ledger"], host=host, keeper_pid=keeper_pid)
         _save_chain_history(stack)
-        for i, acct in enumerate(accounts[1:], start=1):
+        for acct in accounts[1:]:
             ledger.registry.ensure_staked(acct, stake_wei)
-            started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
-        stack.save()
-        return stack
+        return _start_workers(stack, accounts[1:], slots, started)
     except BaseException:
         _stop_pids(list(reversed(started)))
         raise
@@ -187,13 +185,19 @@ def up_on_deployment(directory: Path, rpc: str, deployment: Path, keys: list[Loc
         stack = Stack(dir=str(directory), redis_url=url, redis_pid=started[0], rpc=rpc, anvil_pid=0,
                       chain_id=chain.chain_id, registry=ledger.addresses["registry"],
                       ledger=ledger.addresses["ledger"], host=host, deployment=str(Path(deployment).resolve()))
-        for i, acct in enumerate(keys, start=1):
-            started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
-        stack.save()
-        return stack
+        return _start_workers(stack, keys, slots, started)
     except BaseException:
         _stop_pids(list(reversed(started)))
         raise
+
+
+def _start_workers(stack: Stack, keys: list[LocalAccount], slots: int, started: list[int]) -> Stack:
+    """A worker per key of `keys` (each staked), their PIDs added to `started`; then
+    stack.json, which `dlx down` reads."""
+    for i, acct in enumerate(keys, start=1):
+        started.append(start_worker(stack, acct.key.hex(), slots, f"worker-{i}"))
+    stack.save()
+    return stack
 
 
 def _refuse_a_live_stack(directory: Path) -> None:
