@@ -165,24 +165,33 @@ def _fixed(x: Tensor, dims: tuple[int, ...], bits: int,
     return q, _pow2(e - bits), bad
 
 
+def _scalable(amax: Tensor, zero_as: float, least: float) -> Tensor | None:
+    """`amax` with its zero slices' entries set to `zero_as`, when every entry then is at
+    least `least` and all are finite (None otherwise, and for no slices)."""
+    if amax.numel() == 0:
+        return None
+    lo_t, hi_t = torch.aminmax(amax)
+    lo, hi = lo_t.item(), hi_t.item()
+    if lo == 0.0:  # +-0: some slices are zero
+        amax = amax.masked_fill(amax == 0, zero_as)
+        lo = amax.amin().item()
+    if not (lo >= least and hi < math.inf):  # also False for NaN
+        return None
+    return amax
+
+
 def _fixed32(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] | None:
     """`_fixed` of float32 x with finite amax whose units 2**(e - bits) are normal float32
     (None otherwise): x / 2**(e - bits) and its rounding in float32 are exact and give the
     float64 path's integers (a value below 2**-126 rounds to a zero of its sign either way),
     in fewer, narrower passes. e is read from amax's float32 exponent field; a slice of
     zeros (whose q is 0 whatever its unit) gets the unit of amax = 1."""
-    if amax.numel() == 0:
-        return None
-    lo_t, hi_t = torch.aminmax(amax)
-    lo, hi = lo_t.item(), hi_t.item()
-    if lo == 0.0:  # +-0: some slices are zero
-        amax = amax.masked_fill(amax == 0, 1.0)
-        lo = amax.amin().item()
-    if not (lo >= _F32_SCALABLE[bits] and hi < math.inf):  # also False for NaN
+    top = _scalable(amax, 1.0, _F32_SCALABLE[bits])
+    if top is None:
         return None
     # amax = m 2**(E - 127), 1 <= m < 2, E its biased exponent field: frexp's e = E - 126,
     # and the unit 2**(e - bits) has the biased exponent E + 1 - bits.
-    unit = torch.bitwise_and(amax.view(torch.int32), 0x7F800000).sub_((bits - 1) << 23).view(F32)
+    unit = torch.bitwise_and(top.view(torch.int32), 0x7F800000).sub_((bits - 1) << 23).view(F32)
     q32 = torch.div(x, unit, out=_tmp_like(x, F32)).round_()
     return _tmp_like(x).copy_(q32), unit.to(F64), None
 
@@ -193,18 +202,12 @@ def _fixed64(x: Tensor, amax: Tensor, bits: int) -> tuple[Tensor, Tensor, None] 
     integers and units with e read from amax's exponent field instead of frexp, and no
     copy (x * 2**(bits - e), one rounding, as there). A slice of zeros gets frexp's e = 0
     (amax 0.5 stands in for it)."""
-    if amax.numel() == 0:
-        return None
-    lo_t, hi_t = torch.aminmax(amax)
-    lo, hi = lo_t.item(), hi_t.item()
-    if lo == 0.0:  # +-0: some slices are zero
-        amax = amax.masked_fill(amax == 0, 0.5)
-        lo = amax.amin().item()
-    if not (lo >= _F64_SCALABLE[bits] and hi < math.inf):  # also False for NaN
+    top = _scalable(amax, 0.5, _F64_SCALABLE[bits])
+    if top is None:
         return None
     # amax = m 2**(E - 1023), 1 <= m < 2: frexp's e = E - 1022, and the unit 2**(e - bits)
     # has the biased exponent U = E + 1 - bits, its inverse 2046 - U.
-    unit = torch.bitwise_and(amax.view(torch.int64), 0x7FF0000000000000).sub_((bits - 1) << 52)
+    unit = torch.bitwise_and(top.view(torch.int64), 0x7FF0000000000000).sub_((bits - 1) << 52)
     scale = torch.sub(2046 << 52, unit).view(F64)
     return torch.mul(x, scale, out=_tmp_like(x)).round_(), unit.view(F64), None
 

@@ -618,7 +618,8 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     from trainer.artifacts import code_hash
     from workers.sink import HONEST, LedgerSink
 
-    chain = Chain(rec["rpc"], int(rec["chain_id"]), job.chain.policy(embedded=bool(rec.get("stack"))))  # own anvil?
+    # A stack's own anvil is recorded as `stack`; a chain of the user's (dlx up --deployment) has none.
+    chain = Chain(rec["rpc"], int(rec["chain_id"]), job.chain.policy(embedded=bool(rec.get("stack"))))
     ledger = Ledger(chain, rec["registry"], rec["ledger"])
     run_dir = Path(rec["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
