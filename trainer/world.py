@@ -80,27 +80,40 @@ class Topology:
 def init_world(init_method: str, rank: int, world_size: int, timeout_s: float | None) -> None:
     """Join a world over gloo (every membership epoch's, too) with the collective timeout:
     how soon a lost peer fails a collective. A tcp:// world's ranks first meet on its
-    TCPStore with the longer rendezvous timeout (`rendezvous`), so a slow starter is waited
-    for; a lost peer then fails the first collective after the collective timeout."""
+    TCPStore within the longer rendezvous timeout (`rendezvous`), so a slow starter is
+    waited for; a lost peer then fails the first collective after the collective timeout."""
     timeout = timedelta(seconds=timeout_s) if timeout_s else COLLECTIVE_TIMEOUT
     if not init_method.startswith("tcp://"):
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size, timeout=timeout)
         return
-    store = rendezvous(init_method, rank, world_size, max(timeout, timedelta(seconds=RENDEZVOUS_S)))
-    store.set_timeout(timeout)
+    store = rendezvous(init_method, rank, world_size, max(timeout, timedelta(seconds=RENDEZVOUS_S)), timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
-def rendezvous(init_method: str, rank: int, world_size: int, wait: timedelta) -> dist.TCPStore:
+def rendezvous(init_method: str, rank: int, world_size: int, wait: timedelta,
+               timeout: timedelta | None = None) -> dist.TCPStore:
     """The world's TCPStore (rank 0 serves it at `init_method`'s tcp://host:port, as
     torch's own tcp:// rendezvous does), once all `world_size` ranks have arrived or `wait`
-    has passed (DistStoreError, which `world_failure` counts as a broken world)."""
+    has passed (DistStoreError, which `world_failure` counts as a broken world).
+
+    The store itself is made with the short `timeout` (default `wait`): it is every later
+    store operation's timeout and also how long a client keeps reconnecting to a server
+    that went away, so a world whose rank 0 died fails within the collective timeout, not
+    the rendezvous one. Only the meeting is allowed `wait`: a client retries connecting
+    until then, and every rank waits for the arrival count."""
     import time
 
     host, _, port = init_method.removeprefix("tcp://").rpartition(":")
-    store = dist.TCPStore(host.strip("[]"), int(port), world_size, rank == 0, wait)
+    host, deadline, timeout = host.strip("[]"), time.monotonic() + wait.total_seconds(), timeout or wait
+    while True:
+        try:
+            store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout, wait_for_workers=False)
+            break
+        except dist.DistError:
+            if rank == 0 or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
     store.add("dlx/arrived", 1)
-    deadline = time.monotonic() + wait.total_seconds()
     while store.add("dlx/arrived", 0) < world_size:
         if time.monotonic() > deadline:
             raise dist.DistStoreError(f"rendezvous at {init_method}: {store.add('dlx/arrived', 0)} of "
