@@ -6,7 +6,7 @@ worker killed (SIGKILL) mid-round, side by side, on one local queue stack.
 
 The script starts its own stack (redis-server, anvil, one staked worker node per replica
 with one slot per stage; stopped by PID at the end) and, for each seed, runs the job twice
-through the queue (`workers.cli_jobs.submit_job`): undisturbed, then with the worker of the
+through the queue (`workers.cli.jobs.submit_job`): undisturbed, then with the worker of the
 last replica killed once step `--kill-step` is committed and the next round has run a
 quarter of its inner steps (a new worker with the lost node's key is started right after,
 so the job can grow back). The job record in Redis is polled every 20 ms.
@@ -70,9 +70,9 @@ class Poller:
 
 
 def run_once(stack_dir: Path, job_path: Path, kill_step: int | None) -> dict:
-    from workers.cli_jobs import submit_job
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.cli.jobs import submit_job
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     job = submit_job(stack_dir, job_path, collective_timeout_s=20.0)
@@ -130,7 +130,7 @@ def _worker_of(stack_dir: Path, rec: dict, replica: int) -> dict:
 
 def _restart(stack_dir: Path, victim: dict) -> None:
     from lineage.chain.anvil import dev_accounts
-    from workers.stack import Stack, _spawn
+    from workers.queue.stack import Stack, _spawn
 
     s = Stack.load(stack_dir)
     key = next(k for k in dev_accounts(16) if k.address == victim["node"])
@@ -155,8 +155,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from workers.jobfile import load_job_file
-    from workers.stack import down, up
+    from workers.queue.stack import down, up
+    from workers.run.jobfile import load_job_file
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-elastic-") as scratch:

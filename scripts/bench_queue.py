@@ -8,9 +8,9 @@ In one invocation it starts its own queue stack (redis-server, anvil, one staked
 node per replica with one slot per stage; stopped by PID at the end), then runs the same
 job (the job file with `[outer] steps` overridden) `--repeat` times each way, alternating:
 
-- train: what `dlx train` runs (`workers.local.run_job`): its own anvil, contracts,
+- train: what `dlx train` runs (`workers.run.local.run_job`): its own anvil, contracts,
   stakes, R x S local processes;
-- queue: what `dlx submit` runs (`workers.cli_jobs.submit_job`), then the job record in
+- queue: what `dlx submit` runs (`workers.cli.jobs.submit_job`), then the job record in
   Redis is polled (every 20 ms) for the first inner step and the end.
 
 For each it reports the time from submit (the call) to the first inner step that a rank
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_train(job_path: Path, run_dir: Path) -> dict[str, float]:
-    from workers.jobfile import load_job_file
-    from workers.local import Callbacks, run_job
+    from workers.run.jobfile import load_job_file
+    from workers.run.local import Callbacks, run_job
 
     job = load_job_file(job_path)
     first: list[float] = []
@@ -57,9 +57,9 @@ def run_train(job_path: Path, run_dir: Path) -> dict[str, float]:
 
 
 def run_queue(stack_dir: Path, job_path: Path) -> dict[str, float]:
-    from workers.cli_jobs import submit_job
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.cli.jobs import submit_job
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     t0 = time.perf_counter()
@@ -82,9 +82,9 @@ def run_queue(stack_dir: Path, job_path: Path) -> dict[str, float]:
 
 def run_concurrent(stack_dir: Path, job_path: Path, n: int) -> dict[str, object]:
     """Submit `n` copies of the job at once; wait for all; the throughput and commit latencies."""
-    from workers.cli_jobs import submit_job
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.cli.jobs import submit_job
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     t0 = time.perf_counter()
@@ -109,8 +109,8 @@ def run_concurrent(stack_dir: Path, job_path: Path, n: int) -> dict[str, object]
 
 
 def concurrent_main(args: argparse.Namespace, job_path: Path, tmp: str) -> None:
-    from workers.jobfile import load_job_file
-    from workers.stack import down, up
+    from workers.queue.stack import down, up
+    from workers.run.jobfile import load_job_file
 
     job = load_job_file(job_path)
     stack_dir = Path(tmp) / "stack"
@@ -146,8 +146,8 @@ def main() -> None:
                     help="replicas x stages (overrides the job file's [parallel] replicas and stages)")
     args = ap.parse_args()
 
-    from workers.jobfile import load_job_file
-    from workers.stack import down, up
+    from workers.queue.stack import down, up
+    from workers.run.jobfile import load_job_file
 
     with tempfile.TemporaryDirectory(prefix="bench-queue-") as tmp:
         job_path = Path(tmp) / "job.toml"
@@ -200,8 +200,8 @@ def main() -> None:
 
 def _warm_workers(stack_dir: Path, count: int, timeout_s: float = 120.0) -> None:
     """Wait until every worker answers (they import torch at start), as a running stack would."""
-    from workers.celery_app import make_app
-    from workers.stack import Stack
+    from workers.queue.app import make_app
+    from workers.queue.stack import Stack
 
     app = make_app(Stack.load(stack_dir).redis_url)
     deadline = time.monotonic() + timeout_s

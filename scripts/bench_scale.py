@@ -13,7 +13,7 @@ rule, tau = auto) of a llama with a 4,096-token byte-level BPE (`[data] tokenize
 trained once on the standard library's sources and cached), R replicas x 1 stage
 (default 2), `--steps` outer steps of `--inner-steps` inner steps of `--batch` x
 `--seq-len` tokens. It runs in a worker process that calls what `dlx train` calls
-(`workers.local.run_job`, with the sink's `on_step` timed); the coordinator samples the
+(`workers.run.local.run_job`, with the sink's `on_step` timed); the coordinator samples the
 VmHWM (peak resident memory) of every rank process from /proc every 50 ms. Then
 `dlx verify --run-dir DIR --replay 1` checks the run (every round replayed) and is timed.
 
@@ -116,9 +116,9 @@ link = "none"
 def worker_train(spec: dict) -> None:
     """What `dlx train JOB --run-dir DIR` runs, with the sink's on_step timed."""
     sys.path.insert(0, spec["root"])
-    from workers import sink as sink_module
-    from workers.jobfile import load_job_file
-    from workers.local import Callbacks, run_job
+    from workers.run import sink as sink_module
+    from workers.run.jobfile import load_job_file
+    from workers.run.local import Callbacks, run_job
 
     times: list[float] = []
     on_step = sink_module.LedgerSink.on_step

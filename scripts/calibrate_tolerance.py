@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DLX = str(Path(sys.executable).parent / "dlx")
 MARGIN = 10.0
 # The poison and skip_work runs are the tests' attacks: every `dlx` this script starts reads
-# job files with the test-only extension (workers.jobfile.EXTENSION_ENV), as the suite does.
+# job files with the test-only extension (workers.run.jobfile.EXTENSION_ENV), as the suite does.
 os.environ["DLX_TEST_EXTENSION"] = "dlx_testing.cheat"
 os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "tests"), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 

@@ -205,7 +205,7 @@ def t_run_json(data: bytes, scratch: Path) -> None:
 
 
 def t_job_file(data: bytes, scratch: Path) -> None:
-    from workers.jobfile import load_job_file
+    from workers.run.jobfile import load_job_file
 
     (scratch / "job.toml").write_bytes(data)
     try:

@@ -15,11 +15,11 @@ from lineage.chain.anvil import Anvil, dev_accounts
 from lineage.chain.client import Chain
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
-from workers.jobfile import EXTENSION_ENV
+from workers.run.jobfile import EXTENSION_ENV
 
 #: The attack harness (tests/dlx_testing, a test-only package production code never imports)
 #: is this suite's extension: every `dlx` a test starts, and the ranks it spawns, read job
-#: files with its `[cheat]` tables (workers.jobfile.job_file_class). Production never sets it.
+#: files with its `[cheat]` tables (workers.run.jobfile.job_file_class). Production never sets it.
 TESTS = Path(__file__).resolve().parent
 os.environ[EXTENSION_ENV] = "dlx_testing.cheat"
 os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])

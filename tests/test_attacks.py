@@ -52,7 +52,7 @@ from lineage.store.cid import DAG_CBOR, digest_of, parse_cid
 from lineage.store.manifest import get_manifest
 from trainer.config import load_job
 from trainer.errors import ConfigError
-from workers.local import refuse_cheat_off_local_chain
+from workers.run.local import refuse_cheat_off_local_chain
 
 DLX = str(Path(sys.executable).parent / "dlx")
 ETHER = 10**18
@@ -724,7 +724,7 @@ def test_a_cheat_is_refused_off_a_local_chain_before_anything_starts(small_job, 
             refuse_cheat_off_local_chain(_job(small_job, f'[cheat]\nmode = "{mode}"\n'), anvil.url, queue=True)
     # `dlx submit` refuses such a job before it touches the stack's Redis (which is not even
     # running here): one line, exit code 2, nothing queued.
-    from workers.stack import Stack
+    from workers.queue.stack import Stack
 
     stack_dir = tmp_path / "stack"
     stack_dir.mkdir()

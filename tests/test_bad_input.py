@@ -138,8 +138,8 @@ def stack(tmp_path_factory):
 
 def queued(stack: Path) -> tuple[list[bytes], int]:
     """Every job record in the stack's Redis, and the rank tasks waiting in its broker."""
-    from workers.jobs import connect
-    from workers.stack import Stack
+    from workers.queue.jobs import connect
+    from workers.queue.stack import Stack
 
     r = connect(Stack.load(stack).redis_url)
     return sorted(r.scan_iter(match="dlx:job:*")), int(r.llen("train"))
@@ -147,7 +147,7 @@ def queued(stack: Path) -> tuple[list[bytes], int]:
 
 @pytest.mark.parametrize("case", sorted({**INVALID, **SUBMIT_ONLY}))
 def test_dlx_submit_refuses_what_the_stack_cannot_honour_before_queueing(tmp_path, stack, case):
-    from workers.stack import Stack
+    from workers.queue.stack import Stack
 
     changes, needle = {**INVALID, **SUBMIT_ONLY}[case]
     rpc = Stack.load(stack).rpc

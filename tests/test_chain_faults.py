@@ -555,8 +555,8 @@ def test_the_ranks_pause_while_max_pending_steps_wait_to_be_committed():
 
 @pytest.mark.slow
 def test_a_queued_job_completes_through_a_freeze_and_a_reorganisation_of_the_stacks_chain(tmp_path):
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     stack = tmp_path / ".dlx"
     up = subprocess.run([DLX, "up", "--workers", "2", "--slots", "2", "--stack", str(stack)], capture_output=True,

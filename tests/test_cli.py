@@ -140,7 +140,7 @@ def test_lineage_of_a_directory_that_is_no_run_is_one_line(tmp_path):
 
 
 def test_the_example_job_file_is_valid():
-    from workers.jobfile import load_job_file
+    from workers.run.jobfile import load_job_file
 
     job = load_job_file(EXAMPLE)
     assert job.parallel.replicas == 2 and job.parallel.stages == 2

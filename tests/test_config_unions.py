@@ -29,7 +29,7 @@ from trainer.config import (
     one_line,
 )
 from trainer.errors import ConfigError
-from workers.jobfile import load_job_file
+from workers.run.jobfile import load_job_file
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "t", "outer": {"steps": 2, "inner_steps": 8}}

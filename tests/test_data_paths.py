@@ -9,7 +9,7 @@ from pathlib import Path
 from lineage.store.unixfs_dir import import_tree
 from trainer.config import DataConfig
 from trainer.dataset import dataset_files, glob_base, resolve_data_paths
-from workers.jobfile import load_job_file
+from workers.run.jobfile import load_job_file
 
 JOB_REST = "[outer]\nsteps = 1\ninner_steps = 1\n"
 

@@ -23,7 +23,7 @@ from lineage.chain.deploy import Deployment
 from lineage.chain.ledger import Ledger
 from lineage.chain.runrecord import RunRecord
 from lineage.errors import ChainError
-from workers.jobfile import load_job_file
+from workers.run.jobfile import load_job_file
 
 PASSWORD = "correct horse battery staple"
 

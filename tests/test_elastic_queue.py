@@ -38,8 +38,8 @@ def _down(stack: Path) -> None:
 
 
 def _store(stack: Path):
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     return JobStore(connect(Stack.load(stack).redis_url))
 
@@ -92,7 +92,7 @@ def _dev_key(address: str):
 
 def _restart_worker(stack: Path, victim: dict, slots: int) -> None:
     """The lost node comes back: a new worker process with its key."""
-    from workers.stack import Stack, _spawn
+    from workers.queue.stack import Stack, _spawn
 
     s = Stack.load(stack)
     pid = _spawn([sys.executable, "-m", "workers.cli", "worker", "--slots", str(slots)],
@@ -127,7 +127,7 @@ def _commits(rec: dict) -> list[int]:
 def _joiner_waiting(stack: Path, job: str) -> None:
     """Wait until a joiner ticket of `job` is registered and beating (the growth path's
     `GrowFlag` then seats it at the next round end)."""
-    from workers.membership import Members
+    from workers.queue.membership import Members
 
     store = _store(stack)
     members = Members(store, job, int(store.get(job)["attempt"]))

@@ -1,4 +1,4 @@
-"""The first world of a queued job (workers/rendezvous.py) against a real redis-server:
+"""The first world of a queued job (workers/queue/rendezvous.py) against a real redis-server:
 an elastic job whose tickets are not all taken within the rendezvous timeout starts with
 the complete replicas that came (at least min_replicas), in replica ids 0..k-1, with the
 slot-0 ticket publishing the store address; a ticket taken later is a spare (a joiner);
@@ -17,16 +17,16 @@ import pytest
 from eth_account import Account
 
 from lineage.chain.anvil import free_port
-from workers.jobs import JobError, JobStore, connect
-from workers.node import NodeIdentity
-from workers.rendezvous import (
+from workers.queue.jobs import JobError, JobStore, connect
+from workers.queue.node import NodeIdentity
+from workers.queue.rendezvous import (
     complete_replicas,
     elastic_rendezvous,
     formed,
     replica_aligned,
     spare_ticket,
 )
-from workers.stack import _wait_redis, start_redis
+from workers.queue.stack import _wait_redis, start_redis
 
 
 @pytest.fixture(scope="module")

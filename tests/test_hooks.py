@@ -20,8 +20,8 @@ from trainer.control import RankControl
 from trainer.errors import ConfigError
 from trainer.hooks import RankHooks, unchanged
 from trainer.world import Topology
-from workers.jobfile import EXTENSION_ENV, JobFile, job_file_class
-from workers.sink import HONEST
+from workers.run.jobfile import EXTENSION_ENV, JobFile, job_file_class
+from workers.run.sink import HONEST
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,9 +61,9 @@ def test_dlx_train_worker_and_verify_load_no_cheat_module(tmp_path: Path) -> Non
     job.write_text(JOB + '[cheat]\nmode = "poison"\n')
     code = (
         "import sys\n"
-        "import workers.cli, workers.local, workers.tasks, workers.cli_jobs, workers.cli_audit, workers.sink\n"
+        "import workers.cli, workers.run.local, workers.queue.tasks, workers.cli.jobs, workers.cli.audit, workers.run.sink\n"
         "import trainer.launch, trainer.engine, trainer.replay, lineage.audit.verify, lineage.audit.replay\n"
-        "from workers.jobfile import load_job_file, JobFile\n"
+        "from workers.run.jobfile import load_job_file, JobFile\n"
         "assert 'cheat' not in JobFile.model_fields\n"
         "try:\n"
         f"    load_job_file({str(job)!r})\n"

@@ -1,11 +1,11 @@
 """Queued ranks placed so that each node's slots lie in one replica: the ledger's
-independence rule (`[chain] independence`) with multi-slot workers (workers.tasks)."""
+independence rule (`[chain] independence`) with multi-slot workers (workers.queue.tasks)."""
 
 from __future__ import annotations
 
 import itertools
 
-from workers.tasks import replica_aligned
+from workers.queue.tasks import replica_aligned
 
 
 def _replicas_of(order: list[int], joined: dict[int, str], stages: int) -> dict[str, set[int]]:

@@ -70,7 +70,7 @@ def _ours(run_dir: Path, step: int | None = None):
     """The checkpoint's model, loaded in this process the way the commands load it."""
     from trainer.hf import load_params
     from trainer.model import build_model
-    from workers.cli_model import load_checkpoint
+    from workers.cli.model import load_checkpoint
 
     cp = load_checkpoint(None, run_dir, step)
     model = build_model(cp.job.model, cp.job.seed)

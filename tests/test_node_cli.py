@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from lineage.chain.anvil import rpc_call
 from lineage.chain.ledger import DEFAULT_UNBONDING_DELAY
 from workers.cli import app
-from workers.cli_node import fmt_wei, parse_amount
+from workers.cli.node import fmt_wei, parse_amount
 
 ETHER = 10**18
 

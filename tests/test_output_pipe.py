@@ -63,7 +63,7 @@ def long_run(trained_run, tmp_path_factory):
 
 
 def test_ticker_off_a_terminal_prints_a_plain_line_now_and_then_while_a_call_blocks(capsys):
-    from workers.console import Ticker
+    from workers.cli.console import Ticker
 
     with Ticker("work", 4, every_s=0.05) as ticker:
         ticker.update(1, "one done")
@@ -127,8 +127,8 @@ def stack(tmp_path_factory):
 
 @pytest.mark.slow
 def test_status_follow_through_a_pipe_prints_one_line_per_outer_step(stack, tmp_path, small_job):
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     job_file = tmp_path / "follow.toml"
     job_file.write_text(small_job("follow", steps=3, inner_steps=40, replicas=1, stages=1))

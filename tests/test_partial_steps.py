@@ -34,9 +34,9 @@ from lineage.store.runconfig import RunConfig
 from trainer.artifacts import StageShard, StepArtifacts, code_hash
 from trainer.diloco import apply_outer_step
 from trainer.launch import train_local
-from workers.cli_common import user_errors
-from workers.jobfile import load_job_file
-from workers.sink import LedgerSink, _put_file
+from workers.cli.common import user_errors
+from workers.run.jobfile import load_job_file
+from workers.run.sink import LedgerSink, _put_file
 
 pytestmark = pytest.mark.slow
 

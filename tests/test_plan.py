@@ -1,4 +1,4 @@
-"""`dlx plan` (workers/plan.py): its bytes held to what the trainer writes and sends.
+"""`dlx plan` (workers/run/plan.py): its bytes held to what the trainer writes and sends.
 
 - every fixed contribution layout: `payload_bytes` equals the length of what
   `trainer.compress.Compressor` returns, byte for byte, whole stages and fragments alike;
@@ -36,8 +36,8 @@ from trainer.compress import Compressor
 from trainer.config import CompressionConfig, load_job
 from trainer.diloco import fragment_groups
 from trainer.errors import ConfigError
-from workers.jobfile import load_job_file
-from workers.plan import (
+from workers.run.jobfile import load_job_file
+from workers.run.plan import (
     Assumptions,
     commit_gas,
     parse_count,

@@ -50,8 +50,8 @@ def status(stack: Path, job: str) -> dict:
 
 def wait_for(stack: Path, job: str, pred, timeout: float = 300) -> dict:
     """Poll the job record in Redis directly (the CLI's `status --json` reads the same)."""
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack).redis_url))
     deadline = time.monotonic() + timeout
@@ -97,8 +97,8 @@ def test_a_submitted_job_completes_with_its_lineage_on_chain(stack, tmp_path, sm
 
 def _the_verify_queue_replays_the_run_on_the_workers(stack: Path, run_dir: str, lineage: dict) -> None:
     """`dlx verify --replay 1 --queue`, and the queue's API, on the run above (one job for both)."""
-    from workers.stack import Stack
-    from workers.verifyq import ReplayQueueError, replay_via_queue
+    from workers.queue.stack import Stack
+    from workers.queue.verifyq import ReplayQueueError, replay_via_queue
 
     items = [(s["checkpoint"], r) for s in lineage["steps"] for r in (0, 1)]
     s = Stack.load(stack)
@@ -141,7 +141,7 @@ def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp
     assert "lost rank" in st["error"] and victim["node"] in st["error"], st["error"]
     committed = st["step"]
     # a replacement worker with the same node key
-    from workers.stack import Stack, _spawn
+    from workers.queue.stack import Stack, _spawn
 
     s = Stack.load(stack)
     key = next(k for k in _dev_keys(4) if k.address == victim["node"])
@@ -191,8 +191,8 @@ def _commits(rec: dict) -> list[int]:
 def test_a_rank_lease_turns_a_duplicate_away_and_passes_on_when_its_owner_dies(stack):
     import threading
 
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack).redis_url))
     ttl, beat = 2.0, 0.2
@@ -219,19 +219,19 @@ def test_a_rank_lease_turns_a_duplicate_away_and_passes_on_when_its_owner_dies(s
 
 
 def test_rank_tasks_delivered_twice_commit_each_step_once(stack, tmp_path, small_job):
-    from workers.celery_app import make_app
-    from workers.cli_jobs import rank_task_id
-    from workers.stack import Stack
+    from workers.cli.jobs import rank_task_id
+    from workers.queue.app import make_app
+    from workers.queue.stack import Stack
 
     app = make_app(Stack.load(stack).redis_url)
     job = submit(stack, _job(tmp_path, small_job, "q-dup", steps=3, inner_steps=10, stages=1))
     dups = {}
     # Rank 1 again at once (it races the original for the lease), then both ranks again
     # once the world has formed: every copy carries the original's arguments.
-    dups["early-1"] = app.send_task("workers.tasks.run_rank", args=(job, 1, 1), queue="train")
+    dups["early-1"] = app.send_task("workers.queue.tasks.run_rank", args=(job, 1, 1), queue="train")
     wait_for(stack, job, lambda s: s["state"] != "queued")
     for rank in (0, 1):
-        dups[f"late-{rank}"] = app.send_task("workers.tasks.run_rank", args=(job, rank, 1), queue="train")
+        dups[f"late-{rank}"] = app.send_task("workers.queue.tasks.run_rank", args=(job, rank, 1), queue="train")
     st = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"))
     assert st["state"] == "completed", st
     late = [dups[f"late-{r}"].get(timeout=60) for r in (0, 1)]
@@ -242,7 +242,7 @@ def test_rank_tasks_delivered_twice_commit_each_step_once(stack, tmp_path, small
 
 
 def test_a_redis_restart_mid_job_is_survived_and_no_step_is_lost_or_repeated(stack, tmp_path, small_job):
-    from workers.stack import Stack, restart_redis
+    from workers.queue.stack import Stack, restart_redis
 
     workers = [w["pid"] for w in Stack.load(stack).workers]
     job = submit(stack, _job(tmp_path, small_job, "q-redis", steps=6, inner_steps=20, stages=1))
@@ -252,14 +252,14 @@ def test_a_redis_restart_mid_job_is_survived_and_no_step_is_lost_or_repeated(sta
     assert st["state"] == "completed", st
     assert _commits(st) == [1, 2, 3, 4, 5, 6]
     assert status(stack, job)["state"] == "completed"
-    from workers.stack import alive
+    from workers.queue.stack import alive
 
     assert all(alive(p) for p in workers)  # the worker nodes outlived the broker restart
 
 
 def test_status_fails_a_running_job_whose_ranks_all_vanished(stack):
-    from workers.jobs import STALL_S, JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import STALL_S, JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack).redis_url))
     job = store.create({"world": 2, "outer_steps": 3, "inner_steps": 2})
@@ -293,7 +293,7 @@ def test_eight_jobs_at_once_complete_each_step_once_and_verify(stack, tmp_path, 
     from lineage.chain.ledger import Ledger
 
     paths = [_job(tmp_path, small_job, f"load-{i}", steps=2, inner_steps=2, replicas=1, stages=1) for i in range(8)]
-    from workers.cli_jobs import submit_job
+    from workers.cli.jobs import submit_job
 
     jobs = [submit_job(stack, p) for p in paths]  # `dlx submit`'s own function: no interpreter a job
     done = [wait_for(stack, j, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=600)

@@ -66,8 +66,8 @@ def test_a_job_runs_with_its_ranks_in_separate_network_namespaces(tmp_path, smal
     from lineage.chain.anvil import dev_accounts
     from lineage.chain.client import Chain
     from lineage.chain.ledger import Ledger
-    from workers.jobs import JobStore, connect
-    from workers.stack import ETHER, Stack, _stop_pids, down, start_worker, up
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import ETHER, Stack, _stop_pids, down, start_worker, up
 
     links, latency = _links()
     stack_dir = tmp_path / "stack"

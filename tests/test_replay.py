@@ -143,8 +143,8 @@ def test_an_honest_run_replays_bit_for_bit_through_dlx_verify(trained_run) -> No
 
 #: `dlx` whose sink stores every round-start state as a plain UnixFS file, as it did before
 #: states referred to committed shards: a writer of the old form.
-LEGACY_DLX = ("import sys; from workers.sink import LedgerSink; "
-              "from workers.sink import _put_file; "
+LEGACY_DLX = ("import sys; from workers.run.sink import LedgerSink; "
+              "from workers.run.sink import _put_file; "
               "LedgerSink._put_start = lambda self, store, data, shards: _put_file(store, data); "
               "from workers.cli import main; sys.argv[0] = 'dlx'; main()")
 

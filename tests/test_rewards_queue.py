@@ -6,7 +6,7 @@ workers).
 A stack of 2 workers with 1 slot each runs an elastic 3 x 1 job with `min_replicas = 2`, a
 reward per step and a short challenge window: `dlx submit` takes it (2 live slots reach
 min_replicas), its third ticket stays queued, and past the rendezvous timeout the first
-world forms with replicas 0 and 1 (workers/rendezvous.py). After step 2 a third key, never
+world forms with replicas 0 and 1 (workers/queue/rendezvous.py). After step 2 a third key, never
 seen by the chain, is funded, registered (`dlx node register`) and staked (`dlx node
 stake`), and `dlx worker` is started with it in its environment: it takes the queued ticket,
 calls `joinRun` (the run is open) and is seated at the next growth boundary. From then on the
@@ -53,7 +53,7 @@ def _new_node(stack: Path) -> tuple[str, str]:
 
     from lineage.chain.anvil import dev_accounts
     from lineage.chain.client import Chain
-    from workers.stack import Stack
+    from workers.queue.stack import Stack
 
     acct = Account.create()
     chain = Chain(Stack.load(stack).rpc)
@@ -74,7 +74,7 @@ def _send(chain, sender, to: str, wei: int) -> None:
 
 
 def _start_new_worker(stack: Path, key: str) -> None:
-    from workers.stack import Stack, start_worker
+    from workers.queue.stack import Stack, start_worker
 
     s = Stack.load(stack)
     start_worker(s, key, 1, "worker-new")  # DLX_NODE_KEY in its environment

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from lineage.chain.runrecord import RunRecord
-from workers.cli_common import is_loopback
+from workers.cli.common import is_loopback
 
 DLX = str(Path(sys.executable).parent / "dlx")
 FAR_RPC = "http://203.0.113.5:8545"

@@ -1,7 +1,7 @@
 """One way to name a run, through the real `dlx`: every command that takes a run (verify,
 lineage, lineage diff and compare, export, generate) takes it positionally as a run
 directory, a stack job (JOB with --stack), a run id on a named chain, or a checkpoint CID
-(resolved in workers/cli_common.py), `--run-dir` still works, every error says which forms
+(resolved in workers/cli/common.py), `--run-dir` still works, every error says which forms
 exist, and a stopped stack's run names `dlx up`. `dlx lineage diff` compares two runs, each
 from its own blocks, with a summary before any table.
 

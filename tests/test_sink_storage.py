@@ -19,7 +19,7 @@ from lineage.store.manifest import get_manifest
 from lineage.store.unixfs import check_file, file_cid, read_file, resolve_file_digest
 from trainer.artifacts import Contribution, GenesisArtifacts, StageShard, StepArtifacts
 from trainer.config import JobConfig
-from workers.sink import LedgerSink
+from workers.run.sink import LedgerSink
 
 
 class StubLedger:

@@ -91,8 +91,8 @@ def test_a_stack_on_the_users_chain_runs_a_job_on_the_deployment(users_chain, tm
 
 
 def _wait_done(stack: Path, job_id: str, timeout: float = 600) -> dict:
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack).redis_url))
     deadline = time.monotonic() + timeout

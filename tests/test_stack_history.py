@@ -42,8 +42,8 @@ def up(stack: Path, workers: int = 2) -> dict:
 def wait_done(stack: Path, job: str, timeout: float = 300) -> dict:
     """The job's record once it completes, read from the stack's Redis (what `dlx status
     --json` prints), polled without a `dlx` process per look."""
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack).redis_url))
     deadline = time.monotonic() + timeout

@@ -233,7 +233,7 @@ def test_resume_reads_a_relative_init_from_the_job_files_own_directory(tmp_path:
     import transformers
 
     from lineage.chain.runrecord import RunRecord
-    from workers.local import resumable
+    from workers.run.local import resumable
 
     project = tmp_path / "project"
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64,

@@ -113,7 +113,7 @@ def test_worker_processes_report_exactly_what_one_process_reports(trained_run, t
 #: have, stage 1's names its rest file as the weights.
 HOSTILE_DLX = """
 import sys, dag_cbor
-from workers.sink import LedgerSink
+from workers.run.sink import LedgerSink
 from lineage.store.cid import DAG_CBOR
 from lineage.store.roundstate import round_state_ref
 calls, real = [], LedgerSink._put_start

@@ -103,7 +103,7 @@ def test_a_killed_launcher_takes_its_warm_children_with_it() -> None:
 
 
 def test_the_launcher_imports_no_torch_on_a_cpu_only_install() -> None:
-    code = ("import sys, tomllib; from workers.cli import app; import workers.local, workers.sink; "
+    code = ("import sys, tomllib; from workers.cli import app; import workers.run.local, workers.run.sink; "
             "from trainer.launch import _torch_has_gpu_build, check_local; from trainer.config import load_job; "
             f"job = load_job(tomllib.loads({small_job_toml('startup')!r})); "
             "import json; print(json.dumps([check_local(job), 'torch' in sys.modules, _torch_has_gpu_build()]))")

@@ -151,7 +151,7 @@ class Progress:
         return (self.outer_step - 1) * self.inner_steps + self.inner_step
 
     def record(self) -> dict[str, float | int | str]:
-        """The line `metrics.jsonl` holds for this inner step (the keys `workers.sink` documents)."""
+        """The line `metrics.jsonl` holds for this inner step (the keys `workers.run.sink` documents)."""
         return {"kind": "inner", "step": self.outer_step, "inner_step": self.inner_step,
                 "global_step": self.global_step, "loss": self.loss, "lr": self.lr,
                 "tokens_per_s": self.tokens_per_s, "rank0_bytes_sent": self.rank0_bytes_sent, "eta_s": self.eta_s}

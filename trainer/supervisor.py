@@ -1,6 +1,6 @@
 """One process supervisor for everything that runs ranks in spawned processes: local runs
 (`trainer.launch`), replays (`trainer.replay`) and the job queue's rank tasks
-(workers/tasks.py).
+(workers/queue/tasks.py).
 
     with Supervisor() as sup:
         sup.start(train_rank, (rank, world, init_method, job, control), name="dlx-rank-0")

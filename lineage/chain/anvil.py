@@ -7,7 +7,7 @@ the process and `dlx lineage` can start it again to read the run's history.
 anvil writes that file only when it exits, so a killed anvil would lose every block since
 it started. `dump_state` asks a running anvil for its state and replaces the file
 atomically: `dlx train` does it after every transaction it sends to its embedded chain
-(`workers.local.PersistedChain`), and `python -m lineage.chain.anvil keep URL FILE` after every
+(`workers.run.local.PersistedChain`), and `python -m lineage.chain.anvil keep URL FILE` after every
 new block of a chain others write to (the stack's). A killed chain then loses at most the
 transaction in flight, and starting anvil on the file brings back every block before it.
 """

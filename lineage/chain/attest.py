@@ -22,10 +22,10 @@ The ledger checks the same digest on chain (`TrainingLedger.commitStep`), so a s
 is bound to one chain, one ledger deployment, one run and one step.
 
 Where a commit is signed: this module forms every digest and signature of it, and nothing
-else does. The step sink (workers/sink.py `LedgerSink`) builds one `ContributionClaim` per
-slot; a signer signs each with the slot's key (`workers.sink.local_signer` in a local run;
+else does. The step sink (workers/run/sink.py `LedgerSink`) builds one `ContributionClaim` per
+slot; a signer signs each with the slot's key (`workers.run.sink.local_signer` in a local run;
 in a queued run rank 0 publishes the claims as `ContributionClaim.as_doc` and every rank
-signs its own after checking it against its own work, workers/tasks.py); the ledger client
+signs its own after checking it against its own work, workers/queue/tasks.py); the ledger client
 submits them with the step's `contributions_root` (`lineage.chain.ledger.Ledger.commit_step`,
 EIP-2098 `compact_signature`); the verifier recovers each signer and recomputes both roots
 (lineage.audit.verify). Arbiters sign a `Verdict` here too, and `SignedClaim` is the one

@@ -1,5 +1,5 @@
 """A run's commits kept on a chain that reorganises: the one place `commitStep` is sent from
-a run (`workers.sink.LedgerSink`, under `dlx train` and in the job queue's sink task).
+a run (`workers.run.sink.LedgerSink`, under `dlx train` and in the job queue's sink task).
 
 `StepCommits.commit` first checks that the chain's head for the run is the step this process
 believes (`repair`): a reorganisation deeper than the confirmations can remove commits that

@@ -1,6 +1,6 @@
 """Deploying the ledger contracts once, for many runs: a deployment file.
 
-`dlx deploy --rpc URL` (workers/cli_deploy.py) deploys a NodeRegistry and a TrainingLedger
+`dlx deploy --rpc URL` (workers/cli/deploy.py) deploys a NodeRegistry and a TrainingLedger
 bound to it (`deploy`), waiting for the transactions' confirmations, and writes what it did
 to a deployment file (`Deployment.write`: JSON, written atomically, never over an existing
 file unless asked):

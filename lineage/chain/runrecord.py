@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from lineage.chain.ledger import Ledger
 
 RUN_FILE = "run.json"
-STACK_FILE = "stack.json"  # workers.stack's record of a running stack (its `rpc` is read here)
+STACK_FILE = "stack.json"  # workers.queue.stack's record of a running stack (its `rpc` is read here)
 
 
 @dataclass

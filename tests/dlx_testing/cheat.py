@@ -3,12 +3,12 @@ show which layer of the verifier (or the ledger) catches it (tests/test_attacks.
 docs/audit.md, "Attack catalogue").
 
 This module is a test extension, never imported by production code: the tests' conftest
-names it in `DLX_TEST_EXTENSION` (workers.jobfile.EXTENSION_ENV) and puts tests/ on
+names it in `DLX_TEST_EXTENSION` (workers.run.jobfile.EXTENSION_ENV) and puts tests/ on
 PYTHONPATH, so every `dlx` process a test starts (and the ranks it spawns) reads job files
 with `CheatingJobFile`, the production schema plus a `[cheat]` table (or several
 `[[cheat]]` tables, `CheatConfig`). Without that variable a `[cheat]` table is an unknown
 key. The runners refuse cheats on any chain but a local one
-(`workers.local.refuse_cheat_off_local_chain`). A cheat never enters the run's recorded
+(`workers.run.local.refuse_cheat_off_local_chain`). A cheat never enters the run's recorded
 configuration (the field is never dumped): a cheating node does not announce itself, so a
 replay re-runs honest code.
 
@@ -16,7 +16,7 @@ Nothing on the production path asks whether a run cheats: `JobFile.test_hooks` (
 production) returns one `Cheats` object built from the tables, which the runners inject
 where the honest defaults would be, into
 every rank (`trainer.control.RankControl.hooks`, a `trainer.hooks.RankHooks`) and into the
-coordinator's sink (`workers.sink.CommitHooks`: which shard bytes it stores, which parent
+coordinator's sink (`workers.run.sink.CommitHooks`: which shard bytes it stores, which parent
 it commits on, which key signs a slot) and, under `dlx train`, its signer (equivocation).
 Torch is imported only by a poisoning rank, so job-file parsing stays light.
 
@@ -39,7 +39,7 @@ Modes, each active at every outer step >= `from_step`:
 - wrong_shard: slot (replica, stage) co-signs another digest than its peers of the stage,
   so the ledger reverts with LedgerShardMismatch;
 - shared_key: slot (replica, stage) is signed with the key of slot (0, stage), one node in
-  two replicas, so the ledger reverts with LedgerNotIndependent (signer side: workers/sink.py);
+  two replicas, so the ledger reverts with LedgerNotIndependent (signer side: workers/run/sink.py);
 - equivocate_result: as equivocate, but the second claim differs in its co-signed shard
   digest (`reportResultEquivocation`);
 - hold (no misbehaviour: a test's pacing): every rank waits, before the inner steps of
@@ -61,14 +61,14 @@ from pydantic import Field, field_validator, model_validator
 from lineage.chain.attest import ContributionClaim, Domain, SignedClaim
 from trainer.config import JobConfig, _Section
 from trainer.hooks import RankHooks, unchanged
-from workers.jobfile import JobFile
+from workers.run.jobfile import JobFile
 
 if TYPE_CHECKING:
     from eth_account.signers.local import LocalAccount
 
     from trainer.engine import Round, RoundLoop
     from trainer.world import Topology
-    from workers.sink import Signer
+    from workers.run.sink import Signer
 
 __all__ = [
     "JOB_FILE",
@@ -100,7 +100,7 @@ class CheatConfig(_Section):
     """Test-only: make one slot misbehave so a test can show which layer catches it.
 
     Off unless the job file has a `[cheat]` table (or several `[[cheat]]` tables); refused
-    on any chain but a local one (workers/local.py). The module docstring documents the modes.
+    on any chain but a local one (workers/run/local.py). The module docstring documents the modes.
     """
 
     mode: CheatMode = Field(
@@ -175,7 +175,7 @@ class CheatingJobFile(JobFile):
         return hooks(self.cheat, self)
 
 
-#: What workers.jobfile.job_file_class reads job files with while this extension is named.
+#: What workers.run.jobfile.job_file_class reads job files with while this extension is named.
 JOB_FILE = CheatingJobFile
 
 
@@ -237,7 +237,7 @@ class Cheats(RankHooks):
             out = hashlib.sha256(b"wrong shard" + out).digest()
         return out
 
-    # --- the coordinator's sink (workers.sink.CommitHooks) --------------------------------
+    # --- the coordinator's sink (workers.run.sink.CommitHooks) --------------------------------
 
     def stored_shard(self, step: int, stage: int, data: bytes) -> bytes:
         """bad_aggregate, collude_shard: the stage shard with every outer parameter nudged."""
@@ -253,7 +253,7 @@ class Cheats(RankHooks):
         replica, stage = divmod(slot, self.stages)
         return stage if self._slot_active("shared_key", step, replica, stage) else slot
 
-    # --- the signer of `dlx train` (workers.local.equivocating_signer) --------------------
+    # --- the signer of `dlx train` (workers.run.local.equivocating_signer) --------------------
 
     def equivocating_slots(self, step: int) -> list[tuple[int, int]]:
         """The (replica, stage) slots whose node signs two different claims for `step`."""

@@ -5,7 +5,7 @@
 Trains `job.toml` (2 replicas x 2 stages, `min_replicas = 1`) in /tmp/fmt, its dataset
 copied to /tmp/fmt/dataset (the `[data] dir` it names), on an embedded anvil whose state
 is the run's `chain/state.json`, with `dlx train`'s keys, ledger deployment and sink
-(`workers.sink.LedgerSink`). Its second step is committed over replica 1 alone, as an
+(`workers.run.sink.LedgerSink`). Its second step is committed over replica 1 alone, as an
 elastic run commits a step that replica 0 dropped out of: replica 1's real contributions,
 and the outer step recomputed over exactly those with `trainer.diloco.apply_outer_step`,
 which replica 1 co-signs. Then it copies the blocks the examples use, writes chain.json
@@ -42,8 +42,8 @@ from lineage.store.runconfig import RunConfig  # noqa: E402
 from trainer.artifacts import StageShard, code_hash  # noqa: E402
 from trainer.diloco import apply_outer_step  # noqa: E402
 from trainer.launch import train_local  # noqa: E402
-from workers.jobfile import load_job_file  # noqa: E402
-from workers.sink import LedgerSink  # noqa: E402
+from workers.run.jobfile import load_job_file  # noqa: E402
+from workers.run.sink import LedgerSink  # noqa: E402
 
 
 def _rules() -> Any:

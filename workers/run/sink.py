@@ -16,7 +16,7 @@ replica set.
 `run.json` is rewritten only after the chain accepted the step, and the store's pin set for
 the run (`<name>-<run id>`) then names the new head, so `dlx cas gc` keeps the whole run.
 Every inner step's progress and every committed step's metrics also go to
-`<run dir>/metrics.jsonl` and the job's trackers (workers/tracking.py). A NaN or infinite
+`<run dir>/metrics.jsonl` and the job's trackers (workers/run/tracking.py). A NaN or infinite
 loss or metric stops the run (`TrainingDiverged`) before anything of its step is stored.
 """
 
@@ -124,7 +124,7 @@ class SinkOptions(TypedDict, total=False):
     signer: Signer | None
     on_progress: Callable[[Progress], None] | None
     on_committed: Callable[[int, CID, StepArtifacts], None] | None
-    tracking: object | None  # the job file's `[tracking]` section (workers.jobfile.TrackingConfig)
+    tracking: object | None  # the job file's `[tracking]` section (workers.run.jobfile.TrackingConfig)
     hooks: CommitHooks  # what is stored, committed on and signed (default HONEST; a test injects cheats)
     say: Callable[[str], None] | None  # one line per repaired reorganisation (default: stderr)
     max_pending: int | None  # steps that may wait to be committed before the ranks pause (None: no limit)

@@ -1,10 +1,10 @@
 """Replay verification fanned out over the workers, through the `verify` queue.
 
-    from workers.verifyq import replay_via_queue
+    from workers.queue.verifyq import replay_via_queue
     results = replay_via_queue(redis_url, store_spec, [(checkpoint_cid, replica), ...],
                                tolerance=0.0, timeout=600)
 
-Each `workers.tasks.replay` task replays one chunk of (checkpoint, replica) items with
+Each `workers.queue.tasks.replay` task replays one chunk of (checkpoint, replica) items with
 `lineage.audit.replay.replay_many` on the worker that takes it, and returns them as JSON
 (`ReplicaReplay.as_json()`: no replayed bytes, no end states). The items are cut into one
 chunk per worker consuming the queue: a chunk pays the replay processes' start-up once
@@ -62,7 +62,7 @@ def replay_via_queue(broker_url: str, store_spec: str, items: list[tuple[Any, in
     from celery import group
     from celery.exceptions import TimeoutError as CeleryTimeout
 
-    from .celery_app import make_app
+    from .app import make_app
 
     if not items:
         return []
@@ -73,7 +73,7 @@ def replay_via_queue(broker_url: str, store_spec: str, items: list[tuple[Any, in
     wanted = [(str(c), int(r)) for c, r in items]
     n = min(len(wanted), len(workers))
     chunks = [wanted[i::n] for i in range(n)]  # round robin: steps spread over the workers
-    tasks = group(app.signature("workers.tasks.replay", args=(store_spec, chunk, tolerance), queue="verify")
+    tasks = group(app.signature("workers.queue.tasks.replay", args=(store_spec, chunk, tolerance), queue="verify")
                   for chunk in chunks)
     pending = tasks.apply_async()
     try:

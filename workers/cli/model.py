@@ -5,7 +5,7 @@
     dlx export bafyrei... --store ~/.dlx/blocks -o OUT  # any checkpoint by its CID
     dlx generate runs/tiny-... --prompt "def main(" --seed 1
 
-The checkpoint is named as every command names a run (workers/cli_common.py, `name_run`): a
+The checkpoint is named as every command names a run (workers/cli/common.py, `name_run`): a
 run directory or stack job gives the head in its run.json (no chain is read), a run id its
 head on the chain, a CID itself; `--step N` walks the manifests' parent links back to step N. The full
 model is the union of the stage shards' `param/` tensors (the outer momentum is not part
@@ -27,7 +27,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import (
+from .common import (
     RUN_FORMS,
     ApiOpt,
     ChainIdOpt,
@@ -246,7 +246,7 @@ def export_(
         raise _error("give the output directory: -o OUT")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise _error(f"{output} exists and is not empty")  # before any loading
-    from workers.console import Ticker
+    from workers.cli.console import Ticker
 
     with Ticker(f"export {output}", 0):
         cp = load_checkpoint(target, run_dir, step, store, ipfs_api, "dlx export", stack=stack, rpc=rpc, chain_id=chain_id,

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import user_errors
+from .common import user_errors
 
 app = typer.Typer(name="data", help="Datasets, tokenizers and token files: prepare a job's data.",
                   no_args_is_help=True)
@@ -33,8 +33,8 @@ def prepare(
     """Tokenize JOB_FILE's data (a progress bar on stderr) and print the dataset's root CID,
     the tokenizer's and the token file's, with the split; nothing is stored without --store."""
     from lineage.store.datasets import prepare_dataset
-    from workers.console import Ticker
-    from workers.jobfile import load_job_file
+    from workers.cli.console import Ticker
+    from workers.run.jobfile import load_job_file
 
     job = load_job_file(job_file)
     target = None
@@ -56,7 +56,7 @@ def prepare(
 
 
 def ticking(bar: Any) -> Any:
-    """A lineage.store.datasets progress callback that draws on `bar` (a workers.console.Ticker)."""
+    """A lineage.store.datasets progress callback that draws on `bar` (a workers.cli.console.Ticker)."""
     def progress(phase: str, done: int, total: int) -> None:
         if phase == "dataset":
             bar.update(0, f"reading {total:,} files", total=0)

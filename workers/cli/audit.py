@@ -6,14 +6,14 @@
     dlx lineage compare RUN_A RUN_B [--json|--html FILE]  # two run directories side by side
 
 A RUN is a run directory, a stack job, a run id on a chain or a checkpoint CID, resolved in
-one place (workers/cli_common.py, `name_run`); `--run-dir DIR` still names a run directory.
+one place (workers/cli/common.py, `name_run`); `--run-dir DIR` still names a run directory.
     dlx challenge RUN STEP --node ADDR            # replay the node's work; challenge a mismatch
     dlx arbiter vote ID --uphold|--dismiss [--replay] [--out FILE]   # sign a verdict
     dlx arbiter resolve ID --uphold|--dismiss SIG_OR_FILE...         # submit a quorum
     dlx expire-challenge ID                       # no verdict within the period: bond back, step free
     dlx slash-equivocation A.json B.json          # two signed claims of one slot: slash at once
 
-The chain and the blocks are found as for every command (workers/cli_common.py). Keys come
+The chain and the blocks are found as for every command (workers/cli/common.py). Keys come
 from the environment only: the challenger's is the node key (DLX_NODE_KEY or DLX_KEYSTORE; it
 must be staked), an arbiter's DLX_ARBITER_KEY (or DLX_ARBITER_KEYSTORE), a reporter's
 DLX_REPORTER_KEY; each falls back to the node key.
@@ -47,7 +47,7 @@ from lineage.audit.evidence import (
     store_aggregate_evidence,
 )
 
-from .cli_common import (
+from .common import (
     RUN_FORMS,
     ApiOpt,
     ChainIdOpt,
@@ -71,7 +71,7 @@ from .cli_common import (
     user_errors,
     with_endpoint,
 )
-from .cli_node import JsonOpt, chain_time, fmt_wei, load_key, parse_amount
+from .node import JsonOpt, chain_time, fmt_wei, load_key, parse_amount
 
 UpholdOpt = Annotated[bool | None, typer.Option("--uphold/--dismiss", help="The verdict: uphold the challenge (slash) or dismiss it.", show_default=False)]
 ToleranceOpt = Annotated[float | None, typer.Option("--tolerance", min=0.0, help="How a native run's replay is judged: 0 bit for bit, X > 0 the flip-aware comparison within relative X (default: as dlx verify: bit for bit where this machine's kernel fingerprint is the trainer's, else flip-aware within the calibrated tolerance, so an honest node is never slashable because this CPU differs from its). A portable run is judged bit for bit whatever it says.")]
@@ -153,7 +153,7 @@ def show(
     doc = result.as_json()
     if html is not None:
         from lineage.audit.report import render_html
-        from workers.tracking import read_metrics
+        from workers.run.tracking import read_metrics
 
         write_report(html, render_html(doc, read_metrics(ref.run_dir) if ref.run_dir is not None else None))
     if as_json:
@@ -161,7 +161,7 @@ def show(
         return
     from rich.table import Table
 
-    from workers.console import cid_column, console
+    from workers.cli.console import cid_column, console
 
     what = f"checkpoint {result.target} of run" if result.target else "run"
     table = Table(title=f"{what} {result.run_id} ({result.name}) on chain {result.chain_id}, ledger {result.ledger}")
@@ -238,7 +238,7 @@ def compare(
     from lineage.audit import query
     from lineage.audit.report import config_differences, render_compare_html
     from lineage.chain.runrecord import RunRecord
-    from workers.tracking import read_metrics
+    from workers.run.tracking import read_metrics
 
     dir_a, dir_b = (_run_dir_of(text, stack) for text in (run_a, run_b))
     for d in (dir_a, dir_b):
@@ -259,7 +259,7 @@ def compare(
         return
     from rich.table import Table
 
-    from workers.console import cid_column, console
+    from workers.cli.console import cid_column, console
 
     out = console()
     runs = Table(title="runs")
@@ -341,7 +341,7 @@ def _print_diff(result: Any, ref_a: RunRef, ref_b: RunRef, top: int) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from workers.console import console as make_console
+    from workers.cli.console import console as make_console
 
     def named(ref: RunRef) -> str:
         return "" if ref.cid is not None else f"  (head of {ref.text})"

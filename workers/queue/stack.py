@@ -399,7 +399,7 @@ def run_summaries(directory: Path | None, stack_dir: Path | None) -> list[dict]:
     """One row per run in `directory` (or the directory itself, if it is a run), else in the
     stack's `runs/`: id, name, steps, head, state, eval loss at the head, run directory. A
     stack's run takes its job's state from Redis while the stack is up, else from its
-    run.json (where the job's end is written too: `workers.jobs.settle_run_file`)."""
+    run.json (where the job's end is written too: `workers.queue.jobs.settle_run_file`)."""
     from lineage.chain.runrecord import RUN_FILE
 
     root = Path(directory) if directory is not None else Path(stack_dir or ".dlx") / "runs"
@@ -445,7 +445,7 @@ def _job_states(stack_dir: Path | None, job_ids: list[str]) -> dict[str, str]:
 
 
 def rank_logs(stack_dir: Path, job_id: str, rank: int | None = None) -> list[Path]:
-    """A job's rank logs (`workers.tasks.rank_log`), every attempt, in (rank, attempt)
+    """A job's rank logs (`workers.queue.tasks.rank_log`), every attempt, in (rank, attempt)
     order; only rank `rank`'s when given."""
     from .tasks import rank_log
 

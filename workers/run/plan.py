@@ -8,7 +8,7 @@ Every figure is one of three kinds, and the report says which:
   `trainer.compress` writes, safetensors header included, for every tensor of every stage
   as `trainer.model` builds it, fragment by fragment as `trainer.diloco.fragment_groups`
   cuts them), what `trainer.transport` counts a ring all-gather as sending, and what
-  `workers.sink` stores per step (stage shards, contributions, round-start states);
+  `workers.run.sink` stores per step (stage shards, contributions, round-start states);
 - measured here and stated as such: commitStep's gas (`forge test --gas-report`), the
   blockstore's write rate (`scripts/bench_cas.py`), one CPU core's throughput, the gaps
   layout's bits per value, an H200's small-model throughput;

@@ -193,7 +193,7 @@ class MLflow:
 def open_trackers(run_dir: Path, tracking: Any, name: str, params: dict[str, Any],
                   tags: dict[str, str]) -> list[Tracker]:
     """The metrics log, plus the trackers the job's `[tracking]` section (a
-    `workers.jobfile.TrackingConfig`, or None) asks for."""
+    `workers.run.jobfile.TrackingConfig`, or None) asks for."""
     trackers: list[Tracker] = [MetricsLog(run_dir)]
     if tracking is not None and tracking.tensorboard:
         trackers.append(TensorBoard(run_dir))

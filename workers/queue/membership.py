@@ -22,7 +22,7 @@ A lost replica's tickets are retired, and S new tickets for it go to the `train`
 the first worker with free slots to take them (a new one, or the lost one come back) waits
 as a *joiner*. So does a ticket the first world formed without (an elastic job starts with
 as few as min_replicas complete replicas when its other tickets are not taken within the
-rendezvous timeout: workers/rendezvous.py); its replica ids are the world's free ones. Rank 0 asks `GrowFlag` after each outer step it reports; when a complete
+rendezvous timeout: workers/queue/rendezvous.py); its replica ids are the world's free ones. Rank 0 asks `GrowFlag` after each outer step it reports; when a complete
 replica waits, every rank regroups at that boundary with reason "grow", the joiners take
 the lowest free replica ids, and their rank processes start from the head checkpoint
 fetched from the store (fresh inner and compressor state; trainer.engine).
@@ -435,11 +435,11 @@ def _settled_head(members: Members, rec: dict[str, Any]) -> tuple[int, str]:
 
 def requeue(members: Members, url: str, world: int, count: int) -> None:
     """Send `count` new tickets to the `train` queue, for whichever workers can take them."""
-    from workers.celery_app import make_app
+    from workers.queue.app import make_app
 
     app = make_app(url)
     for ticket in members.new_tickets(count, world):
-        app.send_task("workers.tasks.run_rank", args=(members.job_id, ticket, members.attempt), queue="train",
+        app.send_task("workers.queue.tasks.run_rank", args=(members.job_id, ticket, members.attempt), queue="train",
                       task_id=f"{members.job_id}-a{members.attempt}-r{ticket}")
 
 

@@ -163,7 +163,7 @@ class Endpoint:
                 ledger: str | None = None, run_dir: Path | None = None, stack: Path | None = None) -> Endpoint:
         """First match wins: the options, the run or stack directory, the environment, the
         stack in `.dlx/`, the default URL."""
-        from workers.stack import STACK_FILE, Stack
+        from workers.queue.stack import STACK_FILE, Stack
 
         record = stk = None
         env = {k: os.environ.get(f"DLX_{k.upper()}") or None for k in ("rpc", "chain_id", "registry", "ledger")}
@@ -346,7 +346,7 @@ def open_blocks(store: Path | None, ipfs_api: str | None, *, run_dir: Path | Non
         record = record or RunRecord.load(run_dir)
         return open_store(record.blocks_dir(run_dir)) if run_directory_only else record.open_store(run_dir)
     if stack is not None:
-        from workers.stack import Stack
+        from workers.queue.stack import Stack
 
         return open_store((Stack.load(stack) if isinstance(stack, Path) else stack).blocks)
     if os.environ.get("DLX_IPFS_API") or os.environ.get("DLX_STORE"):

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import user_errors
+from .common import user_errors
 
 STACK_HELP = "Stack directory written by `dlx up` (Redis, chain and ledger addresses)."
 
@@ -37,7 +37,7 @@ def worker(
     """Run this machine as a training node: a Celery worker whose rank tasks sign with
     this node's key (DLX_NODE_KEY, or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD).
     The node's stake is checked on start (DLX_RPC, DLX_REGISTRY)."""
-    from workers.node import NodeIdentity
+    from workers.queue.node import NodeIdentity
 
     if address:
         os.environ["DLX_WORKER_ADDRESS"] = address
@@ -78,8 +78,8 @@ def worker(
     import torch.distributed.pipelining  # noqa: F401  (torch and pipelining load once, not in the first task)
 
     import trainer.engine  # noqa: F401
-    from workers.celery_app import app as celery_app
-    from workers.tasks import gpu_count
+    from workers.queue.app import app as celery_app
+    from workers.queue.tasks import gpu_count
 
     if slots is None:
         slots = int(os.environ.get("DLX_WORKER_SLOTS", "0")) or max(1, gpu_count())
@@ -115,8 +115,8 @@ def status(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Draw a live bar until the job ends.")] = False,
 ) -> None:
     """A job's state and progress, read from Redis."""
-    from workers.jobs import TERMINAL, JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import TERMINAL, JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     rec = store.reconcile(job_id)
@@ -127,7 +127,7 @@ def status(
         doc = {"job": job_id, **{k: rec.get(k) for k in keys}, "rewards": reward_pool(rec)}
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
-    from workers.console import Ticker, console, is_tty
+    from workers.cli.console import Ticker, console, is_tty
 
     T, H = int(rec["outer_steps"]), int(rec["inner_steps"])
     out = console()
@@ -164,8 +164,8 @@ def cancel(
     stack_dir: Annotated[Path, typer.Option("--stack", help=STACK_HELP)] = Path(".dlx"),
 ) -> None:
     """Stop a job's ranks at the next inner-step boundary; committed steps stay committed."""
-    from workers.jobs import TERMINAL, JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import TERMINAL, JobStore, connect
+    from workers.queue.stack import Stack
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     rec = store.get(job_id)
@@ -188,8 +188,8 @@ def resume(
     from lineage.chain.ledger import Ledger
     from lineage.store.cid import DAG_CBOR, cid_from_digest
     from trainer.errors import ConfigError
-    from workers.jobs import JobStore, connect, settle_run_file
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect, settle_run_file
+    from workers.queue.stack import Stack
 
     stack = Stack.load(stack_dir)
     store = JobStore(connect(stack.redis_url))
@@ -226,10 +226,10 @@ def up(
     import ipaddress
 
     from trainer.errors import ConfigError
-    from workers.console import count
-    from workers.jobs import redact
-    from workers.stack import up as stack_up
-    from workers.stack import up_on_deployment
+    from workers.cli.console import count
+    from workers.queue.jobs import redact
+    from workers.queue.stack import up as stack_up
+    from workers.queue.stack import up_on_deployment
 
     try:
         ipaddress.ip_address(host)
@@ -273,7 +273,7 @@ def down(
     stack_dir: Annotated[Path, typer.Option("--stack", help="Directory of the stack to stop.")] = Path(".dlx"),
 ) -> None:
     """Stop exactly the processes `dlx up` started."""
-    from workers.stack import down as stack_down
+    from workers.queue.stack import down as stack_down
 
     pids = stack_down(stack_dir)
     sys.stdout.write(f"stopped {len(pids)} processes (the chain and its ledger stay in {stack_dir / 'chain'} "
@@ -291,7 +291,7 @@ def runs(
     run without --rpc has a chain of its own, so each is run 1. A stack's runs show their
     job's state, from Redis while the stack is up, else from their run.json."""
     from trainer.errors import ConfigError
-    from workers.stack import run_summaries
+    from workers.queue.stack import run_summaries
 
     if stack_dir is not None and directory is not None:
         raise ConfigError("--stack and --dir: give one")
@@ -322,7 +322,7 @@ def logs(
     """A job's logs: each rank's training output (every attempt, from the run directory)
     and what the stack's workers logged about the job's tasks."""
     from trainer.errors import ConfigError
-    from workers.stack import job_logs
+    from workers.queue.stack import job_logs
 
     try:
         found = job_logs(stack_dir, job_id, rank)
@@ -341,8 +341,8 @@ def logs(
 def _follow_logs(stack_dir: Path, job_id: str, rank: int | None) -> None:
     """`dlx logs --follow`: print what the rank logs gain (a new attempt's log too, under its
     title) until the job is in a final state and its logs are still; Ctrl-C stops."""
-    from workers.jobs import TERMINAL, JobError, JobStore, connect
-    from workers.stack import Stack, rank_log_title, rank_logs
+    from workers.queue.jobs import TERMINAL, JobError, JobStore, connect
+    from workers.queue.stack import Stack, rank_log_title, rank_logs
 
     store = JobStore(connect(Stack.load(stack_dir).redis_url))
     seen = {p: p.stat().st_size for p in rank_logs(stack_dir, job_id, rank)}
@@ -394,16 +394,16 @@ def register(app: typer.Typer) -> None:
 def submit_job(stack_dir: Path, job_file: Path, rendezvous_s: float = 60.0, collective_timeout_s: float = 60.0) -> str:
     """Validate `job_file`, record the job in the stack's Redis and send its rank tasks;
     returns the job id (`dlx submit`)."""
-    from workers.jobfile import load_job_file
+    from workers.run.jobfile import load_job_file
 
     job = load_job_file(job_file)  # before anything is written
-    from workers.jobs import JobStore, connect
-    from workers.stack import Stack
+    from workers.queue.jobs import JobStore, connect
+    from workers.queue.stack import Stack
 
     stack = Stack.load(stack_dir)
     refuse_what_the_stack_cannot_honour(job, stack)
     if job.test_hooks() is not None:  # test-only; the rule's module loads the trainer, which other jobs need not wait for
-        from workers.local import refuse_cheat_off_local_chain
+        from workers.run.local import refuse_cheat_off_local_chain
 
         refuse_cheat_off_local_chain(job, stack.rpc, stack.chain_id, queue=True)  # as the rank tasks would, later
     store = JobStore(connect(stack.redis_url))
@@ -473,7 +473,7 @@ def refuse_what_the_workers_cannot_serve(job: Any, stack: Any, store: Any) -> No
 
     workers = _live_slots(stack, store)
     offered = sum(w["slots"] for w in workers)
-    if offered < _slots_needed(job):  # an elastic job starts with min_replicas (workers/rendezvous.py)
+    if offered < _slots_needed(job):  # an elastic job starts with min_replicas (workers/queue/rendezvous.py)
         raise ConfigError(f"the job needs {_slots_needed(job)} rank slots; the stack's live workers offer {offered} "
                           f"({len(workers)} worker{'s' if len(workers) != 1 else ''}): start more workers "
                           "(`dlx worker`) or use fewer replicas or stages")
@@ -483,8 +483,8 @@ def refuse_what_the_workers_cannot_serve(job: Any, stack: Any, store: Any) -> No
 def _live_slots(stack: Any, store: Any) -> list[dict[str, Any]]:
     """The workers that take rank tasks now: those announcing themselves in Redis
     (`WorkerBeat`), and the stack's own workers still starting (alive, not announced yet)."""
-    from workers.jobs import live_workers
-    from workers.stack import alive
+    from workers.queue.jobs import live_workers
+    from workers.queue.stack import alive
 
     announced = [w for w in live_workers(store.r) if "train" in w["queues"]]
     seen = {(w["node"], w["pid"]) for w in announced}
@@ -519,8 +519,8 @@ def _refuse_understaked(job: Any, stack: Any, workers: list[dict[str, Any]]) -> 
 def _announce(me: Any, slots: int, queues: str) -> Any:
     """Announce this worker in Redis (`WorkerBeat`); None, with a warning, if Redis does not
     answer now (the worker itself waits for its broker; `dlx submit` then counts it late)."""
-    from workers.celery_app import redis_url
-    from workers.jobs import JobError, WorkerBeat, connect
+    from workers.queue.app import redis_url
+    from workers.queue.jobs import JobError, WorkerBeat, connect
 
     try:
         r = connect(redis_url())
@@ -533,7 +533,7 @@ def _announce(me: Any, slots: int, queues: str) -> Any:
 
 def job_progress(rec: Mapping[str, Any], T: int, H: int) -> tuple[int, str]:
     """(inner steps done, the rest as text) of a job record, for `dlx status`'s bar."""
-    from workers.console import human_seconds, megabytes
+    from workers.cli.console import human_seconds, megabytes
 
     o, i = int(rec.get("outer_step") or 0), int(rec.get("inner_step") or 0)
     done = T * H if rec["state"] == "completed" else max(0, (o - 1) * H + i)
@@ -581,7 +581,7 @@ def reward_pool(rec: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def pool_line(pool: dict[str, Any]) -> str:
     """`dlx status`'s line for `reward_pool`'s terms."""
-    from workers.cli_node import fmt_wei
+    from workers.cli.node import fmt_wei
 
     return (f"rewards: {fmt_wei(int(pool['reward_per_step_wei']))} a final step, pool "
             f"{fmt_wei(int(pool['pool_wei']))} left (admission {pool['admission']})")
@@ -590,7 +590,7 @@ def pool_line(pool: dict[str, Any]) -> str:
 def step_line(job_id: str, rec: Mapping[str, Any], T: int) -> str:
     """One committed outer step of a job as a plain line (`dlx status --follow` off a
     terminal), from its `step_N` summary in the job record (or the record itself)."""
-    from workers.console import megabytes
+    from workers.cli.console import megabytes
 
     loss = rec.get("eval_loss")
     return (f"job {job_id}: step {rec['step']}/{T} eval_loss {'-' if loss is None else f'{loss:.4f}'} "
@@ -621,9 +621,9 @@ def rank_task_id(job_id: str, attempt: int, rank: int) -> str:
 
 
 def _send_ranks(redis_url: str, job_id: str, world: int, attempt: int) -> None:
-    from workers.celery_app import make_app
+    from workers.queue.app import make_app
 
     app = make_app(redis_url)
     for rank in range(world):
-        app.send_task("workers.tasks.run_rank", args=(job_id, rank, attempt), queue="train",
+        app.send_task("workers.queue.tasks.run_rank", args=(job_id, rank, attempt), queue="train",
                       task_id=rank_task_id(job_id, attempt, rank))

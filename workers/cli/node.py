@@ -11,12 +11,12 @@
     dlx node admit RUN NODE [--hours 24] --out FILE         # the run's creator signs an admission
 
 Keys come from the environment, never the command line (their values are never printed):
-the node key from DLX_NODE_KEY or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD (workers/node.py);
+the node key from DLX_NODE_KEY or DLX_KEYSTORE + DLX_KEYSTORE_PASSWORD (workers/queue/node.py);
 the operator's from DLX_OPERATOR_KEY or DLX_OPERATOR_KEYSTORE + DLX_OPERATOR_KEYSTORE_PASSWORD,
 and the node key itself when neither is set (a node that operates itself).
 
-Where the chain is: workers/cli_common.py (one precedence for every command). This module
-also holds the keys and amounts the audit commands in `cli_audit.py` share.
+Where the chain is: workers/cli/common.py (one precedence for every command). This module
+also holds the keys and amounts the audit commands in `audit.py` share.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import (
+from .common import (
     Endpoint,
     address,
     config_error,
@@ -83,7 +83,7 @@ def load_key(role: str = "node") -> Any:
     """The LocalAccount for `role`: `node` (DLX_NODE_KEY / DLX_KEYSTORE), or `operator`,
     `arbiter`, `reporter` (DLX_<ROLE>_KEY / DLX_<ROLE>_KEYSTORE + _PASSWORD), which fall
     back to the node key. Keys are read from the environment only, and never printed."""
-    from workers.node import load_node_key
+    from workers.queue.node import load_node_key
 
     if role == "node":
         return load_node_key()

@@ -176,7 +176,7 @@ class TrackingConfig(_Section):
     @classmethod
     def _tensorboard_installed(cls, on: bool) -> bool:
         if on:
-            from workers.tracking import check_tensorboard
+            from workers.run.tracking import check_tensorboard
 
             check_tensorboard()
         return on
@@ -185,7 +185,7 @@ class TrackingConfig(_Section):
     @classmethod
     def _mlflow_uri(cls, uri: str | None) -> str | None:
         if uri is not None:
-            from workers.tracking import check_mlflow
+            from workers.run.tracking import check_mlflow
 
             check_mlflow(uri)
         return uri
@@ -200,7 +200,7 @@ class JobFile(JobConfig):
 
     def test_hooks(self) -> Any:
         """What a test extension (`EXTENSION_ENV`) injects in place of the honest defaults,
-        into the ranks (`trainer.hooks.RankHooks`), the sink (`workers.sink.CommitHooks`) and
+        into the ranks (`trainer.hooks.RankHooks`), the sink (`workers.run.sink.CommitHooks`) and
         `dlx train`'s signer; None, always, for a production job file."""
         return None
 

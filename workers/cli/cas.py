@@ -9,7 +9,7 @@
     dlx cas verify                        # re-hash every block, list the bad ones (exit 1)
     dlx cas gc [--keep last:2] [--dry-run]  # retention, then delete blocks no pin reaches
 
-The store is found as for every command (workers/cli_common.py): `--ipfs-api MULTIADDR`,
+The store is found as for every command (workers/cli/common.py): `--ipfs-api MULTIADDR`,
 `--store DIR`, a run's own blockstore directory with `--run-dir DIR`, $DLX_IPFS_API,
 $DLX_STORE, else ~/.dlx/blocks.
 """
@@ -24,7 +24,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import TrustOpt, check_run_endpoints, config_error, open_blocks, user_errors
+from .common import TrustOpt, check_run_endpoints, config_error, open_blocks, user_errors
 
 app = typer.Typer(name="cas", help="Content-addressed storage: add, get, CIDs, CAR export/import, verify, gc.",
                   no_args_is_help=True)
@@ -38,7 +38,7 @@ DEFAULT_BLOCKS = Path.home() / ".dlx" / "blocks"
 
 def _open(store: Path | None, run_dir: Path | None, api: str | None, *, chain: bool = False,
           trust: bool = False) -> Any:
-    """The store to use, by the one precedence (workers/cli_common.py), defaulting to
+    """The store to use, by the one precedence (workers/cli/common.py), defaulting to
     ~/.dlx/blocks; a run's store is its blockstore directory, which `dlx cas` manages. With
     a run directory, what is read is printed and checked (`check_run_endpoints`; `chain`:
     the command also reads the run's chain)."""
@@ -213,7 +213,7 @@ def export_(
     """Write a CAR v1 of everything reachable from the run's head (manifests, shards, contributions)."""
     from lineage.chain.runrecord import RunRecord
     from lineage.store.car import export_car
-    from workers.console import Ticker
+    from workers.cli.console import Ticker
 
     record = RunRecord.load(run_dir)
     head = record.head or record.genesis
@@ -240,7 +240,7 @@ def import_(
 ) -> None:
     """Import every block of a CAR (all or nothing, each re-hashed); prints its roots."""
     from lineage.store.car import import_car
-    from workers.console import Ticker
+    from workers.cli.console import Ticker
 
     with _input(car) as fh:
         target = _open(store, run_dir, ipfs_api)

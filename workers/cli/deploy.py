@@ -19,9 +19,9 @@ from typing import Annotated
 
 import typer
 
-from .cli_common import config_error, user_errors
+from .common import config_error, user_errors
 
-#: Environment variables any of which gives `dlx deploy` a key (workers/cli_node.load_key).
+#: Environment variables any of which gives `dlx deploy` a key (workers/cli/node.load_key).
 KEY_ENV = ("DLX_SUBMITTER_KEY", "DLX_SUBMITTER_KEYSTORE", "DLX_NODE_KEY", "DLX_KEYSTORE")
 
 
@@ -41,7 +41,7 @@ def deploy(
     from lineage.chain.deploy import refuse_overwrite
     from lineage.chain.tx import TxPolicy
 
-    from .cli_node import load_key
+    from .node import load_key
 
     if not rpc.startswith(("http://", "https://")):
         raise config_error(f"--rpc must be an http:// or https:// JSON-RPC URL (got {rpc!r})")

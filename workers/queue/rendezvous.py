@@ -15,7 +15,7 @@ rendezvous record in Redis with its node address and waits:
   the world (`formed`: the tickets in slot order) once (SET NX) and every task reads that one
   back; the task holding slot 0 publishes the store address. A ticket left out (untaken when
   the world formed, taken later; or in a replica that lacked a stage) is a *spare*: it waits
-  as a joiner (workers/membership.py) and the growth path seats it, as a whole replica, at a
+  as a joiner (workers/queue/membership.py) and the growth path seats it, as a whole replica, at a
   later round boundary, like the tickets queued for a lost replica. The timeout is the
   settle time: every ticket is queued at submit, and a live worker with a free slot takes
   one within a second or two, so tickets still untaken after it are waiting for workers

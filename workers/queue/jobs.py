@@ -8,7 +8,7 @@ Keys (all under `dlx:job:<id>`):
     dlx:job:<id>:a<k>:rdzv        rank 0's TCPStore address "host:port" for attempt k
     dlx:job:<id>:a<k>:hb:<rank>   the rank's owner token, kept alive by its heartbeat
     dlx:job:<id>:a<k>:claims:e<n>:<t>  hash "replica,stage" -> claim JSON published by rank 0
-                                  for step t in membership epoch n (workers/membership.py)
+                                  for step t in membership epoch n (workers/queue/membership.py)
     dlx:job:<id>:a<k>:sigs:e<n>:<t>    hash "replica,stage" -> signature hex, by each slot's node
     dlx:worker:<name>             a live worker's node, rank slots and queues (WorkerBeat)
 
@@ -127,7 +127,7 @@ class JobRecord(TypedDict, total=False):
     `dlx submit` writes, then what the rank tasks, the sink and the membership add. Each
     committed step also leaves a `step_N` key holding its `StepSummary` (`JobStore.step`)."""
 
-    # written by `dlx submit` (workers/cli_jobs.py, submit_job), and `dlx resume`
+    # written by `dlx submit` (workers/cli/jobs.py, submit_job), and `dlx resume`
     job_toml: str
     job_dir: str
     name: str
@@ -155,7 +155,7 @@ class JobRecord(TypedDict, total=False):
     created: float
     updated: float
     ended: float
-    # the rank tasks and the sink (workers/tasks.py)
+    # the rank tasks and the sink (workers/queue/tasks.py)
     nodes: list[str]
     run_id: int
     step: int
@@ -169,7 +169,7 @@ class JobRecord(TypedDict, total=False):
     lr: float
     tokens_per_s: float
     eta_s: float | None
-    # elastic membership (workers/membership.py)
+    # elastic membership (workers/queue/membership.py)
     epoch: int
     members: list[int]
     member_nodes: dict[str, list[str]]

@@ -1,4 +1,4 @@
-"""`dlx plan`: a job's cost at 10, 100 and 1,000 replicas, before it runs (workers/plan.py).
+"""`dlx plan`: a job's cost at 10, 100 and 1,000 replicas, before it runs (workers/run/plan.py).
 
     dlx plan examples/tiny.toml                               # the job as written, on H200s
     dlx plan examples/tiny.toml --params 107e9 --stages 40 --link 1Gbps --gpu a100
@@ -17,7 +17,7 @@ from typing import Annotated, Any
 
 import typer
 
-from .cli_common import user_errors
+from .common import user_errors
 
 DEFAULT_NODES = ["10", "100", "1000"]
 
@@ -40,7 +40,7 @@ def _number(text: str | None, what: str, low: float, high: float = math.inf, *, 
 
 def _hardware(text: str | None, what: str) -> Any:
     from trainer.errors import ConfigError
-    from workers.plan import HARDWARE
+    from workers.run.plan import HARDWARE
 
     if text is None:
         return None
@@ -64,8 +64,8 @@ def _job(job_file: Path, params: str | None, stages: str | None) -> tuple[Any, l
     """The job file, with --params (a llama of that size) and --stages applied and the
     result validated again as a job; and what was changed to make it valid."""
     from trainer.config import JobConfig, load_job
-    from workers.jobfile import load_job_file
-    from workers.plan import parse_count, scaled_llama
+    from workers.run.jobfile import load_job_file
+    from workers.run.plan import parse_count, scaled_llama
 
     job = load_job_file(job_file)
     if params is None and stages is None:
@@ -87,9 +87,9 @@ def _job(job_file: Path, params: str | None, stages: str | None) -> tuple[Any, l
 
 
 def _assumptions(job: Any, o: dict[str, Any]) -> Any:
-    """The options as `workers.plan.Assumptions`: the job's link where none is given, the
+    """The options as `workers.run.plan.Assumptions`: the job's link where none is given, the
     model's defaults for the rest."""
-    from workers.plan import Assumptions, parse_count, parse_rate
+    from workers.run.plan import Assumptions, parse_count, parse_rate
 
     given: dict[str, Any] = {
         "hardware": _hardware(o["gpu"], "--gpu"),
@@ -136,7 +136,7 @@ def plan(
     (compute, link, chain or storage), bytes sent, commit gas and bytes stored per step and
     per day, and the verifier's replay cost. Exchange and storage bytes are exact (the
     trainer's own layouts); compute, chain and storage rates are measured or stated."""
-    from workers.plan import parse_count, plan_job
+    from workers.run.plan import parse_count, plan_job
 
     job, changed = _job(job_file, params, stages)
     counts = [parse_count(n, "--nodes") for n in (nodes or DEFAULT_NODES)]
@@ -182,7 +182,7 @@ def _flops(n: float) -> str:
 
 
 def _header(p: Any, job: Any) -> list[str]:
-    from workers.plan import COMMIT_GAS_AT_4, COMMIT_GAS_PER_ATTESTATION
+    from workers.run.plan import COMMIT_GAS_AT_4, COMMIT_GAS_PER_ATTESTATION
 
     a, sh, o, c = p.assumptions, p.shape, job.outer, job.outer.compression
     m = job.model
@@ -206,7 +206,7 @@ def _header(p: Any, job: Any) -> list[str]:
         f"({bits:.3g} bits a parameter; exact: trainer/compress.py's layout); ring all-gather, link "
         f"{a.link_bps / 1e9:g} Gbit/s a {a.link_per}, {a.latency_s * 1e3:g} ms a hop",
         f"stored a step: shards {_bytes(sum(sh.shard))} + R x (contributions {_bytes(sum(sh.payload))} + round-start "
-        f"states {_bytes(sum(sh.start_state))}) (exact: workers/sink.py's blocks), written at "
+        f"states {_bytes(sum(sh.start_state))}) (exact: workers/run/sink.py's blocks), written at "
         f"{a.store_bytes_per_s / 2**20:.0f} MiB/s",
         f"chain: commitStep {COMMIT_GAS_AT_4:,} gas + {COMMIT_GAS_PER_ATTESTATION:,} per attestation past 4 (measured), "
         f"R x {p.stages} attestations; "
@@ -217,7 +217,7 @@ def _header(p: Any, job: Any) -> list[str]:
 
 def render(p: Any, job: Any) -> str:
     """The plan as text: the assumptions, a table per step, a table per day, the notes."""
-    from workers.plan import DAY
+    from workers.run.plan import DAY
 
     lines = _header(p, job)
     lines += ["", "per outer step:", "",

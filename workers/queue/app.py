@@ -4,12 +4,12 @@
     train   one task per rank of a training job (R x S per job)
     verify  verification replays fanned out to workers
 
-Tasks live in `workers.tasks`. They are idempotent (keyed by job, attempt and rank, and
+Tasks live in `workers.queue.tasks`. They are idempotent (keyed by job, attempt and rank, and
 commits by run and step), so `acks_late` with redelivery cannot double-commit a step.
 The broker URL comes from `DLX_REDIS_URL` (default redis://127.0.0.1:6379/0).
 
 A Redis restart under running tasks: the workers reconnect and the tasks run on (their
-own Redis client retries; see workers.jobs). kombu's Redis transport then requeues the
+own Redis client retries; see workers.queue.jobs). kombu's Redis transport then requeues the
 running tasks' messages (a redelivery the tasks' leases turn away) and acks them when the
 tasks end; `RedisTransport` only keeps that from crashing the worker (below).
 """
@@ -54,15 +54,15 @@ def redis_url() -> str:
 
 def make_app(url: str | None = None) -> Celery:
     url = url or redis_url()
-    app = Celery("dlx", broker=url, backend=url, include=["workers.tasks"])
+    app = Celery("dlx", broker=url, backend=url, include=["workers.queue.tasks"])
     if url.startswith("redis://"):
         app.conf.broker_transport = f"{__name__}:RedisTransport"
     app.conf.update(
         task_queues=[Queue("jobs"), Queue("train"), Queue("verify")],
         task_default_queue="jobs",
         task_routes={
-            "workers.tasks.run_rank": {"queue": "train"},
-            "workers.tasks.replay": {"queue": "verify"},
+            "workers.queue.tasks.run_rank": {"queue": "train"},
+            "workers.queue.tasks.replay": {"queue": "verify"},
         },
         task_acks_late=True,
         task_reject_on_worker_lost=True,

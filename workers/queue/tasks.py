@@ -6,7 +6,7 @@ rank on one worker node:
 1. it joins the job's rendezvous record in Redis with its node address; rank 0 also
    publishes its TCPStore address; all wait until the world is complete or the deadline
    passes (then the job fails saying how many slots were needed and how many came, or an
-   elastic job starts with the complete replicas that came: workers/rendezvous.py); each
+   elastic job starts with the complete replicas that came: workers/queue/rendezvous.py); each
    task trains the slot `replica_aligned` gives it, so that a node's slots lie in one
    replica (the ledger's independence rule; ticket 0 stays rank 0, the rendezvous host);
 2. it runs the rank in a child process (torch.distributed over gloo), relaying events;
@@ -21,7 +21,7 @@ the sink never commits a step the ledger already holds. A rank whose peer dies f
 within the collective timeout, naming the lost rank; `dlx resume` starts a new attempt
 from the last checkpoint committed on chain. An elastic job (`[parallel] min_replicas`
 below `replicas`) instead re-forms its world around the lost replica and goes on, and
-queues new tickets a returning or new worker takes to grow it back (workers/membership.py).
+queues new tickets a returning or new worker takes to grow it back (workers/queue/membership.py).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from lineage.chain.attest import (
 from trainer.control import RENDEZVOUS_S
 from trainer.launch import gpu_count
 
-from .celery_app import app, redis_url
+from .app import app, redis_url
 from .jobs import (
     HEARTBEAT_S,
     HEARTBEAT_TTL_S,
@@ -122,7 +122,7 @@ class RedisSigner:
             time.sleep(POLL_S)
 
 
-@app.task(bind=True, name="workers.tasks.run_rank", acks_late=True)
+@app.task(bind=True, name="workers.queue.tasks.run_rank", acks_late=True)
 def run_rank(self: Any, job_id: str, rank: int, attempt: int) -> dict[str, Any]:
     """Run `rank` of job `job_id` (attempt `attempt`) on this worker node."""
     store = _store()
@@ -198,8 +198,8 @@ class Heartbeat:
 def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: JobRecord, me: NodeIdentity,
          beat: Heartbeat, joiner: bool) -> dict[str, Any]:
     from trainer.config import load_job
-    from workers.jobfile import job_file_class, with_init_model
-    from workers.local import refuse_cheat_off_local_chain
+    from workers.run.jobfile import job_file_class, with_init_model
+    from workers.run.local import refuse_cheat_off_local_chain
 
     job = load_job(with_init_model(tomllib.loads(rec["job_toml"]), Path(rec.get("job_dir", "."))), job_file_class())
     refuse_cheat_off_local_chain(job, rec["rpc"], int(rec["chain_id"]), queue=True)  # before anything starts
@@ -230,7 +230,7 @@ def _run(store: JobStore, job_id: str, rank: int, attempt: int, rec: JobRecord, 
 
 
 def _first_world(task: RankTask, world: int) -> tuple[list[int], list[str], str, list[str]] | None:
-    """The rendezvous (workers/rendezvous.py): (the tickets in slot order, each slot's node,
+    """The rendezvous (workers/queue/rendezvous.py): (the tickets in slot order, each slot's node,
     rank 0's store address, each ticket's node for liveness, none when the world formed
     without some), an empty order when an elastic job's world formed without this ticket,
     or None when the job ended meanwhile."""
@@ -258,7 +258,7 @@ class RankTask:
     """One rank task's training process and the loop that relays its events: attestations
     of its own slot, and, while its process is global rank 0 of the world, the step sink.
 
-    An elastic job's world may re-form around a lost replica (workers/membership.py): the
+    An elastic job's world may re-form around a lost replica (workers/queue/membership.py): the
     process then reports ("epoch", ...) with its new rank, rank 0's role (and the sink)
     moves to whichever task holds the first present replica's first stage, and a ticket
     whose replica lost a stage leaves quietly (its replica's new tickets are queued)."""
@@ -563,7 +563,7 @@ def _attest_pending(store: JobStore, job_id: str, attempt: int, seat: tuple[int,
     """Sign rank 0's claim for my slot (`seat`: replica, stage) once it is published, if it
     matches my own work and the world I trained in; `pending` maps (epoch, step) to my
     contribution and that epoch's replica bitmap."""
-    from workers.sink import content_digest
+    from workers.run.sink import content_digest
 
     domain = Domain(int(rec["chain_id"]), rec["ledger"])
     deadline = time.monotonic() + SIGNATURE_TIMEOUT_S
@@ -616,7 +616,7 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
     from lineage.store.retention import Retention
     from lineage.store.runconfig import RunConfig
     from trainer.artifacts import code_hash
-    from workers.sink import HONEST, LedgerSink
+    from workers.run.sink import HONEST, LedgerSink
 
     # A stack's own anvil is recorded as `stack`; a chain of the user's (dlx up --deployment) has none.
     chain = Chain(rec["rpc"], int(rec["chain_id"]), job.chain.policy(embedded=bool(rec.get("stack"))))
@@ -656,8 +656,8 @@ def _rank0_sink(task: RankTask, nodes: list[str], head: str | None = None) -> An
 
 def _note_resume(rec: Mapping[str, Any]) -> None:
     """A resumed attempt's sink, before it writes: mark the earlier attempt's inner-step
-    metrics past the head (`workers.tracking.mark_resume`), once per attempt."""
-    from workers.tracking import mark_resume
+    metrics past the head (`workers.run.tracking.mark_resume`), once per attempt."""
+    from workers.run.tracking import mark_resume
 
     resume = rec.get("resume_from")
     if resume:
@@ -667,16 +667,16 @@ def _note_resume(rec: Mapping[str, Any]) -> None:
 def _resume_point(rec: JobRecord, job: Any, rank: int) -> Any:
     from lineage.store.blockstore import Blockstore
     from lineage.store.manifest import get_manifest
-    from workers.local import resume_point
+    from workers.run.local import resume_point
 
     store = Blockstore(run_blocks(rec))
     return resume_point(store, get_manifest(store, rec["resume_from"]["checkpoint"]), job, rank)
 
 
-@app.task(name="workers.tasks.replay", acks_late=True)
+@app.task(name="workers.queue.tasks.replay", acks_late=True)
 def replay(store_spec: str, items: list[list[Any]], tolerance: float) -> list[dict[str, Any]]:
     """Replay (checkpoint, replica) items on this worker (the `verify` queue); read-only, so
-    a redelivery only replays again. See workers.verifyq."""
+    a redelivery only replays again. See workers.queue.verifyq."""
     from .verifyq import replay_chunk
 
     return replay_chunk(store_spec, [(c, r) for c, r in items], tolerance)

@@ -2,11 +2,15 @@
 
     dlx train examples/tiny.toml        # train, store checkpoints, record steps on a chain
     dlx lineage runs/tiny-...           # the run's checkpoint chain, read back from the chain
-    dlx verify runs/tiny-...            # audit every step (a run: workers/cli_common.py's RUN forms)
+    dlx verify runs/tiny-...            # audit every step (a run: workers/cli/common.py's RUN forms)
 
 Heavy libraries (torch, web3) are imported inside the commands, so `dlx --help` is fast.
-Every user error is one line on stderr and exit code 2 (workers/cli_common.py, which also
+Every user error is one line on stderr and exit code 2 (workers/cli/common.py, which also
 says where every command finds the chain and the blocks).
+
+This package is the `dlx` command tree: the app, `train` and `verify` here, each group's
+commands in a module of its own (audit, cas, data, deploy, jobs, model, node, plan),
+common.py and console.py what they share.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ import typer
 
 from trainer.supervisor import warm_up
 
-from . import cli_audit, cli_cas, cli_data, cli_deploy, cli_jobs, cli_model, cli_node, cli_plan
-from .cli_common import (
+from . import audit, cas, data, deploy, jobs, model, node, plan
+from .common import (
     DEFAULT_STACK,
     EXIT_FAILED,
     ApiOpt,
@@ -68,14 +72,14 @@ def train(
     SIGINT or SIGTERM stops every rank at the next inner-step boundary (a second one at once);
     the run then resumes with --resume."""
     from trainer.errors import ConfigError
-    from workers.jobfile import load_job_file
+    from workers.run.jobfile import load_job_file
 
     if (job_file is None) == (resume is None):
         raise ConfigError("give a job file, or --resume RUN_DIR (not both)")
     if resume is not None and run_dir is not None:
         raise ConfigError("--run-dir: not with --resume (a resumed run stays in its directory)")
     if resume is not None:
-        from workers.local import resumable
+        from workers.run.local import resumable
 
         job = resumable(resume)[1]
     elif job_file is not None:  # (one of the two: the check above)
@@ -83,9 +87,9 @@ def train(
     warm_up(RANK_IMPORTS)  # the ranks' imports, once, while this process prepares the data and the chain
 
     from trainer.launch import check_local
-    from workers.cli_data import ticking
-    from workers.console import Ticker, console, count, human_seconds, megabytes
-    from workers.local import Callbacks, default_run_dir, preflight, resume_job, run_job
+    from workers.cli.console import Ticker, console, count, human_seconds, megabytes
+    from workers.cli.data import ticking
+    from workers.run.local import Callbacks, default_run_dir, preflight, resume_job, run_job
 
     run_dir = resume or run_dir or default_run_dir(job)
     if resume:
@@ -153,13 +157,13 @@ def verify(
     --replay the sampled rounds re-run from their start states. Exits 1 if any step fails."""
     from contextlib import nullcontext
 
-    from workers.cli_common import name_run, need_run, open_blocks, run_directory
+    from workers.cli.common import name_run, need_run, open_blocks, run_directory
 
     ref = need_run(name_run(run, run_dir=run_dir, stack=stack_dir), "dlx verify")
     if replay > 0 and not queue:
         warm_up(RANK_IMPORTS)  # the replay processes' imports, while the chain and blocks are checked
     from lineage.audit.verify import LEVELS, REPLAY, verify_run
-    from workers.console import Ticker
+    from workers.cli.console import Ticker
 
     with run_directory(ref, "dlx verify", rpc=rpc, chain_id=chain_id, registry=registry, ledger=ledger,
                        run_dir=run_dir, stack=stack_dir, store=store, ipfs_api=ipfs_api,
@@ -176,8 +180,8 @@ def verify(
     else:
         from rich.table import Table
 
-        from workers.console import cid_column
-        from workers.console import console as make_console
+        from workers.cli.console import cid_column
+        from workers.cli.console import console as make_console
 
         levels = (*LEVELS, REPLAY) if replay > 0 else LEVELS
         table = Table(title=f"verify run {report.run_id}")
@@ -240,11 +244,11 @@ def _queue_replayer(run_dir: Path, stack_dir: Path, store: Path | None = None, i
     (`store`, `ipfs_api`)."""
     from lineage.audit.replay import ReplicaReplay
     from lineage.chain.runrecord import RunRecord
-    from workers.verifyq import replay_via_queue
+    from workers.queue.verifyq import replay_via_queue
 
     broker = os.environ.get("DLX_REDIS_URL")
     if not broker:
-        from workers.stack import Stack
+        from workers.queue.stack import Stack
 
         broker = Stack.load(stack_dir).redis_url
     record = RunRecord.load(run_dir)
@@ -259,14 +263,14 @@ def _queue_replayer(run_dir: Path, stack_dir: Path, store: Path | None = None, i
     return replayer
 
 
-app.add_typer(cli_cas.app, name="cas")  # dlx cas ...
-app.add_typer(cli_data.app, name="data")  # dlx data prepare
-cli_jobs.register(app)  # worker, submit, status, ...
-cli_node.register(app)  # node register|stake|...
-cli_audit.register(app)  # lineage, challenge, arbiter, ...
-cli_model.register(app)  # export, generate
-cli_deploy.register(app)  # deploy
-app.command(name="plan")(cli_plan.plan)  # dlx plan JOB: cost at scale (workers/plan.py)
+app.add_typer(cas.app, name="cas")  # dlx cas ...
+app.add_typer(data.app, name="data")  # dlx data prepare
+jobs.register(app)  # worker, submit, status, ...
+node.register(app)  # node register|stake|...
+audit.register(app)  # lineage, challenge, arbiter, ...
+model.register(app)  # export, generate
+deploy.register(app)  # deploy
+app.command(name="plan")(plan.plan)  # dlx plan JOB: cost at scale (workers/run/plan.py)
 
 
 def command() -> Any:
