@@ -20,8 +20,8 @@ inner_steps, end_round, report). Test-only misbehaviour is injected through
 Its rooms: trainer/world.py (topology, process groups, device agreement, failure
 detection), trainer/pipeline.py (the stage, its schedule, losses, clipping),
 trainer/rounds.py (the inner loop, the round-start state and rerunning a round),
-trainer/elastic.py (what is bound to one world, built and dropped as a unit, and what a
-rank carries across membership epochs), trainer/metrics.py (clocks, tokens, progress,
+trainer/elastic.py (the membership: what is bound to one world, built and dropped as a
+unit, leaving it, entering the next and what a rank carries across membership epochs), trainer/metrics.py (clocks, tokens, progress,
 step metrics, memory) and trainer/publish.py (genesis and step reports).
 
 Run it through `trainer.launch.train_local`, or from any launcher that starts R*S
@@ -90,7 +90,7 @@ from trainer.config import JobConfig
 from trainer.control import Membership, RankControl
 from trainer.data import load_corpus
 from trainer.diloco import AppliedStep, DiLoCo, OuterOptimizer
-from trainer.elastic import Elastic, Regroup, Wired, leave_world
+from trainer.elastic import Elastic, Regroup, Wired
 from trainer.errors import Cancelled
 from trainer.metrics import Emit, Meter, release_free_memory
 from trainer.model import build_stage
@@ -175,6 +175,16 @@ class Round:
     anchor: StoredTensors | None = None
 
 
+def _stage_module(job: JobConfig, topo: Topology, control: RankControl, device: torch.device) -> nn.Module:
+    """This rank's stage, seeded (or the imported weights at genesis), on `device`."""
+    module = build_stage(job.model, topo.stage, topo.S, job.seed, job.parallel.numerics)
+    if job.model.init is not None and control.start is None:  # genesis = the imported weights
+        from trainer.hf import load_init_weights
+
+        load_init_weights(module, job.model.init)
+    return module.to(device)
+
+
 class RoundLoop:
     """One rank's run as named phases: `__init__` builds the stage (model, pipeline, inner
     optimizer, compressor, DiLoCo); `begin` starts from the seed (genesis) or a committed
@@ -185,51 +195,34 @@ class RoundLoop:
     collective, in the same order (a deadlock hazard otherwise). Its clocks, tokens and
     progress are a `trainer.metrics.Meter`'s.
 
-    Elastic (`control.regroup` set): `run` catches a broken world (`world_failure`) or a
-    growth boundary (`grow_boundary`), tears the world down (`_leave`: the `Wired` pieces
-    go as a unit), asks the launcher for the next epoch and continues in it (`_enter`);
-    `trainer.elastic.Elastic` carries what outlives a world; the module's docstring has
+    The world it trains in is its `trainer.elastic.Elastic`'s (the membership). Elastic
+    (`control.regroup` set): `run` catches a broken world (`world_failure`) or a growth
+    boundary (after a round: `Elastic.grow`), regroups (`_regroup`: `Elastic.leave`, then
+    the launcher's next epoch) and continues in it (`_enter`); the module's docstring has
     the rules."""
 
     def __init__(self, topo: Topology, job: JobConfig, emit: Emit, control: RankControl,
                  device: torch.device) -> None:
-        self.topo, self.job, self.emit, self.control, self.hooks = topo, job, emit, control, control.hooks
+        self.job, self.emit, self.control, self.hooks = job, emit, control, control.hooks
         self.allreduce = job.parallel.sync == "allreduce"
         self.partial = not self.allreduce and job.outer.rule == "partial"
-        self.device, self.epoch = device, control.epoch
-        self.corpus = load_corpus(job.data, job.model.vocab_size)
-        self.eval_batches = self.corpus.eval_batches(job.data.eval_batches, job.data.batch_size,
-                                                     job.model.seq_len, seed=job.seed)
-        self.module = self._build_module(device)
-        self.wired: Wired | None = None
-        self._wire(topo)
+        corpus = load_corpus(job.data, job.model.vocab_size)
+        self.eval_batches = corpus.eval_batches(job.data.eval_batches, job.data.batch_size, job.model.seq_len,
+                                                seed=job.seed)
+        self.elastic = Elastic(topo, job, control, _stage_module(job, topo, control, device), device, corpus)
         self.first_round = 1
         self.stop_flag = torch.zeros(1, dtype=torch.int32)
         self.meter = Meter(job, emit)
-        self.elastic = Elastic(control, job)
         self.opened = self.completed = 0  # the last round opened, the last one whose end completed
         self.publisher = Publisher(job, control, emit, self.meter, self.eval_batches)
 
-    def _build_module(self, device: torch.device) -> nn.Module:
-        """This rank's stage, seeded (or the imported weights at genesis), on `device`."""
-        job, topo = self.job, self.topo
-        module = build_stage(job.model, topo.stage, topo.S, job.seed, job.parallel.numerics)
-        if job.model.init is not None and self.control.start is None:  # genesis = the imported weights
-            from trainer.hf import load_init_weights
-
-            load_init_weights(module, job.model.init)
-        return module.to(device)
-
-    def _wire(self, topo: Topology) -> None:
-        """What trains the module in the world of `topo` (`Wired.build`)."""
-        self.topo = topo
-        self.wired = Wired.build(topo, self.module, self.job, self.device, self.corpus, self.hooks)
+    @property
+    def topo(self) -> Topology:
+        return self.elastic.topo
 
     @property
     def world(self) -> Wired:
-        """The pieces bound to the world this rank is in."""
-        assert self.wired is not None, "the rank is in no world"
-        return self.wired
+        return self.elastic.world
 
     @property
     def rank(self) -> StageRank:
@@ -267,8 +260,9 @@ class RoundLoop:
         self.meter.paced = (time.perf_counter(), self.first_round)
         for t in range(self.first_round, T + 1):
             self.round(t)
-            if t < T:
-                self.grow_boundary()
+            if t < T and self.elastic.grow():  # a growth boundary: nothing is lost, joiners come in
+                self._flush()
+                raise Regroup("grow")
         self._flush()
 
     def _flush(self) -> None:
@@ -283,9 +277,9 @@ class RoundLoop:
         round where that is exact; a joiner: the committed outer state, fresh inner state)
         or from the seed (rank 0 emits the genesis shards)."""
         start, meter = self.control.start, self.meter
-        self._announce()
+        self.elastic.announce(self.emit)
         step = 0 if start is None else start.step
-        meter.tokens = meter.tokens_through(step) if self.epoch else meter.full_tokens(step)
+        meter.tokens = meter.tokens_through(step) if self.elastic.epoch else meter.full_tokens(step)
         self.opened = self.completed = step
         if start is None:
             self.publisher.genesis(self.topo, self.world)
@@ -293,10 +287,7 @@ class RoundLoop:
         if start.state and self.job.outer.delay == 0 and not self.allreduce:
             catch_up(self.rank, self.topo.replica, start)
         self._start_at(start.step, start.shard)
-        t = self.transport  # a resumed rank counts on from the head's cumulative counters
-        t.bytes_sent = int(start.counters.get("bytes_sent", t.bytes_sent))
-        t.modelled_s = float(start.counters.get("modelled_comm_s", t.modelled_s))
-        meter.tokens = int(start.counters.get("tokens", meter.tokens))
+        meter.count_on(start.counters, self.transport)
 
     def _start_at(self, step: int, shard: bytes) -> None:
         """Continue after committed outer step `step`: outer state := its `shard`, local
@@ -308,96 +299,47 @@ class RoundLoop:
 
     # -- elastic training: membership epochs ----------------------------------------------
 
-    def grow_boundary(self) -> None:
-        """Elastic runs, after each round's reports: every rank learns whether rank 0 was
-        asked to grow (`Elastic.grow`); yes: apply and report the exchange in flight
-        (nothing is lost) and regroup (reason "grow") so that joiners come in."""
-        if self.control.regroup is None:
-            return
-        if self.elastic.grow(self.topo):
-            self._flush()
-            raise Regroup("grow")
-
     def _regroup(self, reason: str) -> Membership:
-        """Leave the broken (or growing) world and get the next epoch from the launcher:
-        TrainingError when it has fewer than min_replicas, or does not hold this rank."""
-        assert self.control.regroup is not None
-        failed = self.epoch
-        if self.opened == self.completed and not self.allreduce:  # between rounds: keep the live state
-            self.elastic.keep_live(None if self.wired is None else self.wired.rank, self.completed + 1,
-                                   self.publisher.held)
+        """Leave the broken (or growing) world, between rounds keeping the live state as the
+        next round's start state, and get the next epoch (`Elastic.next_epoch`)."""
+        if self.opened == self.completed and not self.allreduce:
+            self.elastic.keep_live(self.completed + 1, self.publisher.held)
         self._leave()
-        return self.elastic.next_epoch(failed, reason, self.topo)
+        return self.elastic.next_epoch(reason)
 
     def _leave(self) -> None:
-        """Tear this rank's world down: drop the exchange in flight (its daemon thread may
-        stay blocked on the dead world until the collective timeout; nobody waits for it)
-        and the tau agreements, then every reference to a process group, the `Wired` pieces
-        as a unit (a world may break while an epoch is being entered: then there are none),
-        and the process groups themselves (`leave_world`)."""
-        wired, self.wired = self.wired, None
-        if wired is not None:
-            wired.diloco.drop_pending()
-            self.meter.compress_before += wired.diloco.decode_s
-            self.meter.compress_before += wired.rank.compressor.total_s
-            self.elastic.counters = wired.counters()
-        del wired
-        leave_world()
+        """Tear this rank's world down (`Elastic.leave`)."""
+        self.elastic.leave(self.meter)
 
     def _enter(self, m: Membership) -> None:
-        """Continue in epoch `m`: join its world, rebuild what trains the module there, load
-        the committed outer state after `m.start_step` (local weights := outer, nothing in
-        flight), restore the inner optimizer and compressor from this rank's kept start
-        state of round start_step + 1 (else fresh), and go on from that round.
-
-        Deadlock hazard: a joiner's `run_rank` + `begin` run the same collectives in the same
-        order (init, agree_device, create_groups, the tokens' all-reduce)."""
-        job, S = self.job, self.topo.S
-        self.epoch = m.epoch
-        init_world(m.init_method, m.rank, len(m.members) * S, self.control.timeout_s)
-        device = agree_device(job, self.control.gpu)
-        if device != self.device:
-            self.module.to(device)
-            self.device = device
-        self._wire(Topology(m.rank, job.parallel.replicas, S, tuple(m.members)))
-        self.transport.bytes_sent, self.transport.modelled_s, self.transport.wait_s = self.elastic.counters
-        self.elastic.restore(m.start_step + 1, self.rank)
+        """Continue in epoch `m` (`Elastic.enter`) after its committed outer step
+        `m.start_step`: local weights := the outer ones, nothing in flight."""
+        self.elastic.enter(m)
         self._start_at(m.start_step, m.shard)
         self.opened = self.completed = m.start_step
         self.meter.unreported.clear()
-        self._announce()
+        self.elastic.announce(self.emit)
         self.meter.tokens = self.meter.tokens_through(m.start_step)
-
-    def _announce(self) -> None:
-        if self.control.emit_contributions:  # every rank: the epoch it trains in, and where
-            self.emit("epoch", {"epoch": self.epoch, "rank": self.topo.rank, "members": self.topo.members})
 
     # -- a round ----------------------------------------------------------------------------
 
     def round(self, t: int) -> None:
         """Round `t`: start state, inner steps, round end, and the report of any outer
         step it applied."""
-        H, clock = self.job.outer.inner_steps, self.meter.clock
+        H, meter = self.job.outer.inner_steps, self.meter
         began = time.perf_counter()
         rnd = self.open_round(t)
-        round_start = time.perf_counter()
-        wait_before, report_before = self.transport.wait_s, clock["report_s"]
-        merge_before = clock["merge_s"]
+        meter.start_round(began, self.transport)
         rnd.data = self.rank.corpus.shard(self.job.seed, self.topo.replica, t, H, self.job.data.batch_size,
                                           self.job.model.seq_len)
         round_loss = self.hooks.inner_phase(self, rnd)
-        self.meter.lr = warmup_lr(self.job.inner.lr, self.job.inner.warmup, rnd.first_step + H - 1)
-        reported = clock["report_s"] - report_before
-        merged = clock["merge_s"] - merge_before
-        compute = (time.perf_counter() - round_start - (self.transport.wait_s - wait_before) - reported
-                   - merged)
-        clock["compute_s"] += compute
+        meter.lr = warmup_lr(self.job.inner.lr, self.job.inner.warmup, rnd.first_step + H - 1)
+        compute = meter.round_compute(self.transport)
         release_free_memory()  # the inner steps' activations and gradients
         applied = self.end_round(rnd, round_loss, compute)
         release_free_memory()  # compression's working memory
         self.completed = t
-        clock["rounds_wall_s"] += time.perf_counter() - began - (clock["report_s"] - report_before)
-        clock["compress_s"] = self.meter.compress_before + self.rank.compressor.total_s + self.diloco.decode_s
+        meter.end_round(self.rank.compressor, self.diloco.decode_s)
         if applied is not None:
             self.report(applied)
 
@@ -489,4 +431,4 @@ class RoundLoop:
 
     def report(self, applied: AppliedStep) -> None:
         """Publish outer step `applied.round` (every rank takes part: gathers and eval)."""
-        self.publisher.step(self.topo, self.world, self.epoch, applied)
+        self.publisher.step(self.topo, self.world, self.elastic.epoch, applied)

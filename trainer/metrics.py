@@ -89,6 +89,34 @@ class Meter:
         self.paced = (self.started, 1)  # rank 0: (when, round) this epoch's rounds began, for the ETA
         self.tokens = 0  # cumulative tokens the present replicas trained, through the last step reported
         self.tokens_at: dict[int, int] = {}  # outer step -> tokens through it (elastic runs)
+        # The round under way: when it began, when its inner steps began, and the exchange
+        # wait, report_s and merge_s then (`start_round`).
+        self.round_marks = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    # -- a round's clocks -------------------------------------------------------------------
+
+    def start_round(self, began: float, transport: Transport) -> None:
+        """A round began at `began` (before its start state was serialised); its inner steps
+        begin now."""
+        self.round_marks = (began, time.perf_counter(), transport.wait_s, self.clock["report_s"],
+                            self.clock["merge_s"])
+
+    def round_compute(self, transport: Transport) -> float:
+        """After the round's inner steps: their compute, which is their wall time less the
+        waits for the exchange, the mid-round reports and merges; counted in compute_s."""
+        _, start, wait_before, report_before, merge_before = self.round_marks
+        reported = self.clock["report_s"] - report_before
+        merged = self.clock["merge_s"] - merge_before
+        compute = time.perf_counter() - start - (transport.wait_s - wait_before) - reported - merged
+        self.clock["compute_s"] += compute
+        return compute
+
+    def end_round(self, compressor: Compressor, decode_s: float) -> None:
+        """After the round's end: its wall time less the mid-round reports to rounds_wall_s;
+        compress_s := this epoch's compression and decoding on top of the epochs' before."""
+        began, _, _, report_before, _ = self.round_marks
+        self.clock["rounds_wall_s"] += time.perf_counter() - began - (self.clock["report_s"] - report_before)
+        self.clock["compress_s"] = self.compress_before + compressor.total_s + decode_s
 
     # -- tokens -----------------------------------------------------------------------------
 
@@ -107,6 +135,12 @@ class Meter:
         known = torch.tensor([self.tokens_at.get(step, -1)], dtype=torch.int64)
         dist.all_reduce(known, op=dist.ReduceOp.MAX)
         return int(known.item()) if known.item() >= 0 else self.full_tokens(step)
+
+    def count_on(self, counters: dict[str, Any], transport: Transport) -> None:
+        """A resumed rank counts on from the head's cumulative `counters` (those it has)."""
+        transport.bytes_sent = int(counters.get("bytes_sent", transport.bytes_sent))
+        transport.modelled_s = float(counters.get("modelled_comm_s", transport.modelled_s))
+        self.tokens = int(counters.get("tokens", self.tokens))
 
     def count_round(self, step: int, present: int) -> None:
         """Outer step `step` reported: what its `present` replicas trained."""
