@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,16 @@ def _submit(stack: Path, path: Path, collective_timeout: str, rendezvous_timeout
                           "--rendezvous-timeout", rendezvous_timeout], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     return res.stdout.strip()
+
+
+def _wait_ready(stack: Path, timeout: float) -> None:
+    """Until every stack worker's Celery consumer says it is ready (its log's `ready.`)."""
+    info = json.loads((stack / "stack.json").read_text())
+    deadline = time.monotonic() + timeout
+    logs = [Path(w["log"]) for w in info["workers"]]
+    while not all(log.exists() and " ready." in log.read_text(errors="replace") for log in logs):
+        assert time.monotonic() < deadline, "the stack's workers did not come up"
+        time.sleep(0.2)
 
 
 def _new_node(stack: Path) -> tuple[str, str]:
@@ -128,9 +139,11 @@ def test_two_live_slots_start_an_open_3x1_job_and_a_new_key_joins_signs_and_is_p
                  "challenge_window_s = 1\n")
         path = _job(tmp_path, small_job, "open-3x1", 2, steps=steps, inner_steps=40, replicas=3, stages=1,
                     extra=chain)
-        # The rendezvous timeout is the wait for the third slot: long enough for both stack
-        # workers to take their tickets on a loaded machine, then the job starts without it.
-        job = _submit(stack, path, collective_timeout="90", rendezvous_timeout="45")
+        # The rendezvous timeout is the wait for the third slot: both stack workers, ready
+        # before the submit, take their tickets within a second or two, then the job starts
+        # without it.
+        _wait_ready(stack, timeout=120)
+        job = _submit(stack, path, collective_timeout="90", rendezvous_timeout="15")
         rec = wait_for(stack, job, lambda s: s.get("members") is not None or s["state"] in ("failed", "cancelled"),
                        timeout=300)
         assert rec["state"] == "running" and rec["members"] == [0, 1] and rec["epoch"] == 0, rec.get("error")
