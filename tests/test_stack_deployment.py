@@ -1,5 +1,5 @@
 """`dlx up --rpc URL --deployment FILE` (issue 33, item 6): a job-queue stack on a chain of
-the user's (here an anvil of this module's own that mines a block a second) with the
+the user's (here an anvil of this module's own that mines a block every 0.2 s) with the
 contracts `dlx deploy` put there once. No anvil or keeper is started; each worker's node
 key comes from DLX_WORKER_KEYS, registers and stakes itself; a job naming the same
 deployment file is accepted, commits every step on the deployment's ledger after its
@@ -41,8 +41,9 @@ def dlx(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> 
 
 @pytest.fixture(scope="module")
 def users_chain(tmp_path_factory) -> Iterator[tuple[str, Path]]:
-    """(URL, deployment file): an anvil mining a block a second, deployed on once."""
-    with _anvil("--block-time", "1") as (_, url):
+    """(URL, deployment file): an anvil mining a block every 0.2 s (interval mining, as a
+    public chain, five times as fast), deployed on once."""
+    with _anvil("--block-time", "0.2") as (_, url):
         out = tmp_path_factory.mktemp("deployment") / "deployment.json"
         res = dlx("deploy", "--rpc", url, "--out", str(out), env=_env(DLX_SUBMITTER_KEY=dev_accounts(10)[9].key.hex()))
         assert res.returncode == 0, res.stderr
