@@ -18,7 +18,7 @@ from tests.test_queue import DLX, _job, dlx, submit, wait_for
 pytestmark = pytest.mark.slow
 
 FINAL = ("completed", "failed", "cancelled")
-STEPS, INNER = 6, 30
+STEPS, INNER = 5, 20
 
 
 @pytest.fixture(scope="module")
