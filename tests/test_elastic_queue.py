@@ -142,7 +142,7 @@ def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
     hold = tmp_path / "joiner-waits"  # the ranks wait before step 4 until the returned node waits to join:
     try:  # however slowly its worker starts, the run does not end first
         steps = 9
-        path = _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=40, replicas=3, stages=1)
+        path = _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=20, replicas=3, stages=1)
         path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 4\nuntil = "{hold}"\n')
         job = _submit(stack, path)
         victim, before = _kill_mid_round(stack, job, replica=2)
@@ -168,7 +168,7 @@ def test_two_by_two_loses_the_first_replica_and_finishes_alone(tmp_path, small_j
     stack = _up(tmp_path, workers=2, slots=2)
     try:
         steps = 6
-        job = _submit(stack, _job(tmp_path, small_job, "elastic-2x2", 1, steps=steps, inner_steps=30, replicas=2,
+        job = _submit(stack, _job(tmp_path, small_job, "elastic-2x2", 1, steps=steps, inner_steps=20, replicas=2,
                                   stages=2))
         _, before = _kill_mid_round(stack, job, replica=0)
         rec = wait_for(stack, job, lambda s: s.get("members") == [1] or s["state"] != "running", timeout=120)
