@@ -132,7 +132,7 @@ def test_cancel_stops_the_job_and_keeps_committed_steps(stack, tmp_path, small_j
 
 def test_a_killed_worker_fails_the_round_and_resume_completes_the_run(stack, tmp_path, small_job):
     info = json.loads((stack / "stack.json").read_text())
-    job = submit(stack, _job(tmp_path, small_job, "q-kill", steps=4, inner_steps=40), "--collective-timeout", "20")
+    job = submit(stack, _job(tmp_path, small_job, "q-kill", steps=4, inner_steps=20), "--collective-timeout", "20")
     wait_for(stack, job, lambda s: (s["step"] or 0) >= 1)
     victim = info["workers"][1]
     os.kill(victim["pid"], signal.SIGKILL)
