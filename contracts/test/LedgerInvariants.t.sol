@@ -25,10 +25,28 @@ contract LedgerInvariantTest is Test {
         targetContract(address(handler));
     }
 
+    /// The eleven checks below, after every call of every sequence, run as one invariant
+    /// function: forge runs a campaign of 256 runs x depth 20 per invariant function, so
+    /// each check sees as many sequences and calls as it would alone, for an eleventh of the
+    /// time (MembershipInvariants.t.sol does the same). A failure names the check's assertion.
+    function invariant_ledger() public view {
+        check_registryBalanceEqualsStakesPlusOpenBondsPlusCredits();
+        check_poolEqualsFundedPlusSlashIncomeMinusRewards();
+        check_rewardsOnlyForFinalSteps_andOncePerSlot();
+        check_noNodeIsSlashedTwiceForOneOffence();
+        check_onlyEligibleNodesAttest();
+        check_replicasNeverShareANode();
+        check_badReplicaSetsAreRefused();
+        check_headIsANonRejectedStepOrGenesis();
+        check_finalizedStepsNeverChange();
+        check_committedShardDigestsNeverChange();
+        check_openChallengesPerNodeMatchTheLedger();
+    }
+
     // The registry's balance equals the sum of stakes plus open bonds (plus the credits
     // rewarded, refunded or slashed but not yet claimed), by the registry's own totals and
     // by the handler's count of every wei in and out.
-    function invariant_registryBalanceEqualsStakesPlusOpenBondsPlusCredits() public view {
+    function check_registryBalanceEqualsStakesPlusOpenBondsPlusCredits() internal view {
         uint256 stakes;
         address[] memory nodes = handler.nodes();
         for (uint256 i = 0; i < nodes.length; ++i) {
@@ -50,7 +68,7 @@ contract LedgerInvariantTest is Test {
 
     // The run's pool is all the registry holds for pools: what was funded and slashed into
     // it, less the rewards paid; the ledger itself never holds ETH.
-    function invariant_poolEqualsFundedPlusSlashIncomeMinusRewards() public view {
+    function check_poolEqualsFundedPlusSlashIncomeMinusRewards() internal view {
         (uint256 pool,) = registry.poolOf(runId);
         assertEq(pool, registry.totalPools());
         assertEq(address(ledger).balance, 0);
@@ -59,7 +77,7 @@ contract LedgerInvariantTest is Test {
 
     // No step is paid twice, no slot gets more than one share, and no step is paid before
     // its challenge window closed (finalizeSteps before it reverts).
-    function invariant_rewardsOnlyForFinalSteps_andOncePerSlot() public view {
+    function check_rewardsOnlyForFinalSteps_andOncePerSlot() internal view {
         assertEq(handler.ghost_doublePaid(), 0);
         assertEq(handler.ghost_paidEarly(), 0);
     }
@@ -67,30 +85,30 @@ contract LedgerInvariantTest is Test {
     // No node is slashed twice for one offence: a repeated equivocation proof (contribution or
     // result) reverts, and a second upheld challenge of the same slot or stage and record
     // takes nothing from a node already slashed for it.
-    function invariant_noNodeIsSlashedTwiceForOneOffence() public view {
+    function check_noNodeIsSlashedTwiceForOneOffence() internal view {
         assertEq(handler.ghost_doubleSlashes(), 0);
     }
 
     // Every accepted step was attested only by members with at least the minimum active
     // stake at commit time (the eligibility cache never lets a slashed or unbonding node in).
-    function invariant_onlyEligibleNodesAttest() public view {
+    function check_onlyEligibleNodesAttest() internal view {
         assertEq(handler.ghost_ineligibleAccepted(), 0);
     }
 
     // No step is accepted whose replicas share a node: the replicas are independent witnesses.
-    function invariant_replicasNeverShareANode() public view {
+    function check_replicasNeverShareANode() internal view {
         assertEq(handler.ghost_dependentAccepted(), 0);
     }
 
     // No step is accepted whose replica set the attestations do not match or the run does
     // not allow (no replica, a replica the run lacks, a present replica missing a stage, an
     // attestation outside the set or signed over another set), and each is refused by name.
-    function invariant_badReplicaSetsAreRefused() public view {
+    function check_badReplicaSetsAreRefused() internal view {
         assertEq(handler.ghost_badSetAccepted(), 0);
     }
 
     // The head is always a committed, non-rejected step, or the genesis.
-    function invariant_headIsANonRejectedStepOrGenesis() public view {
+    function check_headIsANonRejectedStepOrGenesis() internal view {
         (bytes32 head, uint64 headStep) = ledger.runHead(runId);
         ITrainingLedger.StepInfo memory info = ledger.stepInfo(runId, headStep);
         assertFalse(info.rejected);
@@ -102,7 +120,7 @@ contract LedgerInvariantTest is Test {
 
     // Finalized steps never change: each keeps the checkpoint it had when it was made final,
     // is never rejected, and stays on the chain below the head.
-    function invariant_finalizedStepsNeverChange() public view {
+    function check_finalizedStepsNeverChange() internal view {
         uint256 count = handler.finalStepCount();
         uint64 finalized = ledger.finalizedStep(runId);
         assertEq(finalized, count == 0 ? 0 : handler.ghost_finalSteps(count - 1));
@@ -118,7 +136,7 @@ contract LedgerInvariantTest is Test {
     // A committed step's co-signed shard digests (and its signers) never change: every step
     // on the chain keeps the witness hash of what was committed, whatever challenges,
     // verdicts, expiries and finality did since (only a new commit after a rollback replaces it).
-    function invariant_committedShardDigestsNeverChange() public view {
+    function check_committedShardDigestsNeverChange() internal view {
         (, uint64 headStep) = ledger.runHead(runId);
         for (uint64 step = 1; step <= headStep; ++step) {
             assertEq(ledger.stepInfo(runId, step).witnessHash, handler.ghost_witness(step));
@@ -126,7 +144,7 @@ contract LedgerInvariantTest is Test {
     }
 
     // A node's withdrawal is held by exactly the challenges open against it.
-    function invariant_openChallengesPerNodeMatchTheLedger() public view {
+    function check_openChallengesPerNodeMatchTheLedger() internal view {
         address[] memory nodes = handler.nodes();
         for (uint256 i = 0; i < nodes.length; ++i) {
             assertEq(registry.openChallengesOf(nodes[i]), handler.ghost_openChallengesAgainst(nodes[i]));
