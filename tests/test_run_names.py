@@ -10,6 +10,7 @@ Runs: the session's trained run and one more small run of another seed (a few se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import DLX, small_job_toml
+from dlx_testing.here import dlx_here
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.ipfs import open_store
@@ -33,9 +35,16 @@ FORMS = "a run directory (runs/NAME-...), a stack job (JOB, in .dlx or --stack D
 
 
 def dlx(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DLX_") or k == "DLX_CACHE"}
-    return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
-                          env={**clean, **(env or {})})
+    """`dlx ARGS` without the user's DLX_ settings: `train` as a process of its own, the
+    commands that name runs in this one (tests/dlx_testing/here.py: what they resolve and
+    report is the point here, not process start-up, which test_cli.py covers)."""
+    if args[0] == "train":
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("DLX_") or k == "DLX_CACHE"}
+        return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=300, cwd=cwd,
+                              env={**clean, **(env or {})})
+    unset: dict[str, str | None] = {k: None for k in os.environ if k.startswith("DLX_") and k != "DLX_CACHE"}
+    with contextlib.chdir(cwd or Path.cwd()):
+        return dlx_here(*args, env={**unset, **(env or {})})
 
 
 def ok(*args: str, cwd: Path | None = None) -> str:
