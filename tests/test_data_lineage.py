@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from dlx_testing.here import dlx_here
 
 from lineage.chain.runrecord import RunRecord
 from lineage.store.blockstore import Blockstore
@@ -73,8 +74,12 @@ inner_steps = 3
 
 
 def _dlx(*args: str, cache: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DLX_CACHE": str(cache), "COLUMNS": "400"}
-    return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    """`dlx ARGS` with the data cache `cache`: `train` as a process of its own, the other
+    commands in this one (tests/dlx_testing/here.py: what they report is the point here)."""
+    env = {"DLX_CACHE": str(cache), "COLUMNS": "400"}
+    if args[0] != "train":
+        return dlx_here(*args, env=env)
+    return subprocess.run([DLX, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
 
 
 @pytest.fixture(scope="module")
