@@ -9,7 +9,8 @@ min_replicas), its third ticket stays queued, and past the rendezvous timeout th
 world forms with replicas 0 and 1 (workers/queue/rendezvous.py). After step 2 a third key, never
 seen by the chain, is funded, registered (`dlx node register`) and staked (`dlx node
 stake`), and `dlx worker` is started with it in its environment: it takes the queued ticket,
-calls `joinRun` (the run is open) and is seated at the next growth boundary. From then on the
+calls `joinRun` (the run is open) and is seated at the next growth boundary (the ranks hold
+before step 4 until it waits to join, so an 8-step job is long enough on any machine). From then on the
 lineage shows three replicas with the new node among the signers; once the steps are final
 `dlx node status --json` shows its share credited, and `dlx node claim` raises its balance by
 exactly that, less the claim's gas."""
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_elastic_queue import _commits, _down, _job, _up, wait_for
+from tests.test_elastic_queue import _commits, _down, _job, _joiner_waiting, _up, wait_for
 
 DLX = str(Path(sys.executable).parent / "dlx")
 ETHER = 10**18
@@ -133,12 +134,14 @@ def _check_lineage_shows_who_earned(key: str, rec: dict, node: str, signed: list
 
 def test_two_live_slots_start_an_open_3x1_job_and_a_new_key_joins_signs_and_is_paid(tmp_path, small_job):
     stack = _up(tmp_path, workers=2, slots=1)
-    try:
-        steps = 30  # long enough for a worker started after step 2 to come up on a loaded machine
+    hold = tmp_path / "joiner-waits"  # the ranks wait before step 4 until the new node waits to join:
+    try:  # however slowly its worker starts, the run does not end first
+        steps = 8
         chain = (f'\n[chain]\nadmission = "open"\nreward_wei_per_step = {REWARD}\nfund_wei = {ETHER}\n'
                  "challenge_window_s = 1\n")
-        path = _job(tmp_path, small_job, "open-3x1", 2, steps=steps, inner_steps=40, replicas=3, stages=1,
+        path = _job(tmp_path, small_job, "open-3x1", 2, steps=steps, inner_steps=20, replicas=3, stages=1,
                     extra=chain)
+        path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 4\nuntil = "{hold}"\n')
         # The rendezvous timeout is the wait for the third slot: both stack workers, ready
         # before the submit, take their tickets within a second or two, then the job starts
         # without it.
@@ -151,6 +154,8 @@ def test_two_live_slots_start_an_open_3x1_job_and_a_new_key_joins_signs_and_is_p
         wait_for(stack, job, lambda s: (s.get("step") or 0) >= 2, timeout=600)
         key, node = _new_node(stack)
         _start_new_worker(stack, key)
+        _joiner_waiting(stack, job)
+        hold.touch()
         rec = wait_for(stack, job, lambda s: s["state"] in ("completed", "failed", "cancelled"), timeout=1200)
         assert rec["state"] == "completed", rec.get("error")
         assert _commits(rec) == list(range(1, steps + 1))
@@ -187,4 +192,5 @@ def test_two_live_slots_start_an_open_3x1_job_and_a_new_key_joins_signs_and_is_p
         assert w3.eth.get_balance(node) == before + credited - gas
         _check_lineage_shows_who_earned(key, rec, node, signed, tmp_path)
     finally:
+        hold.touch()
         _down(stack)
