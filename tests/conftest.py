@@ -28,8 +28,8 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), *filter(None, [os.enviro
 #: The modules that take longest (a stack and its workers, a chain mining on a clock, a
 #: kernel-set matrix, many trainings or replays), in the order they start. Under `--dist
 #: loadscope` a module runs whole on one worker and modules are handed out in collection
-#: order, so starting the long ones first leaves the many short ones to even out the two
-#: workers at the end, instead of one long module running alone while the other worker idles.
+#: order, so starting the long ones first leaves the many short ones to even out the
+#: workers at the end, instead of one long module running alone while the others idle.
 LONG_FIRST = ("test_queue", "test_chain_faults", "test_portable_audit", "test_tolerance", "test_elastic_queue",
               "test_rewards_queue", "test_bad_input", "test_replay", "test_data_lineage", "test_elastic_trainer",
               "test_attacks", "test_queue_ux", "test_stops", "test_run_names", "test_trainer", "test_stack_history")

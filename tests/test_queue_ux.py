@@ -66,8 +66,13 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
     bad = dlx("logs", done, "--rank", "9", "--stack", str(stack))
     assert bad.returncode != 0 and "no logs of rank 9" in bad.stderr
 
-    # --follow prints lines as they are written and returns when the job ends.
-    long = submit(stack, _job(tmp_path, small_job, "ux-resumed", steps=STEPS, inner_steps=INNER))
+    # --follow prints lines as they are written and returns when the job ends. Its ranks hold
+    # before step 3 until the cancel is sent (the dlx_testing hold), so the cancel lands
+    # mid-run however fast or loaded the machine is.
+    sent = tmp_path / "cancel-sent"
+    path = _job(tmp_path, small_job, "ux-resumed", steps=STEPS, inner_steps=INNER)
+    path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 3\nuntil = "{sent}"\n')
+    long = submit(stack, path)
     wait_for(stack, long, lambda s: s["state"] == "running")
     follow = subprocess.Popen([DLX, "logs", long, "--rank", "0", "--follow", "--stack", str(stack)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -75,6 +80,7 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
                   or s["state"] in FINAL)
     assert st["state"] == "running", st
     assert dlx("cancel", long, "--stack", str(stack)).returncode == 0
+    sent.touch()
     st = wait_for(stack, long, lambda s: s["state"] in FINAL, timeout=120)
     assert st["state"] == "cancelled", st
     out, err = follow.communicate(timeout=60)
