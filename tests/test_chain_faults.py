@@ -259,15 +259,15 @@ def _steps_named(run_dir: Path) -> tuple[int, int]:
 
 
 @contextmanager
-def _quick_blocks(url: str, done: Any = lambda: False) -> Iterator[None]:
-    """Until `done()` (or the block's end): a block every 50 ms beside anvil's one a second,
-    so that transactions that wait for confirmations (a run's deployment, registrations,
-    stakes and createRun) take seconds rather than most of a minute. The fault runs' steps,
-    and every fault, come after, on the one-second chain."""
+def _quick_blocks(url: str, run_dir: Path) -> Iterator[None]:
+    """Until run.json names the run: a block every 50 ms beside anvil's one a second, so that
+    the set-up transactions, each waiting for its confirmations (deployment, registrations,
+    stakes, createRun), take seconds rather than most of a minute. The steps, and every
+    fault, come after, on the one-second chain."""
     stop = threading.Event()
 
     def mine() -> None:
-        while not stop.is_set() and not done():
+        while not stop.is_set() and _steps_named(run_dir)[1] < 0:
             rpc_call(url, "evm_mine")
             time.sleep(0.05)
 
@@ -278,10 +278,6 @@ def _quick_blocks(url: str, done: Any = lambda: False) -> Iterator[None]:
     finally:
         stop.set()
         thread.join(10)
-
-
-def _run_created(run_dir: Path) -> Any:
-    return lambda: _steps_named(run_dir)[1] >= 0
 
 
 def _when_pending(url: str, timeout: float = 30.0) -> bool:
@@ -353,7 +349,7 @@ def test_a_run_completes_through_a_freeze_a_reorg_a_drop_a_fee_jump_and_rate_lim
     faults.thread.start()
     started = time.monotonic()
     try:
-        with _quick_blocks(url, _run_created(run_dir)):
+        with _quick_blocks(url, run_dir):
             res = subprocess.run([DLX, "train", str(job), "--run-dir", str(run_dir), "--rpc", proxy.url],
                                  capture_output=True, text=True, timeout=300)
     finally:
@@ -392,7 +388,7 @@ def test_past_the_outage_budget_a_run_fails_with_exit_1_naming_the_endpoint(mini
     proc = subprocess.Popen([DLX, "train", str(job), "--run-dir", str(run_dir), "--rpc", proxy.url],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    with _quick_blocks(mining_anvil[1], _run_created(run_dir)):
+    with _quick_blocks(mining_anvil[1], run_dir):
         while _steps_named(run_dir)[1] < 1 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.05)
     proxy.fail_until = time.monotonic() + 3600
