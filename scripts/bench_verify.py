@@ -206,7 +206,7 @@ def table(out: dict[str, Any]) -> str:
         lines.append(f"(training those steps took {out['train_s']:.0f} s)")
     r = out.get("replay")
     if r is None:
-        lines.append("\nreplay: lineage/replay.py is not available; skipped")
+        lines.append("\nreplay: lineage/audit/replay.py is not available; skipped")
     elif r != "skipped":
         lines += ["", f"replay of replica 0's rounds, tiny.toml's inner_steps ({out['replay_inner_steps']}):", "",
                   "| step | replay s | training compute s | x | bit for bit |", "|---:|---:|---:|---:|---|"]

@@ -55,7 +55,7 @@ def replay_slots(store: Any, checkpoint: Any, replicas: list[int], tolerance: fl
     try:
         from .replay import replay_checkpoint
     except ImportError:
-        raise AuditError("replay is not available in this installation (lineage/replay.py)") from None
+        raise AuditError("replay is not available in this installation (lineage/audit/replay.py)") from None
     return list(replay_checkpoint(store, checkpoint, replicas=replicas, tolerance=tolerance))
 
 

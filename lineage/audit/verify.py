@@ -25,7 +25,7 @@ Levels, per committed step (DESIGN.md section 7):
    bit for bit.
    data: the dataset, tokenizer and token file the run's config names are in the store
    and hash to their CIDs, and each (step, replica id) shard re-derived from the token file
-   has the attested `dataShard` digest (lineage/datasets.py); with `data_full`, the stored
+   has the attested `dataShard` digest (lineage/store/datasets.py); with `data_full`, the stored
    dataset re-tokenized with the recorded tokenizer gives the token file's CID again.
 4. replay (`replay` > 0, a fraction of the (step, present replica) pairs, sampled
    deterministically from the head's CID, at least one): re-running the replica's inner steps from its
@@ -36,7 +36,7 @@ Levels, per committed step (DESIGN.md section 7):
    checkpoint's, and the state its round leaves is the next round's start state. The report's
    `kernels` names the fingerprints on both sides and how the replays were judged.
 
-Retention (`[storage] keep`, lineage/retention.py) may have removed round-start states and
+Retention (`[storage] keep`, lineage/store/retention.py) may have removed round-start states and
 superseded shards. Such a file, gone where the run's policy (or the store's record of a
 `dlx cas gc --keep`) allows it, is not a failure: level 2 checks what is kept, level 3
 recomputes a removed shard forward from the last kept one (the genesis at worst) and checks

@@ -19,7 +19,7 @@ error, never a way out of the store.
 Pins: `<root>/.pins/<name>` lists root CIDs, one a line; a run pins its head under its
 own name. `gc` deletes every block not reachable from a pin, except blocks younger than
 `grace_s` (so a writer that stored blocks but has not pinned them yet keeps them).
-Retention (lineage/retention.py) removes files a pinned run no longer keeps with `prune`,
+Retention (lineage/store/retention.py) removes files a pinned run no longer keeps with `prune`,
 which first records each removed root under `<root>/.pruned/`; walks from a pin pass over
 a recorded root that is gone.
 

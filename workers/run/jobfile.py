@@ -143,7 +143,7 @@ class StorageConfig(_Section):
     )
     keep: str = Field(
         "all", description='Round-start states and superseded shards kept: "all", "last:N" or "every:K" '
-                           "steps (lineage/retention.py); never manifests, contributions or the head.",
+                           "steps (lineage/store/retention.py); never manifests, contributions or the head.",
     )
 
     @field_validator("keep", mode="before")
