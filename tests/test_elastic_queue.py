@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dlx_testing.cheat import hold_before
 
 DLX = str(Path(sys.executable).parent / "dlx")
 
@@ -139,11 +140,13 @@ def _joiner_waiting(stack: Path, job: str) -> None:
 
 def test_three_replicas_lose_one_go_on_and_grow_back(tmp_path, small_job):
     stack = _up(tmp_path, workers=3, slots=1)
-    hold = tmp_path / "joiner-waits"  # the ranks wait before step 4 until the returned node waits to join:
-    try:  # however slowly its worker starts, the run does not end first
+    # The ranks wait before step 4 until the returned node waits to join: however slowly its
+    # worker starts, the run does not end first.
+    hold = tmp_path / "joiner-waits"
+    try:
         steps = 9
         path = _job(tmp_path, small_job, "elastic-3x1", 2, steps=steps, inner_steps=20, replicas=3, stages=1)
-        path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 4\nuntil = "{hold}"\n')
+        hold_before(path, 4, hold)
         job = _submit(stack, path)
         victim, before = _kill_mid_round(stack, job, replica=2)
         _restart_worker(stack, victim, slots=1)  # the node comes back while the others go on

@@ -51,7 +51,8 @@ MOTION_RTOL = LOSS_RTOL = 1e-4
 #: same on every machine. Pinned 2026-12-04 on an AMD EPYC (AVX2), checked there under
 #: OTHER_KERNELS, on aarch64 (qemu: scripts/arm64_replay recomputes these shards and
 #: replays these contributions byte for byte), on an AMD EPYC with AVX-512 and on an Intel
-#: Xeon with AVX-512 and AMX (12-05; each trained it again: the same CIDs). scripts/gpu_check does the same between an H200 and CPUs.
+#: Xeon with AVX-512 and AMX (12-05; each trained it again: the same CIDs).
+#: scripts/gpu_check does the same between an H200 and CPUs.
 PORTABLE_PINS = {"contributions": {1: [["bafkreid6se4yoyhuksvb44yg67636g6zmivfdsbhkujyh2xm7jnfvp3iba", "bafkreic5iq6im5vr5y26r7z4molmhqzzul2xv6q4xpiu34pcahseif4ooi"],
                        ["bafkreibm75leb5yvgv42apnv4323hf2m442keutuaatfds7lnfwnttf3ii", "bafkreiema57guz5usbafku6av7iksfiicfvp4eqwco7jduj4elotykwtgm"]],
                    2: [["bafkreih2mor44et2lsa2mba4lxhwsmahapiz6vsnt6pc5dkj6xzd7p6use", "bafkreid2ejiccogmz47bgpmuwwkpuabk5znpjtii2mmiprf7ufd5vfcjeu"],

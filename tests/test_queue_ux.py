@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dlx_testing.cheat import hold_before
 
 from tests.test_doc_samples import check_sample
 from tests.test_queue import DLX, _job, dlx, submit, wait_for
@@ -71,7 +72,7 @@ def test_run_files_end_in_the_jobs_state_and_logs_show_each_ranks_training(stack
     # mid-run however fast or loaded the machine is.
     sent = tmp_path / "cancel-sent"
     path = _job(tmp_path, small_job, "ux-resumed", steps=STEPS, inner_steps=INNER)
-    path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 3\nuntil = "{sent}"\n')
+    hold_before(path, 3, sent)
     long = submit(stack, path)
     wait_for(stack, long, lambda s: s["state"] == "running")
     follow = subprocess.Popen([DLX, "logs", long, "--rank", "0", "--follow", "--stack", str(stack)],

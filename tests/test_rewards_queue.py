@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dlx_testing.cheat import hold_before
 
 from tests.test_elastic_queue import _commits, _down, _job, _joiner_waiting, _up, wait_for
 
@@ -134,14 +135,16 @@ def _check_lineage_shows_who_earned(key: str, rec: dict, node: str, signed: list
 
 def test_two_live_slots_start_an_open_3x1_job_and_a_new_key_joins_signs_and_is_paid(tmp_path, small_job):
     stack = _up(tmp_path, workers=2, slots=1)
-    hold = tmp_path / "joiner-waits"  # the ranks wait before step 4 until the new node waits to join:
-    try:  # however slowly its worker starts, the run does not end first
+    # The ranks wait before step 4 until the new node waits to join: however slowly its
+    # worker starts, the run does not end first.
+    hold = tmp_path / "joiner-waits"
+    try:
         steps = 8
         chain = (f'\n[chain]\nadmission = "open"\nreward_wei_per_step = {REWARD}\nfund_wei = {ETHER}\n'
                  "challenge_window_s = 1\n")
         path = _job(tmp_path, small_job, "open-3x1", 2, steps=steps, inner_steps=20, replicas=3, stages=1,
                     extra=chain)
-        path.write_text(path.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = 4\nuntil = "{hold}"\n')
+        hold_before(path, 4, hold)
         # The rendezvous timeout is the wait for the third slot: both stack workers, ready
         # before the submit, take their tickets within a second or two, then the job starts
         # without it.

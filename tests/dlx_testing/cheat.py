@@ -334,3 +334,9 @@ def _nudged(data: bytes) -> bytes:
 
     tensors = bytes_to_tensors(data)
     return tensors_to_bytes({k: t + 1e-3 if k.startswith("param/") else t for k, t in tensors.items()})
+
+
+def hold_before(job: Path, step: int, until: Path) -> None:
+    """Append a `hold` to the job file `job`: its ranks wait before outer step `step` until
+    the file `until` exists (a test's pacing: something must happen mid-run)."""
+    job.write_text(job.read_text() + f'\n[cheat]\nmode = "hold"\nfrom_step = {step}\nuntil = "{until}"\n')
